@@ -1,0 +1,130 @@
+// kvscore/scorers/qfilter.hpp — Q-Filters (qfilters.txt §2.2): score = ⟨k, f_h⟩
+// with one context-agnostic filter per KV head, plus the filters' calibration.
+//
+// Calibration, per query head: f = the top right singular vector v₁ of the
+// uncentred [n × d] matrix of query samples, sign chosen so that most samples
+// project positively (an exact half/half split is settled by the sign of the sum
+// of projections). GQA: the plain mean over each contiguous group of H_q/H_kv
+// query heads (not renormalised, as the paper says "average"). One pass.
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Dense>
+
+#include "kvscore/npy.hpp"
+#include "kvscore/scorers/scorer_base.hpp"
+
+namespace kvscore {
+
+class QFilter : public ScorerBase<QFilter> {
+ public:
+  static constexpr const char* name = "qfilter";
+  static constexpr int passes = 1;
+
+  /// filters: [kv_heads][head_dim], row-major.
+  QFilter(std::vector<float> filters, std::int64_t kv_heads, std::int64_t head_dim)
+      : filters_(std::move(filters)), kv_heads_(kv_heads), dim_(head_dim) {
+    const char* who = "kvscore::QFilter";
+    if (kv_heads <= 0) detail::throw_invalid(std::string(who) + ": kv_heads must be > 0 (got " + std::to_string(kv_heads) + ")");
+    if (head_dim <= 0 || head_dim > kMaxHeadDim)
+      detail::throw_invalid(std::string(who) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                            std::to_string(head_dim) + ")");
+    if (std::int64_t(filters_.size()) != kv_heads * head_dim)
+      detail::throw_invalid(std::string(who) + ": filters hold " + std::to_string(filters_.size()) +
+                            " values, expected kv_heads*head_dim = " + std::to_string(kv_heads * head_dim));
+    for (std::size_t i = 0; i < filters_.size(); ++i)
+      if (!std::isfinite(filters_[i]))
+        detail::throw_invalid(std::string(who) + ": filter value " + std::to_string(filters_[i]) + " at index " +
+                              std::to_string(i) + " is not finite");
+  }
+
+  /// Layer `layer` of a .npy of shape (layers, kv_heads, head_dim), float32.
+  static QFilter from_npy(const std::string& path, std::int64_t layer) {
+    const npy::Array a = npy::load(path);
+    if (a.shape.size() != 3)
+      detail::throw_invalid("kvscore::QFilter::from_npy: " + path + " must have shape (layers, kv_heads, head_dim), got " +
+                            std::to_string(a.shape.size()) + " dimensions");
+    if (layer < 0 || layer >= a.shape[0])
+      detail::throw_invalid("kvscore::QFilter::from_npy: layer " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(a.shape[0]) + ") in " + path);
+    const float* p = a.as<float>() + layer * a.shape[1] * a.shape[2];
+    return QFilter(std::vector<float>(p, p + a.shape[1] * a.shape[2]), a.shape[1], a.shape[2]);
+  }
+
+  std::int64_t kv_heads() const noexcept { return kv_heads_; }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  const std::vector<float>& filters() const noexcept { return filters_; }
+  const float* filter(std::int64_t h) const noexcept { return filters_.data() + h * dim_; }
+
+  template <class T>
+  void check(const KeysView<T>& keys) const {
+    if (keys.heads() != kv_heads_ || keys.head_dim() != dim_)
+      detail::throw_invalid("kvscore::QFilter: filters are (kv_heads " + std::to_string(kv_heads_) + ", head_dim " +
+                            std::to_string(dim_) + ") but keys are (heads " + std::to_string(keys.heads()) +
+                            ", head_dim " + std::to_string(keys.head_dim()) + ")");
+  }
+
+  template <class T>
+  void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
+    table.ops<T>().dot(keys.head(h), keys.tokens(), keys.token_stride(), dim_, filter(h), out);
+    for (std::int64_t t = 0; t < keys.tokens(); ++t)
+      if (std::isnan(out[t])) out[t] = kInvalidScore;  // the dot kernel returns NaN for NaN/Inf rows
+  }
+
+ private:
+  std::vector<float> filters_;
+  std::int64_t kv_heads_, dim_;
+};
+
+/// Q-Filter calibration. queries: [q_heads][n][head_dim] row-major (post-RoPE query
+/// samples); returns filters [kv_heads][head_dim].
+inline std::vector<float> calibrate_qfilters(const float* queries, std::int64_t q_heads, std::int64_t n,
+                                             std::int64_t head_dim, std::int64_t kv_heads) {
+  const std::string who = "kvscore::calibrate_qfilters";
+  if (q_heads <= 0 || kv_heads <= 0 || q_heads % kv_heads != 0)
+    detail::throw_invalid(who + ": q_heads (" + std::to_string(q_heads) + ") must be a positive multiple of kv_heads (" +
+                          std::to_string(kv_heads) + ")");
+  if (n <= 0) detail::throw_invalid(who + ": need at least one query sample (got n = " + std::to_string(n) + ")");
+  if (head_dim <= 0 || head_dim > kMaxHeadDim)
+    detail::throw_invalid(who + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                          std::to_string(head_dim) + ")");
+  if (queries == nullptr) detail::throw_invalid(who + ": queries is null");
+  const std::int64_t total = detail::checked_mul(detail::checked_mul(q_heads, n, "calibrate_qfilters"), head_dim,
+                                                 "calibrate_qfilters");
+  for (std::int64_t i = 0; i < total; ++i)
+    if (!std::isfinite(queries[i]))
+      detail::throw_invalid(who + ": query value " + std::to_string(queries[i]) + " at flat index " +
+                            std::to_string(i) + " is not finite");
+
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const std::int64_t group = q_heads / kv_heads;
+  std::vector<float> filters(std::size_t(kv_heads * head_dim), 0.f);
+  for (std::int64_t hq = 0; hq < q_heads; ++hq) {
+    const Eigen::Map<const RowMajor> q(queries + hq * n * head_dim, Eigen::Index(n), Eigen::Index(head_dim));
+    const Eigen::MatrixXd m = q.cast<double>();
+    Eigen::BDCSVD<Eigen::MatrixXd> svd(m, Eigen::ComputeThinV);
+    Eigen::VectorXd v = svd.matrixV().col(0);
+    const Eigen::VectorXd proj = m * v;
+    const std::int64_t pos = (proj.array() > 0.0).count(), neg = (proj.array() < 0.0).count();
+    if (neg > pos || (neg == pos && proj.sum() < 0.0)) v = -v;
+    float* f = filters.data() + (hq / group) * head_dim;
+    for (std::int64_t j = 0; j < head_dim; ++j) f[j] += float(v(Eigen::Index(j)) / double(group));
+  }
+  return filters;
+}
+
+/// Writes filters of all layers, [layers][kv_heads][head_dim], as float32 .npy.
+inline void save_qfilters_npy(const std::string& path, const std::vector<float>& filters, std::int64_t layers,
+                              std::int64_t kv_heads, std::int64_t head_dim) {
+  if (layers <= 0 || kv_heads <= 0 || head_dim <= 0 || std::int64_t(filters.size()) != layers * kv_heads * head_dim)
+    detail::throw_invalid("kvscore::save_qfilters_npy: " + std::to_string(filters.size()) +
+                          " values do not make shape (" + std::to_string(layers) + ", " + std::to_string(kv_heads) +
+                          ", " + std::to_string(head_dim) + ")");
+  npy::save<float>(path, {layers, kv_heads, head_dim}, filters.data());
+}
+
+}  // namespace kvscore

@@ -1,0 +1,93 @@
+// kvscore/scorers/scorer_base.hpp — what every scorer shares: the call shape,
+// shape checks, the parallel loop over heads, and the treatment of invalid rows.
+//
+// Invalid rows: a key whose fp32 squared norm is not finite (a NaN or Inf element,
+// or a magnitude above ~1.8e19) scores -inf — ranked below every finite key — and is
+// left out of every centroid. A NaN score is never produced.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "kvscore/simd/dispatch.hpp"
+#include "kvscore/view.hpp"
+
+namespace kvscore {
+
+inline constexpr float kInvalidScore = -std::numeric_limits<float>::infinity();
+
+/// Execution options common to every scorer.
+struct ScorerOptions {
+  /// Threads over heads; 0 = OpenMP's default, 1 = serial. Results are bit-identical for any value.
+  int num_threads = 0;
+  /// Kernel table; nullptr = simd::active_table().
+  const simd::KernelTable* isa = nullptr;
+};
+
+namespace detail {
+
+/// Tokens per chunk of the second pass: its scratch stays in L1.
+inline constexpr std::int64_t kChunkTokens = 512;
+
+template <class T>
+void check_scores_shape(const KeysView<T>& keys, const ScoresView& out, const char* who) {
+  if (out.heads() != keys.heads() || out.tokens() != keys.tokens())
+    throw_invalid(std::string(who) + ": scores shape (" + std::to_string(out.heads()) + ", " +
+                  std::to_string(out.tokens()) + ") does not match keys (" + std::to_string(keys.heads()) + ", " +
+                  std::to_string(keys.tokens()) + ")");
+}
+
+/// f(h) for every head, in parallel; f must not throw (inputs are validated before).
+template <class F>
+void for_each_head(std::int64_t heads, int num_threads, F&& f) {
+#if defined(_OPENMP)
+  if (num_threads != 1 && heads > 1) {
+    const int nt = num_threads > 0 ? num_threads : 0;
+    if (nt > 0) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+      for (std::int64_t h = 0; h < heads; ++h) f(h);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t h = 0; h < heads; ++h) f(h);
+    }
+    return;
+  }
+#endif
+  (void)num_threads;
+  for (std::int64_t h = 0; h < heads; ++h) f(h);
+}
+
+inline bool finite(float x) noexcept { return std::isfinite(x); }
+
+}  // namespace detail
+
+/// CRTP base: Derived provides `template<class T> void score_head(const simd::KernelTable&,
+/// const KeysView<T>& keys, std::int64_t h, float* out) const` (keys already validated).
+template <class Derived>
+struct ScorerBase : ScorerOptions {
+  template <class T>
+  void score(const KeysView<T>& keys, ScoresView out) const {
+    const Derived& self = static_cast<const Derived&>(*this);
+    detail::check_scores_shape(keys, out, Derived::name);
+    self.check(keys);
+    if (keys.empty()) return;
+    const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
+    detail::for_each_head(keys.heads(), num_threads,
+                          [&](std::int64_t h) { self.score_head(table, keys, h, out.head(h)); });
+  }
+
+  template <class T>
+  Scores score(const KeysView<T>& keys) const {
+    Scores s(keys.heads(), keys.tokens());
+    score(keys, s.view());
+    return s;
+  }
+
+  /// Extra validation hook (QFilter checks its filters against the keys).
+  template <class T>
+  void check(const KeysView<T>&) const {}
+};
+
+}  // namespace kvscore

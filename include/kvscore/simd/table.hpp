@@ -1,0 +1,51 @@
+// kvscore/simd/table.hpp — the set of row kernels every scorer is written against.
+//
+// One KernelTable per instruction set (scalar, sse2, avx2, avx512, or the consumer's
+// own xsimd::default_arch in header-only mode). Scorers call through the table, so
+// the same scorer code runs on every path and tests can compare the paths.
+#pragma once
+
+#include <cstdint>
+
+#include "kvscore/dtype.hpp"
+
+namespace kvscore::simd {
+
+/// Kernels over n rows of d elements; row i starts at base + i*stride (elements).
+/// Every kernel widens to fp32 and accumulates in fp32 lanes (rows) or fp64 (sums over rows).
+template <class T>
+struct RowOps {
+  /// out[i] = ‖row_i‖².
+  void (*sqnorm)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, float* out);
+  /// out[i] = ⟨row_i, v⟩; NaN when row_i holds a NaN or Inf element (so callers can reject it).
+  void (*dot)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);
+  /// out[i] = ‖row_i − v‖².
+  void (*sqdist)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);
+  /// sqnorm_out[i] = ‖row_i‖²; acc[j] += Σ_i row_i[j] over the rows whose ‖row_i‖² is finite.
+  /// Returns the number of rows added.
+  std::int64_t (*sum)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
+                      float* sqnorm_out);
+  /// norm_out[i] = ‖row_i‖; acc[j] += Σ_i row_i[j]/‖row_i‖ over rows with finite non-zero norm.
+  /// Returns the number of rows added.
+  std::int64_t (*sum_normalized)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
+                                 float* norm_out);
+};
+
+struct KernelTable {
+  const char* name;  ///< "scalar", "sse2", "avx2", "avx512", or an xsimd arch name
+  int width;         ///< fp32 lanes per vector (1 for scalar)
+  RowOps<float> f32;
+  RowOps<half> f16;
+  RowOps<bfloat16> bf16;
+  /// Σ p[i] — the read-bandwidth baseline the benchmarks compare against.
+  double (*reduce_f32)(const float* p, std::int64_t n);
+
+  template <class T>
+  const RowOps<T>& ops() const noexcept {
+    if constexpr (std::is_same_v<T, float>) return f32;
+    else if constexpr (std::is_same_v<T, half>) return f16;
+    else return bf16;
+  }
+};
+
+}  // namespace kvscore::simd

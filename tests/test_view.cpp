@@ -1,0 +1,64 @@
+// KeysView / ScoresView construction: engine layouts map without copies, bad shapes throw.
+#include <catch2/catch.hpp>
+
+#include <stdexcept>
+#include <vector>
+
+#include "kvscore/view.hpp"
+
+using kvscore::KeysView;
+
+TEST_CASE("HF layout [batch, kv_heads, seq, head_dim]: rows point into the cache", "[view]") {
+  const std::int64_t B = 2, H = 3, S = 5, D = 4, cap = 7;
+  std::vector<float> cache(std::size_t(B * H * cap * D));
+  for (std::size_t i = 0; i < cache.size(); ++i) cache[i] = float(i);
+  const auto v = KeysView<float>::hf(cache.data(), 1, B, H, S, D, cap);
+  REQUIRE(v.heads() == H);
+  REQUIRE(v.tokens() == S);
+  REQUIRE(v.head_dim() == D);
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < S; ++t)
+      REQUIRE(v.row(h, t) == cache.data() + ((1 * H + h) * cap + t) * D);
+  const auto s = v.tokens_slice(2, 4);
+  REQUIRE(s.tokens() == 2);
+  REQUIRE(s.row(1, 0) == v.row(1, 2));
+}
+
+TEST_CASE("token-major layout [tokens, kv_heads, head_dim]", "[view]") {
+  const std::int64_t N = 6, H = 2, D = 8;
+  std::vector<kvscore::half> cache(std::size_t(N * H * D));
+  const auto v = KeysView<kvscore::half>::token_major(cache.data(), N, H, D);
+  REQUIRE(v.head_stride() == D);
+  REQUIRE(v.token_stride() == H * D);
+  REQUIRE(v.row(1, 3) == cache.data() + (3 * H + 1) * D);
+}
+
+TEST_CASE("bad views throw std::invalid_argument naming the value", "[view][errors]") {
+  std::vector<float> buf(1024);
+  auto msg = [](auto&& f) {
+    try { f(); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 2, 4, 0, 32, 8); }), Catch::Contains("head_dim") && Catch::Contains("got 0"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 1, 4, 5000, 0, 5000); }), Catch::Contains("5000"));
+  CHECK_THAT(msg([&] { KeysView<float>(nullptr, 2, 4, 8, 32, 8); }), Catch::Contains("null"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 2, 4, 8, -32, 8); }), Catch::Contains("-32"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 2, 4, 8, 32, -8); }), Catch::Contains("-8"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 2, 4, 8, 32, 4); }), Catch::Contains("overlap") && Catch::Contains("token_stride 4"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 2, 4, 8, 16, 8); }), Catch::Contains("head_stride 16"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), -1, 4, 8, 32, 8); }), Catch::Contains("-1"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 3, 4, 8, std::int64_t(1) << 62, 8); }), Catch::Contains("overflow"));
+  CHECK_THAT(msg([&] { KeysView<float>::hf(buf.data(), 2, 2, 1, 4, 8); }), Catch::Contains("batch_index 2"));
+  CHECK_THAT(msg([&] { KeysView<float>::hf(buf.data(), 0, 1, 1, 9, 8, 4); }), Catch::Contains("capacity 4"));
+  CHECK_THAT(msg([&] { KeysView<float>(buf.data(), 1, 4, 8, 0, 8).tokens_slice(3, 9); }), Catch::Contains("9"));
+  CHECK_THAT(msg([&] { kvscore::ScoresView(buf.data(), 2, 10, 5); }), Catch::Contains("head_stride 5"));
+  CHECK_THAT(msg([&] { kvscore::ScoresView(nullptr, 2, 10); }), Catch::Contains("null"));
+}
+
+TEST_CASE("degenerate but valid views", "[view]") {
+  // empty caches and single-row views need no data; zero strides are fine when the extent is 1
+  REQUIRE(KeysView<float>(nullptr, 0, 5, 8, 0, 8).empty());
+  REQUIRE(KeysView<float>(nullptr, 4, 0, 8, 0, 0).empty());
+  float one[8] = {};
+  REQUIRE_NOTHROW(KeysView<float>(one, 1, 1, 8, 0, 0));
+}

@@ -1,0 +1,72 @@
+// tools/cli.hpp — shared pieces of the `kvscore` command-line tool: the subcommand
+// interface, a small flag parser, strict number parsing.
+//
+// Adding a subcommand (select, eval, synth, ...): write tools/cmd_<name>.cpp defining
+// `int cmd_<name>(const Args&)` and `extern const char* const k<Name>Usage`, declare
+// them below, add one row to kCommands in kvscore_cli.cpp and the source file to
+// tools/CMakeLists.txt. Subcommands report bad input by throwing (UsageError,
+// std::invalid_argument, npy::error, ...); main() turns every exception into one
+// `kvscore: ...` line on stderr and exit code 2.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvscore::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitBadInput = 2;
+
+/// Bad command line (unknown flag, missing value, unparsable number, ...).
+class UsageError : public std::runtime_error {
+ public:
+  using runtime_error::runtime_error;
+};
+
+/// One flag a subcommand accepts.
+struct FlagSpec {
+  const char* name;   ///< with the dashes: "--keys"
+  bool takes_value;   ///< false for switches
+};
+
+/// The parsed arguments of one subcommand (everything after the subcommand name).
+class Args {
+ public:
+  /// Parses `--flag value` / `--flag=value` / `--switch`; `-h`/`--help` sets help().
+  /// Throws UsageError for an unknown or repeated flag, a missing value or a positional argument.
+  Args(const std::vector<std::string>& argv, const std::vector<FlagSpec>& spec, const std::string& command);
+
+  bool help() const noexcept { return help_; }
+  bool has(const std::string& flag) const { return values_.count(flag) != 0; }
+  /// The value of a flag that must be present (UsageError "missing required flag --x").
+  const std::string& required(const std::string& flag) const;
+  /// The value or `fallback` when absent.
+  std::string get(const std::string& flag, const std::string& fallback) const;
+  /// Integer value (whole string, base 10, in [min, max]) or `fallback` when absent.
+  std::int64_t get_int(const std::string& flag, std::int64_t fallback, std::int64_t min, std::int64_t max) const;
+
+ private:
+  std::string command_;
+  std::map<std::string, std::string> values_;
+  bool help_ = false;
+};
+
+/// Strict base-10 integer: no spaces, no trailing characters, no overflow (UsageError naming `what`).
+std::int64_t parse_int(const std::string& text, const std::string& what);
+
+/// Writes to `path` through a temporary file in the same directory and a rename, so a
+/// failed run never leaves a partial output behind.
+void save_f32_npy_atomic(const std::string& path, const std::vector<std::int64_t>& shape, const float* data);
+
+// ---- subcommands
+int cmd_score(const Args& args);
+int cmd_version(const Args& args);
+extern const std::vector<FlagSpec> kScoreFlags;
+extern const std::vector<FlagSpec> kVersionFlags;
+extern const char* const kScoreUsage;
+extern const char* const kVersionUsage;
+
+}  // namespace kvscore::cli

@@ -1,0 +1,177 @@
+// tools/cmd_score.cpp — `kvscore score`: score every token of one layer's keys.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <kvscore/kvscore.hpp>
+
+#include "cli.hpp"
+
+namespace kvscore::cli {
+
+const char* const kScoreUsage =
+    "usage: kvscore score --method METHOD --keys K.npy --out S.npy [options]\n"
+    "\n"
+    "Scores every token of one layer's key cache; writes float32 scores [heads, tokens].\n"
+    "Higher score = more worth keeping.\n"
+    "\n"
+    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter\n"
+    "  --keys K.npy      keys [heads, tokens, head_dim]: '<f4' float32, '<f2' float16,\n"
+    "                    or '<u2' (bfloat16 bit patterns); little-endian, C order\n"
+    "  --out S.npy       output scores [heads, tokens], '<f4'\n"
+    "  --window W        windowed-l2 only: window length in tokens (default 4096, > 0)\n"
+    "  --filters F.npy   qfilter only (required): filters (layers, kv_heads, head_dim), '<f4'\n"
+    "  --layer L         qfilter only: layer of F.npy to use (default 0)\n"
+    "  --isa NAME        pin the SIMD kernel table (scalar, sse2, avx2, avx512, ...;\n"
+    "                    see 'kvscore version'); default: the best this CPU supports\n"
+    "  --threads N       threads over heads (default 0 = OpenMP default); results do not depend on it\n"
+    "  -h, --help        this help\n";
+
+const std::vector<FlagSpec> kScoreFlags = {
+    {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
+    {"--layer", true},  {"--isa", true},   {"--threads", true},
+};
+
+namespace {
+
+enum class Method { knorm, keydiff, l2, windowed_l2, qfilter };
+
+Method parse_method(const std::string& s) {
+  if (s == "knorm") return Method::knorm;
+  if (s == "keydiff") return Method::keydiff;
+  if (s == "l2") return Method::l2;
+  if (s == "windowed-l2") return Method::windowed_l2;
+  if (s == "qfilter") return Method::qfilter;
+  throw UsageError("score: unknown method '" + s + "' (expected knorm, keydiff, l2, windowed-l2 or qfilter)");
+}
+
+struct Options {
+  Method method{};
+  std::string keys_path, out_path;
+  std::int64_t window = 4096;
+  std::string filters_path;
+  std::int64_t layer = 0;
+  int threads = 0;
+};
+
+Options parse_options(const Args& args) {
+  Options o;
+  o.method = parse_method(args.required("--method"));
+  o.keys_path = args.required("--keys");
+  o.out_path = args.required("--out");
+  // Flags that another method would silently ignore are errors: a typo in --method
+  // must not quietly produce scores of a different kind than asked for.
+  if (args.has("--window") && o.method != Method::windowed_l2)
+    throw UsageError("score: --window applies only to --method windowed-l2");
+  if ((args.has("--filters") || args.has("--layer")) && o.method != Method::qfilter)
+    throw UsageError(std::string("score: ") + (args.has("--filters") ? "--filters" : "--layer") +
+                     " applies only to --method qfilter");
+  o.window = args.get_int("--window", 4096, 1, INT64_MAX);
+  o.layer = args.get_int("--layer", 0, 0, INT64_MAX);
+  o.threads = int(args.get_int("--threads", 0, 0, 4096));
+  if (o.method == Method::qfilter) o.filters_path = args.required("--filters");
+  return o;
+}
+
+/// Prefixes `path: ` unless the message already names the path.
+[[noreturn]] void rethrow_with_path(const std::exception& e, const std::string& path) {
+  const std::string m = e.what();
+  throw std::invalid_argument(m.find(path) != std::string::npos ? m : path + ": " + m);
+}
+
+template <class T>
+Scores run(const Options& o, const std::optional<QFilter>& qfilter, const npy::Array& keys) {
+  const std::int64_t heads = keys.shape[0], tokens = keys.shape[1], dim = keys.shape[2];
+  // tokens == 0: KeysView rejects head_stride 0 for heads > 1 even though no row
+  // exists, so give the (unused) head stride one row's worth.
+  const KeysView<T> view(keys.as<T>(), heads, tokens, dim, std::max<std::int64_t>(tokens, 1) * dim, dim);
+  switch (o.method) {
+    case Method::knorm: {
+      KNorm s;
+      s.num_threads = o.threads;
+      return s.score(view);
+    }
+    case Method::keydiff: {
+      KeyDiff s;
+      s.num_threads = o.threads;
+      return s.score(view);
+    }
+    case Method::l2: {
+      ManifoldL2 s;
+      s.num_threads = o.threads;
+      return s.score(view);
+    }
+    case Method::windowed_l2: {
+      WindowedManifoldL2 s(o.window);
+      s.num_threads = o.threads;
+      return s.score(view);
+    }
+    case Method::qfilter: {
+      QFilter s = *qfilter;
+      s.num_threads = o.threads;
+      if (s.kv_heads() != heads || s.head_dim() != dim)
+        throw std::invalid_argument("score: filters " + o.filters_path + " layer " + std::to_string(o.layer) +
+                                    " are (kv_heads " + std::to_string(s.kv_heads()) + ", head_dim " +
+                                    std::to_string(s.head_dim()) + ") but keys " + o.keys_path + " are (heads " +
+                                    std::to_string(heads) + ", head_dim " + std::to_string(dim) + ")");
+      return s.score(view);
+    }
+  }
+  throw std::logic_error("score: unhandled method");
+}
+
+}  // namespace
+
+int cmd_score(const Args& args) {
+  const Options o = parse_options(args);
+  if (args.has("--isa")) {
+    try {
+      simd::set_active_isa(args.required("--isa"));
+    } catch (const std::invalid_argument& e) {
+      const std::string m = e.what();
+      const std::size_t colon = m.find(": ");
+      throw UsageError("score: --isa: " + (colon == std::string::npos ? m : m.substr(colon + 2)));
+    }
+  }
+
+  std::optional<QFilter> qfilter;
+  if (o.method == Method::qfilter) {
+    try {
+      qfilter.emplace(QFilter::from_npy(o.filters_path, o.layer));
+    } catch (const std::exception& e) {
+      rethrow_with_path(e, o.filters_path);
+    }
+  }
+
+  const npy::Array keys = npy::load(o.keys_path);
+  const std::string& p = o.keys_path;
+  if (keys.shape.size() != 3)
+    throw std::invalid_argument(p + ": keys must have shape [heads, tokens, head_dim], got " +
+                                std::to_string(keys.shape.size()) + " dimensions");
+  const std::int64_t dim = keys.shape[2];
+  if (dim < 1 || dim > kMaxHeadDim)
+    throw std::invalid_argument(p + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                                std::to_string(dim) + ")");
+
+  Scores scores;
+  try {
+    if (keys.descr == npy::descr_of<float>()) scores = run<float>(o, qfilter, keys);
+    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(o, qfilter, keys);
+    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(o, qfilter, keys);
+    else
+      throw std::invalid_argument("keys dtype '" + keys.descr +
+                                  "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
+  } catch (const npy::error&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    rethrow_with_path(e, p);
+  }
+
+  save_f32_npy_atomic(o.out_path, {scores.heads(), scores.tokens()}, scores.data());
+  return kExitOk;
+}
+
+}  // namespace kvscore::cli

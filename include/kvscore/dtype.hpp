@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvscore/detail/cpu.hpp"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVSCORE_X86 1
@@ -132,10 +134,7 @@ constexpr T from_float(float f) noexcept {
 namespace detail {
 #if defined(KVSCORE_X86) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_HAVE_F16C_PATH 1
-inline bool cpu_has_f16c() noexcept {
-  static const bool v = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  return v;
-}
+inline bool cpu_has_f16c() noexcept { return cpu().f16c; }
 __attribute__((target("avx,f16c"))) inline void half_to_float_f16c(const half* src, float* dst,
                                                                  std::size_t n) noexcept {
   std::size_t i = 0;

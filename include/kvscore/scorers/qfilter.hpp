@@ -51,6 +51,9 @@ class QFilter : public ScorerBase<QFilter> {
     if (layer < 0 || layer >= a.shape[0])
       detail::throw_invalid("kvscore::QFilter::from_npy: layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(a.shape[0]) + ") in " + path);
+    if (a.descr != npy::descr_of<float>())
+      detail::throw_invalid("kvscore::QFilter::from_npy: " + path + " has dtype '" + a.descr + "', expected '" +
+                            npy::descr_of<float>() + "' (float32)");
     const float* p = a.as<float>() + layer * a.shape[1] * a.shape[2];
     return QFilter(std::vector<float>(p, p + a.shape[1] * a.shape[2]), a.shape[1], a.shape[2]);
   }
@@ -70,9 +73,19 @@ class QFilter : public ScorerBase<QFilter> {
 
   template <class T>
   void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
-    table.ops<T>().dot(keys.head(h), keys.tokens(), keys.token_stride(), dim_, filter(h), out);
-    for (std::int64_t t = 0; t < keys.tokens(); ++t)
-      if (std::isnan(out[t])) out[t] = kInvalidScore;  // the dot kernel returns NaN for NaN/Inf rows
+    // The squared norms (the validity rule of scorer_base.hpp) are taken chunk by chunk
+    // right after the dots, while the chunk's rows are still in cache.
+    const simd::RowOps<T>& ops = table.ops<T>();
+    const std::int64_t n = keys.tokens(), stride = keys.token_stride();
+    float sq[detail::kChunkTokens];
+    for (std::int64_t i0 = 0; i0 < n; i0 += detail::kChunkTokens) {
+      const std::int64_t m = std::min(detail::kChunkTokens, n - i0);
+      const T* rows = keys.row(h, i0);
+      ops.dot(rows, m, stride, dim_, filter(h), out + i0);
+      ops.sqnorm(rows, m, stride, dim_, sq);
+      for (std::int64_t i = 0; i < m; ++i)
+        if (!std::isfinite(sq[i]) || !std::isfinite(out[i0 + i])) out[i0 + i] = kInvalidScore;
+    }
   }
 
  private:

@@ -105,158 +105,159 @@ struct RowKernels {
 
   static bool finite(float x) noexcept { return __builtin_isfinite(x); }
 
-  template <class T>
-  static float row_sqnorm(const T* r, std::int64_t d) noexcept {
-    V a0 = P::zero(), a1 = P::zero();
-    std::int64_t j = 0;
-    for (; j + 2 * W <= d; j += 2 * W) {
-      const V x = P::load(r + j), y = P::load(r + j + W);
-      a0 = P::fma(x, x, a0);
-      a1 = P::fma(y, y, a1);
+  // Per-element reductions, as (vector, scalar-tail) pairs. Each takes the running
+  // accumulator, the widened element(s) and the offset j into the query vector.
+  struct SqNorm {
+    static V vec(V a, V x, const float*, std::int64_t) noexcept { return P::fma(x, x, a); }
+    static float one(float a, float x, const float*, std::int64_t) noexcept { return a + x * x; }
+  };
+  // A NaN/Inf element makes the dot non-finite: Inf*0 = NaN, and an Inf or NaN
+  // accumulator never returns to a finite value.
+  struct Dot {
+    static V vec(V a, V x, const float* v, std::int64_t j) noexcept { return P::fma(x, P::loadf(v + j), a); }
+    static float one(float a, float x, const float* v, std::int64_t j) noexcept { return a + x * v[j]; }
+  };
+  struct SqDist {
+    static V vec(V a, V x, const float* v, std::int64_t j) noexcept {
+      const V t = P::sub(x, P::loadf(v + j));
+      return P::fma(t, t, a);
     }
-    for (; j + W <= d; j += W) {
-      const V x = P::load(r + j);
-      a0 = P::fma(x, x, a0);
+    static float one(float a, float x, const float* v, std::int64_t j) noexcept {
+      const float t = x - v[j];
+      return a + t * t;
     }
-    float s = P::hsum(P::add(a0, a1));
-    for (; j < d; ++j) {
-      const float x = to_float(r[j]);
-      s += x * x;
-    }
-    return s;
-  }
+  };
 
-  template <class T>
-  static float row_dot(const T* r, const float* v, std::int64_t d) noexcept {
-    // poison = Σ x·0 is 0 for finite rows and NaN when any element is NaN/Inf, so the
-    // result is NaN for such rows even where the filter coefficient is 0.
-    V a0 = P::zero(), a1 = P::zero(), poison = P::zero();
-    const V z = P::zero();
-    std::int64_t j = 0;
-    for (; j + 2 * W <= d; j += 2 * W) {
-      const V x = P::load(r + j), y = P::load(r + j + W);
-      a0 = P::fma(x, P::loadf(v + j), a0);
-      a1 = P::fma(y, P::loadf(v + j + W), a1);
-      poison = P::fma(P::add(x, y), z, poison);
-    }
-    for (; j + W <= d; j += W) {
-      const V x = P::load(r + j);
-      a0 = P::fma(x, P::loadf(v + j), a0);
-      poison = P::fma(x, z, poison);
-    }
-    float s = P::hsum(P::add(P::add(a0, a1), poison));
-    for (; j < d; ++j) {
-      const float x = to_float(r[j]);
-      s += x * v[j] + x * 0.f;
-    }
-    return s;
-  }
+  static constexpr std::int64_t kRows = 4;  // rows in flight: hides FMA latency and the horizontal sums
 
-  template <class T>
-  static float row_sqdist(const T* r, const float* v, std::int64_t d) noexcept {
-    V a0 = P::zero(), a1 = P::zero();
-    std::int64_t j = 0;
-    for (; j + 2 * W <= d; j += 2 * W) {
-      const V x = P::sub(P::load(r + j), P::loadf(v + j));
-      const V y = P::sub(P::load(r + j + W), P::loadf(v + j + W));
-      a0 = P::fma(x, x, a0);
-      a1 = P::fma(y, y, a1);
+  // out[i] = reduce(row_i) for n rows; four rows in lockstep, then the remainder.
+  template <class Op, class T>
+  static void reduce_rows(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
+                          float* out) noexcept {
+    std::int64_t i = 0;
+    for (; i + kRows <= n; i += kRows) {
+      const T* r0 = base + i * stride;
+      const T* r1 = r0 + stride;
+      const T* r2 = r1 + stride;
+      const T* r3 = r2 + stride;
+      V a0 = P::zero(), a1 = P::zero(), a2 = P::zero(), a3 = P::zero();
+      std::int64_t j = 0;
+      for (; j + W <= d; j += W) {
+        a0 = Op::vec(a0, P::load(r0 + j), v, j);
+        a1 = Op::vec(a1, P::load(r1 + j), v, j);
+        a2 = Op::vec(a2, P::load(r2 + j), v, j);
+        a3 = Op::vec(a3, P::load(r3 + j), v, j);
+      }
+      float s0 = P::hsum(a0), s1 = P::hsum(a1), s2 = P::hsum(a2), s3 = P::hsum(a3);
+      for (; j < d; ++j) {
+        s0 = Op::one(s0, to_float(r0[j]), v, j);
+        s1 = Op::one(s1, to_float(r1[j]), v, j);
+        s2 = Op::one(s2, to_float(r2[j]), v, j);
+        s3 = Op::one(s3, to_float(r3[j]), v, j);
+      }
+      out[i] = s0;
+      out[i + 1] = s1;
+      out[i + 2] = s2;
+      out[i + 3] = s3;
     }
-    for (; j + W <= d; j += W) {
-      const V x = P::sub(P::load(r + j), P::loadf(v + j));
-      a0 = P::fma(x, x, a0);
+    for (; i < n; ++i) {
+      const T* r = base + i * stride;
+      V a0 = P::zero(), a1 = P::zero();
+      std::int64_t j = 0;
+      for (; j + 2 * W <= d; j += 2 * W) {
+        a0 = Op::vec(a0, P::load(r + j), v, j);
+        a1 = Op::vec(a1, P::load(r + j + W), v, j + W);
+      }
+      for (; j + W <= d; j += W) a0 = Op::vec(a0, P::load(r + j), v, j);
+      float s = P::hsum(P::add(a0, a1));
+      for (; j < d; ++j) s = Op::one(s, to_float(r[j]), v, j);
+      out[i] = s;
     }
-    float s = P::hsum(P::add(a0, a1));
-    for (; j < d; ++j) {
-      const float x = to_float(r[j]) - v[j];
-      s += x * x;
-    }
-    return s;
-  }
-
-  // blk[0..d) += scale * row, vector part then tail.
-  template <class T>
-  static void row_axpy(const T* r, float scale, float* blk, std::int64_t d) noexcept {
-    const V s = P::splat(scale);
-    std::int64_t j = 0;
-    for (; j + W <= d; j += W) P::store(blk + j, P::fma(P::load(r + j), s, P::loadf(blk + j)));
-    for (; j < d; ++j) blk[j] += to_float(r[j]) * scale;
   }
 
   template <class T>
   static void sqnorm(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, float* out) noexcept {
-    for (std::int64_t i = 0; i < n; ++i) out[i] = row_sqnorm(base + i * stride, d);
+    reduce_rows<SqNorm>(base, n, stride, d, nullptr, out);
   }
   template <class T>
   static void dot(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
                   float* out) noexcept {
-    for (std::int64_t i = 0; i < n; ++i) out[i] = row_dot(base + i * stride, v, d);
+    reduce_rows<Dot>(base, n, stride, d, v, out);
   }
   template <class T>
   static void sqdist(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
                      float* out) noexcept {
-    for (std::int64_t i = 0; i < n; ++i) out[i] = row_sqdist(base + i * stride, v, d);
+    reduce_rows<SqDist>(base, n, stride, d, v, out);
+  }
+
+  // blk[0..d) += Σ_k scale[k] * row_k over m <= kRows rows (scale 0 drops a row).
+  template <class T>
+  static void rows_axpy(const T* const* r, const float* scale, std::int64_t m, float* blk, std::int64_t d) noexcept {
+    // fast path only when every row is used: 0 * NaN would poison the block
+    if (m == kRows && scale[0] != 0.f && scale[1] != 0.f && scale[2] != 0.f && scale[3] != 0.f) {
+      const V s0 = P::splat(scale[0]), s1 = P::splat(scale[1]), s2 = P::splat(scale[2]), s3 = P::splat(scale[3]);
+      std::int64_t j = 0;
+      for (; j + W <= d; j += W) {
+        const V x = P::add(P::fma(P::load(r[0] + j), s0, P::mul(P::load(r[1] + j), s1)),
+                           P::fma(P::load(r[2] + j), s2, P::mul(P::load(r[3] + j), s3)));
+        P::store(blk + j, P::add(P::loadf(blk + j), x));
+      }
+      for (; j < d; ++j)
+        blk[j] += (to_float(r[0][j]) * scale[0] + to_float(r[1][j]) * scale[1]) +
+                  (to_float(r[2][j]) * scale[2] + to_float(r[3][j]) * scale[3]);
+      return;
+    }
+    for (std::int64_t k = 0; k < m; ++k) {
+      if (scale[k] == 0.f) continue;
+      const V s = P::splat(scale[k]);
+      std::int64_t j = 0;
+      for (; j + W <= d; j += W) P::store(blk + j, P::fma(P::load(r[k] + j), s, P::loadf(blk + j)));
+      for (; j < d; ++j) blk[j] += to_float(r[k][j]) * scale[k];
+    }
+  }
+
+  // Shared body of sum / sum_normalized: rows go through in groups of kRows, their
+  // squared norms first (the group is then hot in L1), then one weighted add into an
+  // fp32 block accumulator that is flushed to fp64 every kSumBlockRows rows.
+  // A row with a non-finite squared norm gets weight 0 — it is left out.
+  template <bool Normalize, class T>
+  static std::int64_t sum_rows(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
+                               float* row_out) noexcept {
+    alignas(64) float blk[kMaxHeadDim];
+    std::int64_t added = 0;
+    for (std::int64_t i0 = 0; i0 < n; i0 += kSumBlockRows) {
+      const std::int64_t i1 = i0 + kSumBlockRows < n ? i0 + kSumBlockRows : n;
+      for (std::int64_t j = 0; j < d; ++j) blk[j] = 0.f;
+      for (std::int64_t i = i0; i < i1; i += kRows) {
+        const std::int64_t m = i1 - i < kRows ? i1 - i : kRows;
+        reduce_rows<SqNorm>(base + i * stride, m, stride, d, nullptr, row_out + i);
+        const T* r[kRows];
+        float w[kRows];
+        for (std::int64_t k = 0; k < kRows; ++k) {
+          const std::int64_t row = k < m ? i + k : i;  // pad a short group with weight 0
+          r[k] = base + row * stride;
+          const float s = row_out[row];
+          const bool use = k < m && finite(s) && (!Normalize || s > 0.f);
+          w[k] = use ? (Normalize ? 1.f / __builtin_sqrtf(s) : 1.f) : 0.f;
+          added += use ? 1 : 0;
+          if (Normalize && k < m) row_out[i + k] = __builtin_sqrtf(s);
+        }
+        rows_axpy(r, w, m < kRows ? m : kRows, blk, d);
+      }
+      for (std::int64_t j = 0; j < d; ++j) acc[j] += double(blk[j]);
+    }
+    return added;
   }
 
   template <class T>
   static std::int64_t sum(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
                           float* sq) noexcept {
-    alignas(64) float blk[kMaxHeadDim];
-    std::int64_t added = 0;
-    for (std::int64_t i0 = 0; i0 < n; i0 += kSumBlockRows) {
-      const std::int64_t i1 = i0 + kSumBlockRows < n ? i0 + kSumBlockRows : n;
-      for (std::int64_t j = 0; j < d; ++j) blk[j] = 0.f;
-      bool bad = false;
-      for (std::int64_t i = i0; i < i1; ++i) {  // fused: one read of the row feeds both outputs
-        const T* r = base + i * stride;
-        V a = P::zero();
-        std::int64_t j = 0;
-        for (; j + W <= d; j += W) {
-          const V x = P::load(r + j);
-          a = P::fma(x, x, a);
-          P::store(blk + j, P::add(P::loadf(blk + j), x));
-        }
-        float s = P::hsum(a);
-        for (; j < d; ++j) {
-          const float x = to_float(r[j]);
-          s += x * x;
-          blk[j] += x;
-        }
-        sq[i] = s;
-        bad |= !finite(s);
-      }
-      if (bad) {  // rare: rebuild this block without the non-finite rows
-        for (std::int64_t j = 0; j < d; ++j) blk[j] = 0.f;
-        for (std::int64_t i = i0; i < i1; ++i)
-          if (finite(sq[i])) row_axpy(base + i * stride, 1.f, blk, d);
-      }
-      for (std::int64_t i = i0; i < i1; ++i) added += finite(sq[i]) ? 1 : 0;
-      for (std::int64_t j = 0; j < d; ++j) acc[j] += double(blk[j]);
-    }
-    return added;
+    return sum_rows<false>(base, n, stride, d, acc, sq);
   }
-
   template <class T>
   static std::int64_t sum_normalized(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d,
                                      double* acc, float* norm_out) noexcept {
-    alignas(64) float blk[kMaxHeadDim];
-    std::int64_t added = 0;
-    for (std::int64_t i0 = 0; i0 < n; i0 += kSumBlockRows) {
-      const std::int64_t i1 = i0 + kSumBlockRows < n ? i0 + kSumBlockRows : n;
-      for (std::int64_t j = 0; j < d; ++j) blk[j] = 0.f;
-      for (std::int64_t i = i0; i < i1; ++i) {
-        const T* r = base + i * stride;
-        const float s = row_sqnorm(r, d);
-        const float nrm = __builtin_sqrtf(s);
-        norm_out[i] = nrm;
-        if (finite(s) && s > 0.f) {  // second read of the row hits L1
-          row_axpy(r, 1.f / nrm, blk, d);
-          ++added;
-        }
-      }
-      for (std::int64_t j = 0; j < d; ++j) acc[j] += double(blk[j]);
-    }
-    return added;
+    return sum_rows<true>(base, n, stride, d, acc, norm_out);
   }
 
   static double reduce_f32(const float* p, std::int64_t n) noexcept {

@@ -17,7 +17,7 @@ template <class T>
 struct RowOps {
   /// out[i] = ‖row_i‖².
   void (*sqnorm)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, float* out);
-  /// out[i] = ⟨row_i, v⟩; NaN when row_i holds a NaN or Inf element (so callers can reject it).
+  /// out[i] = ⟨row_i, v⟩; non-finite (NaN or ±Inf) whenever row_i holds a NaN or Inf element.
   void (*dot)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);
   /// out[i] = ‖row_i − v‖².
   void (*sqdist)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);

@@ -1,0 +1,47 @@
+// kvscore/detail/cpu.hpp — x86 CPU feature detection (cpuid + XGETBV, so a feature
+// the OS does not save registers for counts as absent). Compiler-neutral: g++ and clang.
+#pragma once
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+namespace kvscore::detail {
+
+struct CpuFeatures {
+  bool avx = false, f16c = false, fma = false, avx2 = false;
+  bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
+};
+
+inline CpuFeatures detect_cpu() noexcept {
+  CpuFeatures f;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27);
+  if (!osxsave) return f;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const bool ymm_state = (lo & 0x6u) == 0x6u;        // XMM + YMM saved by the OS
+  const bool zmm_state = (lo & 0xe6u) == 0xe6u;      // + opmask, ZMM_Hi256, Hi16_ZMM
+  f.avx = ymm_state && (c & (1u << 28));
+  f.f16c = f.avx && (c & (1u << 29));
+  f.fma = f.avx && (c & (1u << 12));
+  if (__get_cpuid_max(0, nullptr) >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    f.avx2 = f.avx && (b & (1u << 5));
+    f.avx512f = zmm_state && (b & (1u << 16));
+    f.avx512dq = f.avx512f && (b & (1u << 17));
+    f.avx512bw = f.avx512f && (b & (1u << 30));
+    f.avx512vl = f.avx512f && (b & (1u << 31));
+  }
+#endif
+  return f;
+}
+
+inline const CpuFeatures& cpu() noexcept {
+  static const CpuFeatures f = detect_cpu();
+  return f;
+}
+
+}  // namespace kvscore::detail

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs kvscore's build dependencies from Debian packages (idempotent; needs root).
+set -euo pipefail
+pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

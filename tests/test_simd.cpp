@@ -45,6 +45,13 @@ void compare_tables(std::int64_t d) {
     REQUIRE(!std::isfinite(a[17]));
     REQUIRE(!std::isfinite(a[50]));
     for (std::int64_t i = 0; i < n; ++i) REQUIRE(close(a[std::size_t(i)], b[std::size_t(i)], scale));
+    o.dot_sqnorm(rows.data(), n, stride, d, v.data(), na.data(), nb.data());
+    for (std::int64_t i = 0; i < n; ++i) {
+      REQUIRE(close(na[std::size_t(i)], b[std::size_t(i)], scale));  // b still holds the scalar dots
+      REQUIRE(std::isfinite(nb[std::size_t(i)]) == (i != 17 && i != 50));
+    }
+    r.sqnorm(rows.data(), n, stride, d, a.data());
+    for (std::int64_t i = 0; i < n; ++i) REQUIRE(close(nb[std::size_t(i)], a[std::size_t(i)], scale));
     o.sqdist(rows.data(), n, stride, d, v.data(), a.data());
     r.sqdist(rows.data(), n, stride, d, v.data(), b.data());
     for (std::int64_t i = 0; i < n; ++i) REQUIRE(close(a[std::size_t(i)], b[std::size_t(i)], scale));

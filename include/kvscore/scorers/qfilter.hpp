@@ -73,16 +73,14 @@ class QFilter : public ScorerBase<QFilter> {
 
   template <class T>
   void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
-    // The squared norms (the validity rule of scorer_base.hpp) are taken chunk by chunk
-    // right after the dots, while the chunk's rows are still in cache.
+    // Squared norms come with the dots (one read of each row) for the validity rule of scorer_base.hpp.
     const simd::RowOps<T>& ops = table.ops<T>();
     const std::int64_t n = keys.tokens(), stride = keys.token_stride();
     float sq[detail::kChunkTokens];
     for (std::int64_t i0 = 0; i0 < n; i0 += detail::kChunkTokens) {
       const std::int64_t m = std::min(detail::kChunkTokens, n - i0);
       const T* rows = keys.row(h, i0);
-      ops.dot(rows, m, stride, dim_, filter(h), out + i0);
-      ops.sqnorm(rows, m, stride, dim_, sq);
+      ops.dot_sqnorm(rows, m, stride, dim_, filter(h), out + i0, sq);
       for (std::int64_t i = 0; i < m; ++i)
         if (!std::isfinite(sq[i]) || !std::isfinite(out[i0 + i])) out[i0 + i] = kInvalidScore;
     }

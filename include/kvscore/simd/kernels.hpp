@@ -105,73 +105,97 @@ struct RowKernels {
 
   static bool finite(float x) noexcept { return __builtin_isfinite(x); }
 
-  // Per-element reductions, as (vector, scalar-tail) pairs. Each takes the running
-  // accumulator, the widened element(s) and the offset j into the query vector.
+  // Per-element reductions over one row into up to two accumulators (a, b), as a
+  // vector step and a scalar-tail step; `v` is the query vector, j the offset into it.
+  // kTwo says whether b is an output (dot_sqnorm) or dead (the compiler drops it).
   struct SqNorm {
-    static V vec(V a, V x, const float*, std::int64_t) noexcept { return P::fma(x, x, a); }
-    static float one(float a, float x, const float*, std::int64_t) noexcept { return a + x * x; }
+    static constexpr bool kTwo = false;
+    static void vec(V& a, V&, V x, const float*, std::int64_t) noexcept { a = P::fma(x, x, a); }
+    static void one(float& a, float&, float x, const float*, std::int64_t) noexcept { a += x * x; }
   };
   // A NaN/Inf element makes the dot non-finite: Inf*0 = NaN, and an Inf or NaN
   // accumulator never returns to a finite value.
   struct Dot {
-    static V vec(V a, V x, const float* v, std::int64_t j) noexcept { return P::fma(x, P::loadf(v + j), a); }
-    static float one(float a, float x, const float* v, std::int64_t j) noexcept { return a + x * v[j]; }
+    static constexpr bool kTwo = false;
+    static void vec(V& a, V&, V x, const float* v, std::int64_t j) noexcept { a = P::fma(x, P::loadf(v + j), a); }
+    static void one(float& a, float&, float x, const float* v, std::int64_t j) noexcept { a += x * v[j]; }
+  };
+  struct DotSqNorm {
+    static constexpr bool kTwo = true;
+    static void vec(V& a, V& b, V x, const float* v, std::int64_t j) noexcept {
+      a = P::fma(x, P::loadf(v + j), a);
+      b = P::fma(x, x, b);
+    }
+    static void one(float& a, float& b, float x, const float* v, std::int64_t j) noexcept {
+      a += x * v[j];
+      b += x * x;
+    }
   };
   struct SqDist {
-    static V vec(V a, V x, const float* v, std::int64_t j) noexcept {
+    static constexpr bool kTwo = false;
+    static void vec(V& a, V&, V x, const float* v, std::int64_t j) noexcept {
       const V t = P::sub(x, P::loadf(v + j));
-      return P::fma(t, t, a);
+      a = P::fma(t, t, a);
     }
-    static float one(float a, float x, const float* v, std::int64_t j) noexcept {
+    static void one(float& a, float&, float x, const float* v, std::int64_t j) noexcept {
       const float t = x - v[j];
-      return a + t * t;
+      a += t * t;
     }
   };
 
   static constexpr std::int64_t kRows = 4;  // rows in flight: hides FMA latency and the horizontal sums
 
-  // out[i] = reduce(row_i) for n rows; four rows in lockstep, then the remainder.
+  // Software prefetch (into all cache levels) of the group kPrefetchGroups ahead: the
+  // four rows in lockstep touch four cache lines at once, an order the hardware
+  // streamers follow less well. Addresses are formed as integers, never as pointers
+  // past the cache, and a prefetch beyond the mapping is a no-op on x86.
+  static constexpr std::int64_t kPrefetchGroups = 8;
+  template <class T>
+  static void prefetch_rows(const T* first, std::int64_t stride, std::int64_t d) noexcept {
+    const std::uintptr_t row_bytes = std::uintptr_t(stride) * sizeof(T);
+    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(first) + std::uintptr_t(kPrefetchGroups * kRows) * row_bytes;
+    const std::int64_t bytes = d * std::int64_t(sizeof(T));
+    for (std::int64_t k = 0; k < kRows; ++k)
+      for (std::int64_t b = 0; b < bytes; b += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(base + std::uintptr_t(k) * row_bytes + std::uintptr_t(b)), 0, 3);
+  }
+
+  // out[i] (and out2[i] when Op::kTwo) = reduce(row_i) for n rows: four rows in
+  // lockstep, then the remainder one by one.
   template <class Op, class T>
   static void reduce_rows(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
-                          float* out) noexcept {
+                          float* out, float* out2 = nullptr) noexcept {
     std::int64_t i = 0;
     for (; i + kRows <= n; i += kRows) {
-      const T* r0 = base + i * stride;
-      const T* r1 = r0 + stride;
-      const T* r2 = r1 + stride;
-      const T* r3 = r2 + stride;
-      V a0 = P::zero(), a1 = P::zero(), a2 = P::zero(), a3 = P::zero();
+      const T* r[kRows];
+      for (std::int64_t k = 0; k < kRows; ++k) r[k] = base + (i + k) * stride;
+      prefetch_rows(r[0], stride, d);
+      V a[kRows], b[kRows];
+      for (std::int64_t k = 0; k < kRows; ++k) a[k] = b[k] = P::zero();
       std::int64_t j = 0;
-      for (; j + W <= d; j += W) {
-        a0 = Op::vec(a0, P::load(r0 + j), v, j);
-        a1 = Op::vec(a1, P::load(r1 + j), v, j);
-        a2 = Op::vec(a2, P::load(r2 + j), v, j);
-        a3 = Op::vec(a3, P::load(r3 + j), v, j);
+      for (; j + W <= d; j += W)
+        for (std::int64_t k = 0; k < kRows; ++k) Op::vec(a[k], b[k], P::load(r[k] + j), v, j);
+      float sa[kRows], sb[kRows];
+      for (std::int64_t k = 0; k < kRows; ++k) {
+        sa[k] = P::hsum(a[k]);
+        sb[k] = Op::kTwo ? P::hsum(b[k]) : 0.f;
       }
-      float s0 = P::hsum(a0), s1 = P::hsum(a1), s2 = P::hsum(a2), s3 = P::hsum(a3);
-      for (; j < d; ++j) {
-        s0 = Op::one(s0, to_float(r0[j]), v, j);
-        s1 = Op::one(s1, to_float(r1[j]), v, j);
-        s2 = Op::one(s2, to_float(r2[j]), v, j);
-        s3 = Op::one(s3, to_float(r3[j]), v, j);
+      for (; j < d; ++j)
+        for (std::int64_t k = 0; k < kRows; ++k) Op::one(sa[k], sb[k], to_float(r[k][j]), v, j);
+      for (std::int64_t k = 0; k < kRows; ++k) {
+        out[i + k] = sa[k];
+        if constexpr (Op::kTwo) out2[i + k] = sb[k];
       }
-      out[i] = s0;
-      out[i + 1] = s1;
-      out[i + 2] = s2;
-      out[i + 3] = s3;
     }
     for (; i < n; ++i) {
       const T* r = base + i * stride;
-      V a0 = P::zero(), a1 = P::zero();
+      V a = P::zero(), b = P::zero();
       std::int64_t j = 0;
-      for (; j + 2 * W <= d; j += 2 * W) {
-        a0 = Op::vec(a0, P::load(r + j), v, j);
-        a1 = Op::vec(a1, P::load(r + j + W), v, j + W);
-      }
-      for (; j + W <= d; j += W) a0 = Op::vec(a0, P::load(r + j), v, j);
-      float s = P::hsum(P::add(a0, a1));
-      for (; j < d; ++j) s = Op::one(s, to_float(r[j]), v, j);
-      out[i] = s;
+      for (; j + W <= d; j += W) Op::vec(a, b, P::load(r + j), v, j);
+      float sa = P::hsum(a), sb = Op::kTwo ? P::hsum(b) : 0.f;
+      for (; j < d; ++j) Op::one(sa, sb, to_float(r[j]), v, j);
+      out[i] = sa;
+      if constexpr (Op::kTwo) out2[i] = sb;
     }
   }
 
@@ -183,6 +207,11 @@ struct RowKernels {
   static void dot(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
                   float* out) noexcept {
     reduce_rows<Dot>(base, n, stride, d, v, out);
+  }
+  template <class T>
+  static void dot_sqnorm(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
+                         float* out, float* sq_out) noexcept {
+    reduce_rows<DotSqNorm>(base, n, stride, d, v, out, sq_out);
   }
   template <class T>
   static void sqdist(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v,
@@ -276,7 +305,7 @@ struct RowKernels {
 
   template <class T>
   static constexpr RowOps<T> ops() noexcept {
-    return RowOps<T>{&sqnorm<T>, &dot<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>};
+    return RowOps<T>{&sqnorm<T>, &dot<T>, &dot_sqnorm<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>};
   }
 };
 

@@ -19,6 +19,9 @@ struct RowOps {
   void (*sqnorm)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, float* out);
   /// out[i] = ⟨row_i, v⟩; non-finite (NaN or ±Inf) whenever row_i holds a NaN or Inf element.
   void (*dot)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);
+  /// out[i] = ⟨row_i, v⟩ and sq_out[i] = ‖row_i‖², from one read of each row.
+  void (*dot_sqnorm)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out,
+                     float* sq_out);
   /// out[i] = ‖row_i − v‖².
   void (*sqdist)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* v, float* out);
   /// sqnorm_out[i] = ‖row_i‖²; acc[j] += Σ_i row_i[j] over the rows whose ‖row_i‖² is finite.

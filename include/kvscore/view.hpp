@@ -119,6 +119,14 @@ class KeysView {
   const T* head(std::int64_t h) const noexcept { return data_ + h * hs_; }
   const T* row(std::int64_t h, std::int64_t t) const noexcept { return data_ + h * hs_ + t * ts_; }
 
+  /// Calls f(first_row, t0, n, token_stride) for the runs of evenly strided rows of head h,
+  /// in token order — one run here; a paged view has one per block (see paged.hpp). Scorers
+  /// read every view through this, so they work on any layout that provides it.
+  template <class F>
+  void for_each_run(std::int64_t h, F&& f) const {
+    if (tokens_ > 0) f(head(h), std::int64_t(0), tokens_, ts_);
+  }
+
   /// The sub-view of tokens [t0, t1) (windows, chunked prefill).
   KeysView tokens_slice(std::int64_t t0, std::int64_t t1) const {
     if (t0 < 0 || t1 < t0 || t1 > tokens_)

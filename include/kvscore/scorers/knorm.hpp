@@ -10,9 +10,12 @@ struct KNorm : ScorerBase<KNorm> {
   static constexpr const char* name = "knorm";
   static constexpr int passes = 1;  ///< reads of the keys per score() (benchmarks count bytes with it)
 
-  template <class T>
-  void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
-    table.ops<T>().sqnorm(keys.head(h), keys.tokens(), keys.token_stride(), keys.head_dim(), out);
+  template <class View>
+  void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
+    using T = typename View::value_type;
+    keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+      table.ops<T>().sqnorm(first, n, stride, keys.head_dim(), out + t0);
+    });
     for (std::int64_t t = 0; t < keys.tokens(); ++t)
       out[t] = detail::finite(out[t]) ? -std::sqrt(out[t]) : kInvalidScore;
   }

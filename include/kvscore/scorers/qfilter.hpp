@@ -63,27 +63,29 @@ class QFilter : public ScorerBase<QFilter> {
   const std::vector<float>& filters() const noexcept { return filters_; }
   const float* filter(std::int64_t h) const noexcept { return filters_.data() + h * dim_; }
 
-  template <class T>
-  void check(const KeysView<T>& keys) const {
+  template <class View>
+  void check(const View& keys) const {
     if (keys.heads() != kv_heads_ || keys.head_dim() != dim_)
       detail::throw_invalid("kvscore::QFilter: filters are (kv_heads " + std::to_string(kv_heads_) + ", head_dim " +
                             std::to_string(dim_) + ") but keys are (heads " + std::to_string(keys.heads()) +
                             ", head_dim " + std::to_string(keys.head_dim()) + ")");
   }
 
-  template <class T>
-  void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
+  template <class View>
+  void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     // Squared norms come with the dots (one read of each row) for the validity rule of scorer_base.hpp.
+    using T = typename View::value_type;
     const simd::RowOps<T>& ops = table.ops<T>();
-    const std::int64_t n = keys.tokens(), stride = keys.token_stride();
     float sq[detail::kChunkTokens];
-    for (std::int64_t i0 = 0; i0 < n; i0 += detail::kChunkTokens) {
-      const std::int64_t m = std::min(detail::kChunkTokens, n - i0);
-      const T* rows = keys.row(h, i0);
-      ops.dot_sqnorm(rows, m, stride, dim_, filter(h), out + i0, sq);
-      for (std::int64_t i = 0; i < m; ++i)
-        if (!std::isfinite(sq[i]) || !std::isfinite(out[i0 + i])) out[i0 + i] = kInvalidScore;
-    }
+    keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+      for (std::int64_t i0 = 0; i0 < n; i0 += detail::kChunkTokens) {
+        const std::int64_t m = std::min(detail::kChunkTokens, n - i0);
+        float* o = out + t0 + i0;
+        ops.dot_sqnorm(first + i0 * stride, m, stride, dim_, filter(h), o, sq);
+        for (std::int64_t i = 0; i < m; ++i)
+          if (!std::isfinite(sq[i]) || !std::isfinite(o[i])) o[i] = kInvalidScore;
+      }
+    });
   }
 
  private:

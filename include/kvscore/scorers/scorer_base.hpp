@@ -6,7 +6,9 @@
 // left out of every centroid. A NaN score is never produced.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -31,8 +33,8 @@ namespace detail {
 /// Tokens per chunk of the second pass: its scratch stays in L1.
 inline constexpr std::int64_t kChunkTokens = 512;
 
-template <class T>
-void check_scores_shape(const KeysView<T>& keys, const ScoresView& out, const char* who) {
+template <class View>
+void check_scores_shape(const View& keys, const ScoresView& out, const char* who) {
   if (out.heads() != keys.heads() || out.tokens() != keys.tokens())
     throw_invalid(std::string(who) + ": scores shape (" + std::to_string(out.heads()) + ", " +
                   std::to_string(out.tokens()) + ") does not match keys (" + std::to_string(keys.heads()) + ", " +
@@ -61,33 +63,55 @@ void for_each_head(std::int64_t heads, int num_threads, F&& f) {
 
 inline bool finite(float x) noexcept { return std::isfinite(x); }
 
+/// f(first_row, t0, n, stride) over the part of head h's runs that lies in tokens [b, e).
+template <class View, class F>
+void for_each_run_in(const View& keys, std::int64_t h, std::int64_t b, std::int64_t e, F&& f) {
+  keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t t0, std::int64_t n,
+                           std::int64_t stride) {
+    const std::int64_t lo = std::max(b, t0), hi = std::min(e, t0 + n);
+    if (lo < hi) f(first + (lo - t0) * stride, lo, hi - lo, stride);
+  });
+}
+
 }  // namespace detail
 
-/// CRTP base: Derived provides `template<class T> void score_head(const simd::KernelTable&,
-/// const KeysView<T>& keys, std::int64_t h, float* out) const` (keys already validated).
+/// What a scorer needs from a view of keys: element type, shape, and the runs of rows
+/// of each head (KeysView, PagedKeysView, or an engine's own view type).
+template <class V>
+concept KeyCacheView = requires(const V& v, std::int64_t h) {
+  typename V::value_type;
+  requires is_element_type_v<typename V::value_type>;
+  { v.heads() } -> std::convertible_to<std::int64_t>;
+  { v.tokens() } -> std::convertible_to<std::int64_t>;
+  { v.head_dim() } -> std::convertible_to<std::int64_t>;
+  v.for_each_run(h, [](const typename V::value_type*, std::int64_t, std::int64_t, std::int64_t) {});
+};
+
+/// CRTP base: Derived provides `template <class View> void score_head(const simd::KernelTable&,
+/// const View& keys, std::int64_t h, float* out) const` (keys already validated).
 template <class Derived>
 struct ScorerBase : ScorerOptions {
-  template <class T>
-  void score(const KeysView<T>& keys, ScoresView out) const {
+  template <KeyCacheView View>
+  void score(const View& keys, ScoresView out) const {
     const Derived& self = static_cast<const Derived&>(*this);
     detail::check_scores_shape(keys, out, Derived::name);
     self.check(keys);
-    if (keys.empty()) return;
+    if (keys.heads() == 0 || keys.tokens() == 0) return;
     const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
     detail::for_each_head(keys.heads(), num_threads,
                           [&](std::int64_t h) { self.score_head(table, keys, h, out.head(h)); });
   }
 
-  template <class T>
-  Scores score(const KeysView<T>& keys) const {
+  template <KeyCacheView View>
+  Scores score(const View& keys) const {
     Scores s(keys.heads(), keys.tokens());
     score(keys, s.view());
     return s;
   }
 
   /// Extra validation hook (QFilter checks its filters against the keys).
-  template <class T>
-  void check(const KeysView<T>&) const {}
+  template <class View>
+  void check(const View&) const {}
 };
 
 }  // namespace kvscore

@@ -39,16 +39,15 @@ struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
     return w;
   }
 
-  template <class T>
-  void check(const KeysView<T>&) const {
+  template <class View>
+  void check(const View&) const {
     if (window <= 0)
       detail::throw_invalid("kvscore::WindowedManifoldL2: window must be > 0 (got " + std::to_string(window) + ")");
   }
 
-  template <class T>
-  void score_head(const simd::KernelTable& table, const KeysView<T>& keys, std::int64_t h, float* out) const {
-    for (const auto& [b, e] : windows(keys.tokens()))
-      detail::centroid_distance(table, keys.row(h, b), e - b, keys.token_stride(), keys.head_dim(), out + b);
+  template <class View>
+  void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
+    for (const auto& [b, e] : windows(keys.tokens())) detail::centroid_distance(table, keys, h, b, e, out);
   }
 };
 

@@ -63,10 +63,13 @@ void save_f32_npy_atomic(const std::string& path, const std::vector<std::int64_t
 
 // ---- subcommands
 int cmd_score(const Args& args);
+int cmd_select(const Args& args);
 int cmd_version(const Args& args);
 extern const std::vector<FlagSpec> kScoreFlags;
+extern const std::vector<FlagSpec> kSelectFlags;
 extern const std::vector<FlagSpec> kVersionFlags;
 extern const char* const kScoreUsage;
+extern const char* const kSelectUsage;
 extern const char* const kVersionUsage;
 
 }  // namespace kvscore::cli

@@ -18,13 +18,18 @@ const char* const kScoreUsage =
     "Scores every token of one layer's key cache; writes float32 scores [heads, tokens].\n"
     "Higher score = more worth keeping.\n"
     "\n"
-    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter\n"
+    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter | snapkv\n"
     "  --keys K.npy      keys [heads, tokens, head_dim]: '<f4' float32, '<f2' float16,\n"
     "                    or '<u2' (bfloat16 bit patterns); little-endian, C order\n"
     "  --out S.npy       output scores [heads, tokens], '<f4'\n"
-    "  --window W        windowed-l2 only: window length in tokens (default 4096, > 0)\n"
+    "  --window W        windowed-l2: window length in tokens (default 4096, > 0);\n"
+    "                    snapkv: observation window, must equal the w of Q.npy (default: that w)\n"
     "  --filters F.npy   qfilter only (required): filters (layers, kv_heads, head_dim), '<f4'\n"
     "  --layer L         qfilter only: layer of F.npy to use (default 0)\n"
+    "  --queries Q.npy   snapkv only (required): the last w post-RoPE queries [q_heads, w, head_dim],\n"
+    "                    '<f4'; query i sits at position tokens - w + i; the last w tokens are\n"
+    "                    the window (protect them when selecting: select --recent w)\n"
+    "  --group G         snapkv only: GQA group size, must equal q_heads / heads (default: that)\n"
     "  --isa NAME        pin the SIMD kernel table (scalar, sse2, avx2, avx512, ...;\n"
     "                    see 'kvscore version'); default: the best this CPU supports\n"
     "  --threads N       threads over heads (default 0 = OpenMP default); results do not depend on it\n"
@@ -32,12 +37,12 @@ const char* const kScoreUsage =
 
 const std::vector<FlagSpec> kScoreFlags = {
     {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
-    {"--layer", true},  {"--isa", true},   {"--threads", true},
+    {"--layer", true},  {"--isa", true},   {"--threads", true}, {"--queries", true}, {"--group", true},
 };
 
 namespace {
 
-enum class Method { knorm, keydiff, l2, windowed_l2, qfilter };
+enum class Method { knorm, keydiff, l2, windowed_l2, qfilter, snapkv };
 
 Method parse_method(const std::string& s) {
   if (s == "knorm") return Method::knorm;
@@ -45,7 +50,8 @@ Method parse_method(const std::string& s) {
   if (s == "l2") return Method::l2;
   if (s == "windowed-l2") return Method::windowed_l2;
   if (s == "qfilter") return Method::qfilter;
-  throw UsageError("score: unknown method '" + s + "' (expected knorm, keydiff, l2, windowed-l2 or qfilter)");
+  if (s == "snapkv") return Method::snapkv;
+  throw UsageError("score: unknown method '" + s + "' (expected knorm, keydiff, l2, windowed-l2, qfilter or snapkv)");
 }
 
 struct Options {
@@ -54,6 +60,9 @@ struct Options {
   std::int64_t window = 4096;
   std::string filters_path;
   std::int64_t layer = 0;
+  std::string queries_path;
+  std::int64_t group = 0;  // 0: not given
+  bool window_given = false;
   int threads = 0;
 };
 
@@ -64,15 +73,21 @@ Options parse_options(const Args& args) {
   o.out_path = args.required("--out");
   // Flags that another method would silently ignore are errors: a typo in --method
   // must not quietly produce scores of a different kind than asked for.
-  if (args.has("--window") && o.method != Method::windowed_l2)
-    throw UsageError("score: --window applies only to --method windowed-l2");
+  if (args.has("--window") && o.method != Method::windowed_l2 && o.method != Method::snapkv)
+    throw UsageError("score: --window applies only to --method windowed-l2 or snapkv");
   if ((args.has("--filters") || args.has("--layer")) && o.method != Method::qfilter)
     throw UsageError(std::string("score: ") + (args.has("--filters") ? "--filters" : "--layer") +
                      " applies only to --method qfilter");
+  if ((args.has("--queries") || args.has("--group")) && o.method != Method::snapkv)
+    throw UsageError(std::string("score: ") + (args.has("--queries") ? "--queries" : "--group") +
+                     " applies only to --method snapkv");
   o.window = args.get_int("--window", 4096, 1, INT64_MAX);
+  o.window_given = args.has("--window");
+  o.group = args.get_int("--group", 0, 1, INT64_MAX);
   o.layer = args.get_int("--layer", 0, 0, INT64_MAX);
   o.threads = int(args.get_int("--threads", 0, 0, 4096));
   if (o.method == Method::qfilter) o.filters_path = args.required("--filters");
+  if (o.method == Method::snapkv) o.queries_path = args.required("--queries");
   return o;
 }
 
@@ -82,8 +97,35 @@ Options parse_options(const Args& args) {
   throw std::invalid_argument(m.find(path) != std::string::npos ? m : path + ": " + m);
 }
 
+/// SnapKV from Q.npy [q_heads, w, head_dim] '<f4'; the checks against the keys come in run().
+SnapKV load_snapkv(const Options& o) {
+  const std::string& p = o.queries_path;
+  const npy::Array q = npy::load(p);
+  if (q.shape.size() != 3)
+    throw std::invalid_argument(p + ": queries must have shape [q_heads, window, head_dim], got " +
+                                std::to_string(q.shape.size()) + " dimensions");
+  if (q.descr != npy::descr_of<float>())
+    throw std::invalid_argument(p + ": queries dtype '" + q.descr + "' not supported (expected '<f4' float32)");
+  const std::int64_t hq = q.shape[0], w = q.shape[1], dim = q.shape[2];
+  const std::string shape = "[" + std::to_string(hq) + ", " + std::to_string(w) + ", " + std::to_string(dim) + "]";
+  if (hq < 1 || w < 1 || dim < 1 || dim > kMaxHeadDim)
+    throw std::invalid_argument(p + ": queries " + shape + " need q_heads >= 1, window >= 1 and head_dim in [1, " +
+                                std::to_string(kMaxHeadDim) + "]");
+  if (o.window_given && o.window != w)
+    throw std::invalid_argument("score: --window " + std::to_string(o.window) + " does not match the " +
+                                std::to_string(w) + " queries per head of " + p + " " + shape);
+  try {
+    SnapKV s(q.as<float>(), hq, w, dim);
+    s.num_threads = o.threads;
+    return s;
+  } catch (const std::invalid_argument& e) {
+    rethrow_with_path(e, p);
+  }
+}
+
 template <class T>
-Scores run(const Options& o, const std::optional<QFilter>& qfilter, const npy::Array& keys) {
+Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::optional<SnapKV>& snapkv,
+           const npy::Array& keys) {
   const std::int64_t heads = keys.shape[0], tokens = keys.shape[1], dim = keys.shape[2];
   // tokens == 0: KeysView rejects head_stride 0 for heads > 1 even though no row
   // exists, so give the (unused) head stride one row's worth.
@@ -117,6 +159,27 @@ Scores run(const Options& o, const std::optional<QFilter>& qfilter, const npy::A
                                     " are (kv_heads " + std::to_string(s.kv_heads()) + ", head_dim " +
                                     std::to_string(s.head_dim()) + ") but keys " + o.keys_path + " are (heads " +
                                     std::to_string(heads) + ", head_dim " + std::to_string(dim) + ")");
+      return s.score(view);
+    }
+    case Method::snapkv: {
+      const SnapKV& s = *snapkv;
+      const std::string q = "queries " + o.queries_path + " [" + std::to_string(s.q_heads()) + ", " +
+                            std::to_string(s.window()) + ", " + std::to_string(s.head_dim()) + "]";
+      if (s.head_dim() != dim)
+        throw std::invalid_argument("score: " + q + " have head_dim " + std::to_string(s.head_dim()) + " but keys " +
+                                    o.keys_path + " have head_dim " + std::to_string(dim));
+      if (heads == 0 || s.q_heads() % heads != 0)
+        throw std::invalid_argument("score: " + q + ": q_heads " + std::to_string(s.q_heads()) +
+                                    " is not a multiple of the " + std::to_string(heads) + " heads of keys " +
+                                    o.keys_path);
+      if (o.group != 0 && o.group != s.q_heads() / heads)
+        throw std::invalid_argument("score: --group " + std::to_string(o.group) + " does not match q_heads / heads = " +
+                                    std::to_string(s.q_heads()) + " / " + std::to_string(heads) + " = " +
+                                    std::to_string(s.q_heads() / heads) + " (" + q + ", keys " + o.keys_path + ")");
+      if (s.window() > tokens)
+        throw std::invalid_argument("score: " + q + " hold " + std::to_string(s.window()) +
+                                    " queries per head, more than the " + std::to_string(tokens) + " tokens of keys " +
+                                    o.keys_path + " (the window is the last w tokens)");
       return s.score(view);
     }
   }
@@ -156,11 +219,14 @@ int cmd_score(const Args& args) {
     throw std::invalid_argument(p + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
                                 std::to_string(dim) + ")");
 
+  std::optional<SnapKV> snapkv;
+  if (o.method == Method::snapkv) snapkv.emplace(load_snapkv(o));
+
   Scores scores;
   try {
-    if (keys.descr == npy::descr_of<float>()) scores = run<float>(o, qfilter, keys);
-    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(o, qfilter, keys);
-    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(o, qfilter, keys);
+    if (keys.descr == npy::descr_of<float>()) scores = run<float>(o, qfilter, snapkv, keys);
+    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(o, qfilter, snapkv, keys);
+    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(o, qfilter, snapkv, keys);
     else
       throw std::invalid_argument("keys dtype '" + keys.descr +
                                   "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");

@@ -28,6 +28,7 @@ struct Command {
 // One row per subcommand; see cli.hpp for how to add one.
 const Command kCommands[] = {
     {"score", "score every token of one layer's keys (.npy in, .npy out)", cmd_score, &kScoreFlags, &kScoreUsage},
+    {"select", "choose the tokens to keep from scores (.npy in, kept positions .npy out)", cmd_select, &kSelectFlags, &kSelectUsage},
     {"version", "print the version and the SIMD kernel table in use", cmd_version, &kVersionFlags, &kVersionUsage},
 };
 

@@ -1,16 +1,23 @@
 // kvscore/kvscore.hpp — umbrella header.
 #pragma once
 
+#include "kvscore/compact.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/npy.hpp"
+#include "kvscore/paged.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
 #include "kvscore/scorers/qfilter.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/scorers/snapkv.hpp"
 #include "kvscore/scorers/windowed_manifold_l2.hpp"
+#include "kvscore/select.hpp"
+#include "kvscore/selection.hpp"
 #include "kvscore/simd/dispatch.hpp"
 #include "kvscore/simd/kernels.hpp"
 #include "kvscore/simd/table.hpp"
+#include "kvscore/slots.hpp"
+#include "kvscore/streaming_llm.hpp"
 #include "kvscore/version.hpp"
 #include "kvscore/view.hpp"

@@ -1,0 +1,254 @@
+// Tests of `kvscore score --method snapkv` (run as a process, KVSCORE_CLI_PATH): the scores
+// equal the library's kvscore::SnapKV bit for bit, and every bad input gives exit code 2
+// and exactly one "kvscore: " line on stderr. (main() is in test_cli.cpp.)
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <kvscore/kvscore.hpp>
+
+#ifndef KVSCORE_CLI_PATH
+#error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"
+#endif
+
+namespace fs = std::filesystem;
+namespace npy = kvscore::npy;
+
+namespace {
+namespace snapkv_cli {
+
+struct ScratchDir {
+  fs::path path;
+  ScratchDir()
+      : path(fs::temp_directory_path() /
+             ("kvscore_test_cli_snapkv_" + std::to_string(static_cast<long long>(::getpid())))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+const fs::path& tmp() {
+  static const ScratchDir dir;
+  return dir.path;
+}
+
+std::string path(const std::string& name) { return (tmp() / name).string(); }
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+struct Result {
+  int rc = -1;
+  std::string out, err;
+};
+
+Result cli(const std::string& args) {
+  const std::string out = path("stdout.txt"), err = path("stderr.txt");
+  const std::string cmd = std::string("'") + KVSCORE_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  REQUIRE(status != -1);
+  REQUIRE(WIFEXITED(status));
+  r.rc = WEXITSTATUS(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+std::vector<float> randn(std::size_t n, unsigned seed, float sigma = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, sigma);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+constexpr std::int64_t H = 2, T = 40, D = 16, G = 2, W = 8;
+
+struct Inputs {
+  std::vector<float> k32, q;
+  std::vector<kvscore::half> k16;
+  std::vector<kvscore::bfloat16> kbf;
+};
+
+const Inputs& inputs() {
+  static const Inputs in = [] {
+    Inputs x;
+    x.k32 = randn(std::size_t(H * T * D), 11);
+    x.k32[std::size_t((1 * T + 9) * D + 2)] = std::numeric_limits<float>::quiet_NaN();  // an invalid row
+    x.q = randn(std::size_t(H * G * W * D), 12, 1.5f);
+    x.k16.resize(x.k32.size());
+    x.kbf.resize(x.k32.size());
+    kvscore::convert(x.k32.data(), x.k16.data(), x.k32.size());
+    kvscore::convert(x.k32.data(), x.kbf.data(), x.k32.size());
+    npy::save<float>(path("k32.npy"), {H, T, D}, x.k32.data());
+    npy::save<kvscore::half>(path("k16.npy"), {H, T, D}, x.k16.data());
+    npy::save<kvscore::bfloat16>(path("kbf.npy"), {H, T, D}, x.kbf.data());
+    npy::save<float>(path("q.npy"), {H * G, W, D}, x.q.data());
+    return x;
+  }();
+  return in;
+}
+
+template <class E>
+kvscore::Scores expected(const std::vector<E>& keys, const kvscore::simd::KernelTable* isa = nullptr) {
+  kvscore::SnapKV s(inputs().q.data(), H * G, W, D, G);
+  s.isa = isa;
+  return s.score(kvscore::KeysView<E>(keys.data(), H, T, D, T * D, D));
+}
+
+void check_scores(const std::string& out_file, const kvscore::Scores& want) {
+  const npy::Array a = npy::load(out_file);
+  CHECK(a.descr == "<f4");
+  REQUIRE(a.shape == std::vector<std::int64_t>{want.heads(), want.tokens()});
+  const std::vector<float> got = a.to_vector<float>();
+  REQUIRE(got.size() == want.values().size());
+  CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);  // same tables: bit-identical
+}
+
+template <class E>
+void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
+  const std::string out = path("scores.npy");
+  const std::string base = "score --method snapkv --keys " + path(keys_file) + " --queries " + path("q.npy") +
+                           " --out " + out;
+  for (const char* extra : {"", " --group 2", " --window 8", " --group=2 --window=8 --threads 1", " --threads 3"}) {
+    INFO(keys_file << ":" << extra);
+    fs::remove(out);
+    const Result r = cli(base + extra);
+    CHECK(r.rc == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.empty());
+    REQUIRE(fs::exists(out));
+    check_scores(out, expected(keys));
+  }
+}
+
+void check_bad(const std::string& args, const std::string& needle) {
+  INFO("kvscore " << args);
+  const std::string out = path("bad_out.npy");
+  fs::remove(out);
+  const Result r = cli(args);
+  INFO("stderr: " << r.err);
+  CHECK(r.rc == 2);
+  CHECK(r.out.empty());
+  REQUIRE(!r.err.empty());
+  CHECK(r.err.rfind("kvscore: ", 0) == 0);
+  CHECK(r.err.back() == '\n');
+  CHECK(r.err.find('\n') == r.err.size() - 1);
+  CHECK(r.err.find(needle) != std::string::npos);
+  CHECK(!fs::exists(out));
+  for (const auto& e : fs::directory_iterator(tmp()))
+    CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+}
+
+}  // namespace snapkv_cli
+}  // namespace
+
+using namespace snapkv_cli;
+
+TEST_CASE("cli snapkv: scores equal the library's (float32, float16, bfloat16 keys)", "[cli][snapkv]") {
+  check_ok("k32.npy", inputs().k32);
+  check_ok("k16.npy", inputs().k16);
+  check_ok("kbf.npy", inputs().kbf);
+  // The invalid row scores -inf through the CLI too.
+  const npy::Array a = npy::load(path("scores.npy"));
+  CHECK(a.to_vector<float>()[std::size_t(1 * T + 9)] == -std::numeric_limits<float>::infinity());
+}
+
+TEST_CASE("cli snapkv: --isa scalar matches the scalar table", "[cli][snapkv]") {
+  const Inputs& in = inputs();
+  const Result r = cli("score --isa scalar --method snapkv --keys " + path("k16.npy") + " --queries " + path("q.npy") +
+                       " --out " + path("s_scalar.npy"));
+  REQUIRE(r.rc == 0);
+  check_scores(path("s_scalar.npy"), expected(in.k16, &kvscore::simd::scalar_table()));
+}
+
+TEST_CASE("cli snapkv: window = tokens is accepted", "[cli][snapkv]") {
+  const std::vector<float> k = randn(std::size_t(1 * 5 * 4), 21), q = randn(std::size_t(2 * 5 * 4), 22);
+  npy::save<float>(path("k5.npy"), {1, 5, 4}, k.data());
+  npy::save<float>(path("q5.npy"), {2, 5, 4}, q.data());
+  const Result r = cli("score --method snapkv --keys " + path("k5.npy") + " --queries " + path("q5.npy") + " --out " +
+                       path("s5.npy"));
+  REQUIRE(r.rc == 0);
+  kvscore::SnapKV s(q.data(), 2, 5, 4);
+  check_scores(path("s5.npy"), s.score(kvscore::KeysView<float>(k.data(), 1, 5, 4, 20, 4)));
+}
+
+TEST_CASE("cli snapkv: help lists the method and its flags", "[cli][snapkv]") {
+  const Result r = cli("score --help");
+  CHECK(r.rc == 0);
+  CHECK(r.out.find("snapkv") != std::string::npos);
+  CHECK(r.out.find("--queries Q.npy") != std::string::npos);
+  CHECK(r.out.find("--group G") != std::string::npos);
+}
+
+TEST_CASE("cli snapkv: bad input gives exit 2 and one line", "[cli][snapkv]") {
+  const Inputs& in = inputs();
+  const std::string k = path("k32.npy"), q = path("q.npy"), out = path("bad_out.npy");
+  const std::string base = "score --method snapkv --keys " + k + " --out " + out;
+  {
+    npy::save<float>(path("q_2d.npy"), {H * G * W, D}, in.q.data());
+    std::vector<double> q64(in.q.begin(), in.q.end());
+    npy::save<double>(path("q_f8.npy"), {H * G, W, D}, q64.data());
+    std::vector<float> qn = in.q;
+    qn[std::size_t((3 * W + 5) * D + 7)] = std::numeric_limits<float>::infinity();
+    npy::save<float>(path("q_inf.npy"), {H * G, W, D}, qn.data());
+    npy::save<float>(path("q_dim.npy"), {H * G, 2 * W, D / 2}, in.q.data());  // head_dim 8 != 16
+    npy::save<float>(path("q_heads.npy"), {3, W, D}, randn(std::size_t(3 * W * D), 5).data());
+    npy::save<float>(path("q_long.npy"), {H * G, 64, D}, randn(std::size_t(H * G * 64 * D), 6).data());
+    npy::save<float>(path("q_empty.npy"), {H * G, 0, D}, in.q.data());
+    const std::string whole = slurp(q);
+    std::ofstream(path("q_trunc.npy"), std::ios::binary) << whole.substr(0, whole.size() - 4);
+  }
+  SECTION("command line") {
+    check_bad(base, "missing required flag --queries");
+    check_bad("score --method knorm --keys " + k + " --out " + out + " --queries " + q,
+              "--queries applies only to --method snapkv");
+    check_bad("score --method l2 --keys " + k + " --out " + out + " --group 2", "--group applies only to --method snapkv");
+    check_bad("score --method knorm --keys " + k + " --out " + out + " --window 8",
+              "--window applies only to --method windowed-l2 or snapkv");
+    check_bad(base + " --queries " + q + " --group 0", "--group must be > 0 (got 0)");
+    check_bad(base + " --queries " + q + " --group two", "--group: 'two' is not an integer");
+    check_bad(base + " --queries " + q + " --window 0", "--window must be > 0 (got 0)");
+    check_bad(base + " --queries " + q + " --queries " + q, "--queries given more than once");
+    check_bad(base + " --queries " + q + " --filters " + q, "--filters applies only to --method qfilter");
+  }
+  SECTION("values that do not match") {
+    check_bad(base + " --queries " + q + " --window 4", "--window 4 does not match the 8 queries per head of " + q);
+    check_bad(base + " --queries " + q + " --group 4", "--group 4 does not match q_heads / heads = 4 / 2 = 2");
+    check_bad(base + " --queries " + path("q_dim.npy"), "have head_dim 8 but keys " + k + " have head_dim 16");
+    check_bad(base + " --queries " + path("q_heads.npy"), "q_heads 3 is not a multiple of the 2 heads of keys");
+    check_bad(base + " --queries " + path("q_long.npy"), "hold 64 queries per head, more than the 40 tokens");
+  }
+  SECTION("queries file") {
+    check_bad(base + " --queries " + path("missing.npy"), "missing.npy: cannot open");
+    check_bad(base + " --queries " + path("q_trunc.npy"), "q_trunc.npy: truncated");
+    check_bad(base + " --queries " + path("q_2d.npy"), "q_2d.npy: queries must have shape [q_heads, window, head_dim], got 2 dimensions");
+    check_bad(base + " --queries " + path("q_f8.npy"), "q_f8.npy: queries dtype '<f8' not supported");
+    check_bad(base + " --queries " + path("q_inf.npy"), "q_inf.npy: kvscore::SnapKV: query value inf at [head 3, query 5, dim 7] is not finite");
+    check_bad(base + " --queries " + path("q_empty.npy"), "q_empty.npy: queries [4, 0, 16] need");
+  }
+  SECTION("keys file") {
+    check_bad("score --method snapkv --queries " + q + " --out " + out + " --keys " + path("nokeys.npy"),
+              "nokeys.npy: cannot open");
+  }
+}

@@ -1,10 +1,11 @@
 // tools/cli.hpp — shared pieces of the `kvscore` command-line tool: the subcommand
 // interface, a small flag parser, strict number parsing.
 //
-// Adding a subcommand (select, eval, synth, ...): write tools/cmd_<name>.cpp defining
-// `int cmd_<name>(const Args&)` and `extern const char* const k<Name>Usage`, declare
-// them below, add one row to kCommands in kvscore_cli.cpp and the source file to
-// tools/CMakeLists.txt. Subcommands report bad input by throwing (UsageError,
+// Adding a subcommand: write tools/cmd_<name>.cpp (every tools/*.cpp is built into the
+// tool) with its run function, flag list and usage text, and register it at namespace
+// scope with
+//   KVSCORE_CLI_COMMAND(name, "name", "one-line summary", run_fn, kFlags, kUsage);
+// `kvscore --help` lists the registered commands sorted by name. Subcommands report bad input by throwing (UsageError,
 // std::invalid_argument, npy::error, ...); main() turns every exception into one
 // `kvscore: ...` line on stderr and exit code 2.
 #pragma once
@@ -62,14 +63,28 @@ std::int64_t parse_int(const std::string& text, const std::string& what);
 void save_f32_npy_atomic(const std::string& path, const std::vector<std::int64_t>& shape, const float* data);
 
 // ---- subcommands
-int cmd_score(const Args& args);
-int cmd_select(const Args& args);
-int cmd_version(const Args& args);
-extern const std::vector<FlagSpec> kScoreFlags;
-extern const std::vector<FlagSpec> kSelectFlags;
-extern const std::vector<FlagSpec> kVersionFlags;
-extern const char* const kScoreUsage;
-extern const char* const kSelectUsage;
-extern const char* const kVersionUsage;
+
+/// One subcommand of the tool.
+struct Command {
+  const char* name;                      ///< as typed: "score"
+  const char* summary;                   ///< one line for `kvscore --help`
+  int (*run)(const Args&);               ///< returns the exit code; throws on bad input
+  const std::vector<FlagSpec>* flags;    ///< the flags it accepts
+  const char* const* usage;              ///< its --help text
+};
+
+/// Every registered subcommand (filled before main() by KVSCORE_CLI_COMMAND).
+inline std::vector<Command>& command_registry() {
+  static std::vector<Command> commands;
+  return commands;
+}
+
+struct RegisterCommand {
+  explicit RegisterCommand(const Command& c) { command_registry().push_back(c); }
+};
+
+#define KVSCORE_CLI_COMMAND(ident, name, summary, run, flags, usage) \
+  const ::kvscore::cli::RegisterCommand kvscore_cli_command_##ident{     \
+      ::kvscore::cli::Command{name, summary, run, &(flags), &(usage)}}
 
 }  // namespace kvscore::cli

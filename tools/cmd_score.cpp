@@ -240,4 +240,6 @@ int cmd_score(const Args& args) {
   return kExitOk;
 }
 
+KVSCORE_CLI_COMMAND(score, "score", "score every token of one layer's keys (.npy in, .npy out)", cmd_score, kScoreFlags, kScoreUsage);
+
 }  // namespace kvscore::cli

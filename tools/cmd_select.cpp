@@ -157,4 +157,6 @@ int cmd_select(const Args& args) {
   return kExitOk;
 }
 
+KVSCORE_CLI_COMMAND(select, "select", "choose the tokens to keep from scores (.npy in, kept positions .npy out)", cmd_select, kSelectFlags, kSelectUsage);
+
 }  // namespace kvscore::cli

@@ -29,4 +29,6 @@ int cmd_version(const Args&) {
   return std::fflush(stdout) == 0 ? kExitOk : kExitBadInput;
 }
 
+KVSCORE_CLI_COMMAND(version, "version", "print the version and the SIMD kernel table in use", cmd_version, kVersionFlags, kVersionUsage);
+
 }  // namespace kvscore::cli

@@ -5,7 +5,9 @@
 //
 // Exit codes: 0 success (and --help), 2 any error: exactly one line on stderr,
 // starting with "kvscore: ". See docs/cli.md.
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -17,20 +19,15 @@ namespace {
 
 using namespace kvscore::cli;
 
-struct Command {
-  const char* name;
-  const char* summary;
-  int (*run)(const Args&);
-  const std::vector<FlagSpec>* flags;
-  const char* const* usage;
-};
-
-// One row per subcommand; see cli.hpp for how to add one.
-const Command kCommands[] = {
-    {"score", "score every token of one layer's keys (.npy in, .npy out)", cmd_score, &kScoreFlags, &kScoreUsage},
-    {"select", "choose the tokens to keep from scores (.npy in, kept positions .npy out)", cmd_select, &kSelectFlags, &kSelectUsage},
-    {"version", "print the version and the SIMD kernel table in use", cmd_version, &kVersionFlags, &kVersionUsage},
-};
+/// The registered subcommands, sorted by name.
+const std::vector<Command>& commands() {
+  static const std::vector<Command> sorted = [] {
+    std::vector<Command> v = command_registry();
+    std::sort(v.begin(), v.end(), [](const Command& a, const Command& b) { return std::strcmp(a.name, b.name) < 0; });
+    return v;
+  }();
+  return sorted;
+}
 
 void print_usage(std::FILE* to) {
   std::fprintf(to,
@@ -40,7 +37,7 @@ void print_usage(std::FILE* to) {
                "KV-cache token scorers for LLM inference engines.\n"
                "\n"
                "commands:\n");
-  for (const Command& c : kCommands) std::fprintf(to, "  %-9s %s\n", c.name, c.summary);
+  for (const Command& c : commands()) std::fprintf(to, "  %-16s %s\n", c.name, c.summary);
   std::fprintf(to,
                "\n"
                "exit codes: 0 success, 2 bad input or failure (one 'kvscore: ...' line on stderr)\n");
@@ -70,13 +67,13 @@ int fail(const std::string& message) {
 
 int run(int argc, char** argv) {
   if (argc < 2) return fail("missing command (try 'kvscore --help')");
-  const std::string cmd = argv[1];
+  std::string cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
     print_usage(stdout);
     return kExitOk;
   }
-  if (cmd == "--version") return cmd_version(Args({}, kVersionFlags, "version"));
-  for (const Command& c : kCommands) {
+  if (cmd == "--version") cmd = "version";
+  for (const Command& c : commands()) {
     if (cmd != c.name) continue;
     const Args args(std::vector<std::string>(argv + 2, argv + argc), *c.flags, c.name);
     if (args.help()) {

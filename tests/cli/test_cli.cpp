@@ -21,58 +21,23 @@
 
 #include <kvscore/kvscore.hpp>
 
-#ifndef KVSCORE_CLI_PATH
-#error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"
-#endif
+#include "cli_harness.hpp"
 
 namespace fs = std::filesystem;
 namespace npy = kvscore::npy;
 
 namespace {
 
-/// A per-process scratch directory, removed at exit.
-struct ScratchDir {
-  fs::path path;
-  ScratchDir() : path(fs::temp_directory_path() / ("kvscore_test_cli_" + std::to_string(static_cast<long long>(::getpid())))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using cli_test::Result;
 
-const fs::path& tmp() {
-  static const ScratchDir dir;
-  return dir.path;
+const cli_test::ScratchDir& dir() {
+  static const cli_test::ScratchDir d("score");
+  return d;
 }
-
-std::string path(const std::string& name) { return (tmp() / name).string(); }
-
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-struct Result {
-  int rc = -1;
-  std::string out, err;
-};
-
-/// Runs `kvscore <args>` through /bin/sh; args are shell words (paths here need no quoting).
-Result cli(const std::string& args) {
-  const std::string out = path("stdout.txt"), err = path("stderr.txt");
-  const std::string cmd = std::string("'") + KVSCORE_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int status = std::system(cmd.c_str());
-  Result r;
-  REQUIRE(status != -1);
-  REQUIRE(WIFEXITED(status));  // never a crash / signal
-  r.rc = WEXITSTATUS(status);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
+const std::filesystem::path& tmp() { return dir().path; }
+std::string path(const std::string& name) { return dir().file(name); }
+std::string slurp(const std::string& p) { return cli_test::slurp(p); }
+cli_test::Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
 std::vector<float> randn(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
@@ -170,18 +135,10 @@ void check_bad(const std::string& args, const std::string& needle) {
   INFO("kvscore " << args);
   const std::string out = path("bad_out.npy");
   fs::remove(out);
-  const Result r = cli(args);
-  INFO("stderr: " << r.err);
-  CHECK(r.rc == 2);
-  CHECK(r.out.empty());
-  REQUIRE(!r.err.empty());
-  CHECK(r.err.rfind("kvscore: ", 0) == 0);
-  CHECK(r.err.back() == '\n');
-  CHECK(r.err.find('\n') == r.err.size() - 1);  // exactly one line
-  CHECK(r.err.find(needle) != std::string::npos);
+  const cli_test::Result r = cli(args);
+  cli_test::check_error(r, needle);
   CHECK(!fs::exists(out));
-  for (const auto& e : fs::directory_iterator(tmp()))  // no temporary output left either
-    CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+  cli_test::check_no_temporaries(dir());
 }
 
 }  // namespace

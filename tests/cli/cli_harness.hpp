@@ -1,0 +1,93 @@
+// tests/cli/cli_harness.hpp — what every test of the `kvscore` tool shares: a scratch
+// directory per suite and process, running the tool as a process (KVSCORE_CLI_PATH), and
+// the error contract (exit 2, empty stdout, exactly one "kvscore: " line on stderr).
+//
+// In a test file:
+//   const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("select"); return d; }
+//   cli_test::Result r = cli_test::run(dir(), "select --scores " + dir().file("s.npy") + " ...");
+//   cli_test::check_error(r, "needle");
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <system_error>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef KVSCORE_CLI_PATH
+#error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"
+#endif
+
+namespace cli_test {
+
+namespace fs = std::filesystem;
+
+/// A scratch directory for one suite in this process, removed at exit.
+struct ScratchDir {
+  fs::path path;
+  explicit ScratchDir(const std::string& suite)
+      : path(fs::temp_directory_path() /
+             ("kvscore_test_cli_" + suite + "_" + std::to_string(static_cast<long long>(::getpid())))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+inline std::string slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+struct Result {
+  int rc = -1;
+  std::string out, err;
+};
+
+/// Runs `kvscore <args>` through /bin/sh; args are shell words (scratch paths need no quoting).
+/// A crash or a signal fails the test: the tool must always exit.
+inline Result run(const ScratchDir& dir, const std::string& args) {
+  const std::string out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
+  const std::string cmd = std::string("'") + KVSCORE_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  REQUIRE(status != -1);
+  REQUIRE(WIFEXITED(status));
+  r.rc = WEXITSTATUS(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+/// The error contract: exit 2, nothing on stdout, exactly one line on stderr that starts
+/// with "kvscore: " and contains `needle`.
+inline void check_error(const Result& r, const std::string& needle) {
+  INFO("stderr: " << r.err);
+  CHECK(r.rc == 2);
+  CHECK(r.out.empty());
+  REQUIRE(!r.err.empty());
+  CHECK(r.err.rfind("kvscore: ", 0) == 0);
+  CHECK(r.err.back() == '\n');
+  CHECK(r.err.find('\n') == r.err.size() - 1);
+  CHECK(r.err.find(needle) != std::string::npos);
+}
+
+/// No temporary output (atomic writes go through "<name>.tmp-*") left in the directory.
+inline void check_no_temporaries(const ScratchDir& dir) {
+  for (const auto& e : fs::directory_iterator(dir.path))
+    CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+}
+
+}  // namespace cli_test

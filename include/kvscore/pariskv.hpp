@@ -1,0 +1,1079 @@
+// kvscore/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
+// index over the keys, built by streaming append, searched once per decoding step.
+//
+//   kvscore::ParisKV index(head_dim);              // m = 8, fixed seed, converged Lloyd–Max codebook
+//   index.append(keys_of_head, n, row_stride);     // prefill, then any number of decoded keys at a time
+//   kvscore::ParisKVResult r = index.search(q);    // top-100 positions (ascending) + estimated scores
+//
+// Encoding of a key k (data independent, so keys appended late are coded exactly as if they
+// had been there from the start — no stale centroids):
+//   k̂ = k/‖k‖, k̃ = R k̂ with R = H·D/√P (D: seeded ±1 signs, H: Walsh–Hadamard, P = the next
+//   power of two ≥ head_dim; k̂ is zero-padded to P, which keeps R orthonormal on R^d);
+//   k̃ splits into B = P/m subspaces of m dims; per subspace b: r_b = ‖k̃_b‖, u_b = k̃_b/r_b,
+//   centroid id = bit-pack of (k̃_b,j ≥ 0), 4-bit code per coordinate = sign bit (bit 3 set =
+//   negative) + 3-bit magnitude bin t_j of |u_j| (Lloyd–Max thresholds τ), v_j = ±a[t_j],
+//   α_b = ⟨v_b, u_b⟩ = Σ_j a[t_j]|u_j|, w_b = ‖k‖·r_b/α_b (r_b = 0 → w_b = 0).
+// Search for a query q (pariskv.txt App. B.2):
+//   Stage I  per subspace, rank the 2^m sign patterns s by ⟨q̃_b, s⟩ (ties: lower pattern id);
+//            with R = ⌈ρN⌉ and tiers r = 5/15/30/50/75/100 %, a pattern whose better-ranked
+//            patterns hold `before` keys gets weight #{t : before < ⌈R·r_t⌉} ∈ 0..6; the
+//            collision score S_i = Σ_b weight_b(id_{i,b}) ∈ [0, 6B]. The C = ⌈βN⌉ keys with the
+//            largest S (ties: lower position) are the candidates (histogram, no sort).
+//   Stage II RSQ-IP estimate ‖q‖·Σ_b w_b⟨v_b, q̃_b⟩ for every candidate; the top k (ties: lower
+//            position, via kvscore::select) are returned in ascending position order.
+//   Optional exact rerank (rerank_exact = k' ≥ k, needs the full-precision keys): the top k'
+//            by RSQ-IP are rescored exactly with the library's SIMD dot kernel, top k of those.
+// (β, ρ) default by length N: N<5K (0.50, 0.50); <10K (0.25, 0.30); <30K (0.20, 0.25); else
+// (0.10, 0.20). C is never below the number of results asked for (max(k, k')).
+//
+// Determinism: one query runs on one thread; every step is a fixed sequence of fp32/fp64 and
+// integer operations, so results are identical across runs and thread counts (the multi-head
+// helper parallelises over heads only). The AVX-512 and portable kernel sets may differ in the
+// last bits of the RSQ-IP estimates (different summation order); the collision scores are
+// integers and identical.
+// Errors: std::invalid_argument naming the value — keys or queries with a NaN/Inf element or
+// a squared norm that overflows fp32 (the library's invalid-row rule; an append is atomic, a
+// rejected batch leaves the index unchanged), head_dim outside [1, 4096], m not a power of two
+// in [2, 16] dividing P, k > N, β or ρ outside (0, 1], k' < k. A zero key is valid: its ids are
+// the all-ones pattern, w = 0, so its estimate is exactly its inner product, 0. A zero query
+// returns the first k positions with score 0 (every inner product ties at 0).
+// See docs/pariskv.md.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define KVSCORE_PARISKV_X86 1
+#endif
+
+#include "kvscore/detail/cpu.hpp"
+#include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/select.hpp"
+#include "kvscore/simd/dispatch.hpp"
+#include "kvscore/view.hpp"
+
+namespace kvscore {
+
+namespace pariskv {
+
+/// Default rotation seed: every index built with it shares one rotation (as the public code
+/// shares one sign vector across heads).
+inline constexpr std::uint64_t kDefaultSeed = 0x9A815C0DE5EEDull;
+
+/// splitmix64: a fixed integer recurrence, so the rotation is the same on every platform
+/// (no std::*_distribution, whose output is implementation-defined).
+struct SplitMix64 {
+  std::uint64_t state;
+  explicit SplitMix64(std::uint64_t seed) noexcept : state(seed) {}
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+// ------------------------------------------------------------------ Lloyd–Max quantiser
+
+/// The 3-bit magnitude quantiser of |u_j|, u uniform on S^{m-1}.
+struct Codebook {
+  int m = 0;
+  int iterations = 0;                     ///< Lloyd steps taken
+  std::array<double, 7> thresholds{};     ///< τ_1 < … < τ_7; bin t = #{τ ≤ |u_j|}
+  std::array<double, 8> centres{};        ///< a[0] < … < a[7]
+};
+
+namespace detail {
+
+/// ∫_0^φ sin^n(t) dt by the reduction formula I_n = −sin^{n−1}φ cosφ / n + (n−1)/n · I_{n−2}.
+inline double sin_pow_integral(int n, double phi) noexcept {
+  const double s = std::sin(phi), c = std::cos(phi);
+  double I = (n % 2 == 0) ? phi : 1.0 - c;
+  double sp = (n % 2 == 0) ? s : s * s;  // sin^{k-1} for the next k
+  for (int k = (n % 2 == 0) ? 2 : 3; k <= n; k += 2) {
+    I = -sp * c / double(k) + double(k - 1) / double(k) * I;
+    sp *= s * s;
+  }
+  return I;
+}
+
+// X = |u_j| has density ∝ (1 − x²)^((m−3)/2) on [0, 1]; with x = cos φ that is ∝ sin^{m−2}φ dφ,
+// which is smooth for every m ≥ 2 (m = 2 has an integrable pole at x = 1 in x).
+/// Unnormalised mass of X in [a, b].
+inline double x_mass(int m, double a, double b) noexcept {
+  return sin_pow_integral(m - 2, std::acos(a)) - sin_pow_integral(m - 2, std::acos(b));
+}
+/// Unnormalised ∫_a^b x·density: ∫ cosφ sin^{m−2}φ dφ = sin^{m−1}φ/(m−1), sin(acos x) = √(1−x²).
+inline double x_moment(int m, double a, double b) noexcept {
+  const double e = 0.5 * double(m - 1);
+  return (std::pow(1.0 - a * a, e) - std::pow(1.0 - b * b, e)) / double(m - 1);
+}
+
+inline void check_codebook_m(int m, const char* who) {
+  if (m < 2 || m > 64)
+    throw std::invalid_argument(std::string(who) + ": m must be in [2, 64] (got " + std::to_string(m) + ")");
+}
+
+}  // namespace detail
+
+/// P(|u_j| ≤ x) for u uniform on S^{m−1}, i.e. the CDF of √Beta(1/2, (m−1)/2).
+inline double abs_coord_cdf(int m, double x) {
+  detail::check_codebook_m(m, "kvscore::pariskv::abs_coord_cdf");
+  if (!(x > 0)) return 0;
+  if (x >= 1) return 1;
+  return detail::x_mass(m, 0, x) / detail::x_mass(m, 0, 1);
+}
+
+/// Lloyd–Max 8-level quantiser of |u_j| (pariskv.txt App. B.1.2) from a quantile start
+/// (thresholds at the CDF quantiles 1/8 … 7/8). Each step: centres = conditional means of the
+/// cells, thresholds = midpoints of adjacent centres. iterations = 0 runs to convergence (no
+/// threshold moves by more than 1e-14); iterations = 100 reproduces the public table to 2e-4.
+/// Integrals are exact (reduction formula), so the result is deterministic.
+inline Codebook lloyd_max(int m, int iterations = 0) {
+  const char* who = "kvscore::pariskv::lloyd_max";
+  detail::check_codebook_m(m, who);
+  if (iterations < 0)
+    throw std::invalid_argument(std::string(who) + ": iterations must be >= 0 (got " + std::to_string(iterations) + ")");
+  Codebook cb;
+  cb.m = m;
+  const double total = detail::x_mass(m, 0, 1);
+  for (int i = 0; i < 7; ++i) {  // quantile start by bisection on the CDF
+    double lo = 0, hi = 1;
+    for (int it = 0; it < 100; ++it) {
+      const double mid = 0.5 * (lo + hi);
+      (detail::x_mass(m, 0, mid) / total < double(i + 1) / 8.0 ? lo : hi) = mid;
+    }
+    cb.thresholds[std::size_t(i)] = 0.5 * (lo + hi);
+  }
+  const int cap = iterations > 0 ? iterations : 1000000;
+  int it = 0;
+  for (; it < cap; ++it) {
+    for (int t = 0; t < 8; ++t) {
+      const double a = t == 0 ? 0.0 : cb.thresholds[std::size_t(t - 1)];
+      const double b = t == 7 ? 1.0 : cb.thresholds[std::size_t(t)];
+      cb.centres[std::size_t(t)] = detail::x_moment(m, a, b) / detail::x_mass(m, a, b);
+    }
+    double moved = 0;
+    for (int t = 0; t < 7; ++t) {
+      const double nt = 0.5 * (cb.centres[std::size_t(t)] + cb.centres[std::size_t(t + 1)]);
+      moved = std::max(moved, std::fabs(nt - cb.thresholds[std::size_t(t)]));
+      cb.thresholds[std::size_t(t)] = nt;
+    }
+    if (iterations == 0 && moved < 1e-14) {
+      ++it;
+      break;
+    }
+  }
+  cb.iterations = it;
+  return cb;
+}
+
+// ------------------------------------------------------------------ rotation
+
+/// R = H·D/√P on the zero-padded vector: D = diag(±1) from splitmix64(seed) (bit 63 of each
+/// draw), H the unnormalised Walsh–Hadamard matrix (in-place butterflies, O(P log P)).
+/// H/√P is orthonormal and zero padding is an isometry R^d → R^P, so ⟨Rx, Ry⟩ = ⟨x, y⟩.
+class Rotation {
+ public:
+  Rotation() = default;
+  Rotation(std::int64_t head_dim, std::uint64_t seed) : d_(head_dim) {
+    if (head_dim < 1 || head_dim > kMaxHeadDim)
+      throw std::invalid_argument("kvscore::pariskv::Rotation: head_dim must be in [1, " + std::to_string(kMaxHeadDim) +
+                                  "] (got " + std::to_string(head_dim) + ")");
+    p_ = 1;
+    while (p_ < head_dim) p_ *= 2;
+    signs_.resize(std::size_t(p_));
+    SplitMix64 rng(seed);
+    const float scale = float(1.0 / std::sqrt(double(p_)));
+    for (auto& s : signs_) s = (rng.next() >> 63) ? -scale : scale;
+  }
+  std::int64_t dim() const noexcept { return d_; }
+  std::int64_t padded_dim() const noexcept { return p_; }
+  /// Signs times 1/√P, one per padded coordinate.
+  const std::vector<float>& scaled_signs() const noexcept { return signs_; }
+
+  /// y[0..P) = R·pad(x); x has dim() values.
+  void apply(const float* x, float* y) const noexcept {
+    for (std::int64_t j = 0; j < p_; ++j) y[j] = j < d_ ? x[j] * signs_[std::size_t(j)] : 0.f;
+    fwht(y, p_);
+  }
+
+  static void fwht(float* y, std::int64_t p) noexcept {
+    for (std::int64_t h = 1; h < p; h *= 2)
+      for (std::int64_t i = 0; i < p; i += 2 * h)
+        for (std::int64_t j = i; j < i + h; ++j) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b;
+          y[j + h] = a - b;
+        }
+  }
+
+ private:
+  std::int64_t d_ = 0, p_ = 0;
+  std::vector<float> signs_;
+};
+
+/// Length-adaptive (β, ρ) from the public code: N<5K (0.50, 0.50); <10K (0.25, 0.30);
+/// <30K (0.20, 0.25); ≥30K (0.10, 0.20). (K = 1000 tokens.)
+struct Ratios {
+  double beta, rho;
+};
+inline Ratios default_ratios(std::int64_t n) noexcept {
+  if (n < 5000) return {0.50, 0.50};
+  if (n < 10000) return {0.25, 0.30};
+  if (n < 30000) return {0.20, 0.25};
+  return {0.10, 0.20};
+}
+
+/// ⌈x·N⌉ for a ratio x in (0, 1], computed so that float fuzz in x·N (0.2·100 =
+/// 20.000000000000004) does not add a key: ⌈x·N·(1 − 1e−12)⌉, clipped to [1, N].
+inline std::int64_t ratio_count(double x, std::int64_t n) noexcept {
+  if (n <= 0) return 0;
+  const double c = std::ceil(x * double(n) * (1.0 - 1e-12));
+  return std::max<std::int64_t>(1, std::min<std::int64_t>(n, std::int64_t(c)));
+}
+
+inline constexpr int kTiers = 6;
+inline constexpr int kTierPercent[kTiers] = {5, 15, 30, 50, 75, 100};
+
+/// Kernel sets of the search (tests and comparisons force one; `best` picks at run time).
+enum class Kernels { best, avx512, portable };
+
+namespace detail {
+
+#if defined(KVSCORE_PARISKV_X86)
+#define KVSCORE_PARISKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,popcnt,bmi,bmi2")))
+#define KVSCORE_PARISKV_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,popcnt,bmi,bmi2")))
+inline bool cpu_has_vbmi() noexcept {
+  const auto& f = kvscore::detail::cpu();
+  if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)) return false;
+  unsigned a, b, c, d;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  return (c & (1u << 1)) != 0 && (b & (1u << 3)) != 0 && (b & (1u << 8)) != 0;  // VBMI, BMI1, BMI2
+}
+#else
+inline bool cpu_has_vbmi() noexcept { return false; }
+#endif
+
+/// Whether the AVX-512 set (F, BW, VL, DQ, VBMI, BMI1/2) runs on this CPU.
+inline bool avx512_ok() noexcept {
+  static const bool ok = cpu_has_vbmi();
+  return ok;
+}
+
+// ---- Stage I: collision scores for a block-major id layout [block][B][64].
+
+template <class Id, class S>
+void collide_portable(const Id* ids, std::int64_t blocks, std::int64_t B, std::int64_t ncentroids, const std::uint8_t* tbl,
+                      S* out) noexcept {
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    S acc[64] = {};
+    const Id* p = ids + blk * B * 64;
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::uint8_t* t = tbl + b * ncentroids;
+      for (int l = 0; l < 64; ++l) acc[l] = S(acc[l] + t[p[b * 64 + l]]);
+    }
+    std::memcpy(out + blk * 64, acc, sizeof(acc));
+  }
+}
+
+#if defined(KVSCORE_PARISKV_X86)
+/// 64 keys at a time: a 256-entry byte table lookup = two 128-entry vpermi2b + a blend on bit 7.
+KVSCORE_PARISKV_VBMI inline void collide_vbmi(const std::uint8_t* ids, std::int64_t blocks, std::int64_t B,
+                                              const std::uint8_t* tbl, std::uint8_t* out) noexcept {
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    __m512i acc = _mm512_setzero_si512();
+    const std::uint8_t* p = ids + blk * B * 64;
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::uint8_t* t = tbl + b * 256;
+      const __m512i id = _mm512_loadu_si512(p + b * 64);
+      const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), id, _mm512_loadu_si512(t + 64));
+      const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), id, _mm512_loadu_si512(t + 192));
+      acc = _mm512_add_epi8(acc, _mm512_mask_blend_epi8(_mm512_movepi8_mask(id), lo, hi));
+    }
+    _mm512_storeu_si512(out + blk * 64, acc);
+  }
+}
+#endif
+
+// ---- Candidate selection on small-range integer scores (bucket top-k, deterministic).
+
+/// Threshold T and the number of keys equal to T to take (lowest positions first) so that
+/// exactly c keys are kept: those with S > T plus the first `need_eq` with S == T.
+template <class S>
+void bucket_threshold(const S* s, std::int64_t n, std::int64_t c, std::int64_t max_score, std::vector<std::int64_t>& hist,
+                      std::int64_t* T, std::int64_t* need_eq) {
+  hist.assign(std::size_t(max_score + 1) * 4, 0);
+  std::int64_t* h0 = hist.data();
+  std::int64_t* h1 = h0 + (max_score + 1);
+  std::int64_t* h2 = h1 + (max_score + 1);
+  std::int64_t* h3 = h2 + (max_score + 1);
+  std::int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {  // four sub-histograms: no store-to-load stalls on repeated bins
+    ++h0[s[i]];
+    ++h1[s[i + 1]];
+    ++h2[s[i + 2]];
+    ++h3[s[i + 3]];
+  }
+  for (; i < n; ++i) ++h0[s[i]];
+  std::int64_t above = 0;
+  for (std::int64_t v = max_score; v >= 0; --v) {
+    const std::int64_t cnt = h0[v] + h1[v] + h2[v] + h3[v];
+    if (above + cnt >= c) {
+      *T = v;
+      *need_eq = c - above;
+      return;
+    }
+    above += cnt;
+  }
+  *T = 0;
+  *need_eq = c - above;  // unreachable for c <= n
+}
+
+template <class S>
+std::int64_t bucket_collect_portable(const S* s, std::int64_t n, std::int64_t T, std::int64_t need_eq,
+                                     std::int64_t* out) noexcept {
+  std::int64_t j = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const bool take = std::int64_t(s[i]) > T || (std::int64_t(s[i]) == T && need_eq > 0);
+    if (std::int64_t(s[i]) == T && need_eq > 0) --need_eq;
+    if (take) out[j++] = i;
+  }
+  return j;
+}
+
+#if defined(KVSCORE_PARISKV_X86)
+KVSCORE_PARISKV_VBMI inline std::int64_t bucket_collect_avx512(const std::uint8_t* s, std::int64_t n, std::int64_t T,
+                                                               std::int64_t need_eq, std::int64_t* out) noexcept {
+  const __m512i t = _mm512_set1_epi8(char(T));
+  std::int64_t j = 0, i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i v = _mm512_loadu_si512(s + i);
+    std::uint64_t gt = _mm512_cmpgt_epu8_mask(v, t);
+    std::uint64_t eq = _mm512_cmpeq_epu8_mask(v, t);
+    if (need_eq <= 0) {
+      eq = 0;
+    } else {
+      const std::int64_t ne = __builtin_popcountll(eq);
+      if (ne > need_eq) eq = _pdep_u64((std::uint64_t(1) << need_eq) - 1, eq);  // the lowest need_eq of them
+      need_eq -= std::min(ne, need_eq);
+    }
+    std::uint64_t m = gt | eq;
+    while (m) {
+      out[j++] = i + __builtin_ctzll(m);
+      m &= m - 1;
+    }
+  }
+  for (; i < n; ++i) {
+    const bool take = std::int64_t(s[i]) > T || (std::int64_t(s[i]) == T && need_eq > 0);
+    if (std::int64_t(s[i]) == T && need_eq > 0) --need_eq;
+    if (take) out[j++] = i;
+  }
+  return j;
+}
+#endif
+
+// ---- Stage II: RSQ-IP estimates.
+//
+// Codes of one key: Pc/2 bytes (Pc = padded dim rounded up to 32); coordinate j = 32g + r
+// lives in byte 16g + (r mod 16), low nibble for r < 16, high nibble otherwise — so one
+// 16-byte load widened to 16 int32 gives the codes of 16 coordinates (low nibbles; vpermps
+// reads only the low 4 index bits) and a shift by 4 gives the next 16.
+
+struct RerankPlan {
+  const std::uint8_t* codes;  ///< [N][cb]
+  std::int64_t cb;            ///< code bytes per key
+  const float* w;             ///< [N][B] (+32 padding floats)
+  std::int64_t B, m, pc;
+  const float* qrot;   ///< [pc], zero past the padded dim
+  const float* value;  ///< 16 code values ±a[t]
+  const std::int32_t* widx;  ///< [pc/16][16] lane -> subspace - first
+  const std::int32_t* wfirst;  ///< [pc/16] first subspace of each 16-lane group
+  float qnorm;
+};
+
+inline float rsq_ip_portable_one(const RerankPlan& p, std::int64_t i) noexcept {
+  const std::uint8_t* c = p.codes + i * p.cb;
+  const float* w = p.w + i * p.B;
+  float prod[kMaxHeadDim];
+  for (std::int64_t g = 0; g < p.pc / 32; ++g)
+    for (std::int64_t r = 0; r < 16; ++r) {
+      const std::uint8_t byte = c[g * 16 + r];
+      prod[32 * g + r] = p.value[byte & 15] * p.qrot[32 * g + r];
+      prod[32 * g + 16 + r] = p.value[byte >> 4] * p.qrot[32 * g + 16 + r];
+    }
+  float est = 0.f;
+  for (std::int64_t b = 0; b < p.B; ++b) {
+    float dot = 0.f;
+    for (std::int64_t j = b * p.m; j < (b + 1) * p.m; ++j) dot += prod[j];
+    est += w[b] * dot;
+  }
+  return est * p.qnorm;
+}
+
+#if defined(KVSCORE_PARISKV_X86)
+KVSCORE_PARISKV_AVX512 inline float rsq_ip_avx512_one(const RerankPlan& p, std::int64_t i) noexcept {
+  const std::uint8_t* c = p.codes + i * p.cb;
+  const float* w = p.w + i * p.B;
+  const __m512 vt = _mm512_loadu_ps(p.value);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (std::int64_t g = 0; g < p.pc / 32; ++g) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16)));
+    const __m512 vlo = _mm512_permutexvar_ps(bytes, vt);
+    const __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), vt);
+    const std::int64_t gl = 2 * g, gh = 2 * g + 1;
+    const __m512 wl = _mm512_permutexvar_ps(_mm512_loadu_si512(p.widx + gl * 16), _mm512_loadu_ps(w + p.wfirst[gl]));
+    const __m512 wh = _mm512_permutexvar_ps(_mm512_loadu_si512(p.widx + gh * 16), _mm512_loadu_ps(w + p.wfirst[gh]));
+    acc0 = _mm512_fmadd_ps(_mm512_mul_ps(vlo, _mm512_loadu_ps(p.qrot + gl * 16)), wl, acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_mul_ps(vhi, _mm512_loadu_ps(p.qrot + gh * 16)), wh, acc1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * p.qnorm;
+}
+KVSCORE_PARISKV_AVX512 inline void rsq_ip_avx512(const RerankPlan& p, const std::int64_t* cand, std::int64_t n,
+                                                 float* out) noexcept {
+  for (std::int64_t c = 0; c < n; ++c) {
+    if (c + 8 < n) {  // the next candidates' codes and weights are scattered: fetch them early
+      const std::int64_t nx = cand != nullptr ? cand[c + 8] : c + 8;
+      _mm_prefetch(reinterpret_cast<const char*>(p.codes + nx * p.cb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + nx * p.B), _MM_HINT_T0);
+    }
+    out[c] = rsq_ip_avx512_one(p, cand != nullptr ? cand[c] : c);
+  }
+}
+#endif
+
+inline void rsq_ip(const RerankPlan& p, const std::int64_t* cand, std::int64_t n, float* out, bool vec) noexcept {
+#if defined(KVSCORE_PARISKV_X86)
+  if (vec) {
+    rsq_ip_avx512(p, cand, n, out);
+    return;
+  }
+#endif
+  (void)vec;
+  for (std::int64_t c = 0; c < n; ++c) out[c] = rsq_ip_portable_one(p, cand != nullptr ? cand[c] : c);
+}
+
+[[noreturn]] inline void fail(const std::string& what) { throw std::invalid_argument(what); }
+
+}  // namespace detail
+}  // namespace pariskv
+
+/// Index configuration (fixed at construction).
+struct ParisKVConfig {
+  std::int64_t m = 8;                          ///< subspace dimension: a power of two in [2, 16] dividing P
+  std::uint64_t seed = pariskv::kDefaultSeed;  ///< rotation signs
+  int codebook_iterations = 0;                 ///< Lloyd steps; 0 = converged optimum (default), 100 = public table
+};
+
+/// Options of one search.
+struct ParisKVSearch {
+  std::int64_t k = 100;            ///< results per query, 0 <= k <= N
+  double beta = 0;                 ///< candidate ratio in (0, 1]; 0 = length-adaptive default
+  double rho = 0;                  ///< collision ratio in (0, 1]; 0 = length-adaptive default
+  std::int64_t rerank_exact = 0;   ///< k' >= k: rescore the top k' exactly (needs the keys); 0 = off
+  pariskv::Kernels kernels = pariskv::Kernels::best;
+};
+
+/// Result of one search: positions ascending, scores[i] belongs to positions[i] (RSQ-IP
+/// estimates; exact inner products when rerank_exact is on).
+struct ParisKVResult {
+  std::vector<std::int64_t> positions;
+  std::vector<float> scores;
+  std::int64_t candidates = 0;  ///< Stage I candidate count C
+};
+
+/// How the queries of a GQA group are combined.
+enum class ParisKVGroup {
+  mean,   ///< one search with the mean of the group's queries (default)
+  union_  ///< one search per query; the union of their positions (score: the largest)
+};
+
+class ParisKV {
+ public:
+  /// Scratch buffers of search(); one per thread, reused (grows, never shrinks).
+  struct Workspace {
+    std::vector<float> qrot, x, est, exact;
+    std::vector<std::uint8_t> tbl, s8;
+    std::vector<std::uint16_t> s16;
+    std::vector<std::int64_t> hist, cand, top, offsets, sel;
+    std::vector<unsigned char> select_ws;
+    std::vector<std::uint64_t> order;
+  };
+
+  explicit ParisKV(std::int64_t head_dim, const ParisKVConfig& cfg = {}) : cfg_(cfg) {
+    const std::string who = "kvscore::ParisKV";
+    if (head_dim < 1 || head_dim > kMaxHeadDim)
+      pariskv::detail::fail(who + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                            std::to_string(head_dim) + ")");
+    rot_ = pariskv::Rotation(head_dim, cfg.seed);
+    d_ = head_dim;
+    p_ = rot_.padded_dim();
+    m_ = cfg.m;
+    if (m_ < 2 || m_ > 16 || (m_ & (m_ - 1)) != 0 || p_ % m_ != 0)
+      pariskv::detail::fail(who + ": m must be a power of two in [2, 16] that divides the padded head_dim " +
+                            std::to_string(p_) + " (got " + std::to_string(m_) + ")");
+    if (cfg.codebook_iterations < 0)
+      pariskv::detail::fail(who + ": codebook_iterations must be >= 0 (got " + std::to_string(cfg.codebook_iterations) + ")");
+    B_ = p_ / m_;
+    nc_ = std::int64_t(1) << m_;
+    pc_ = (p_ + 31) / 32 * 32;
+    cb_ = pc_ / 2;
+    codebook_ = pariskv::lloyd_max(int(m_), cfg.codebook_iterations);
+    for (int t = 0; t < 7; ++t) tau_[std::size_t(t)] = float(codebook_.thresholds[std::size_t(t)]);
+    for (int t = 0; t < 8; ++t) {
+      value_[std::size_t(t)] = float(codebook_.centres[std::size_t(t)]);
+      value_[std::size_t(t + 8)] = -float(codebook_.centres[std::size_t(t)]);
+    }
+    pop_.assign(std::size_t(B_ * nc_), 0);
+    w_.assign(kWPad, 0.f);
+    widx_.resize(std::size_t(pc_));
+    wfirst_.resize(std::size_t(pc_ / 16));
+    for (std::int64_t g = 0; g < pc_ / 16; ++g) {
+      const std::int64_t first = (16 * g) / m_;
+      wfirst_[std::size_t(g)] = std::int32_t(first);
+      for (std::int64_t l = 0; l < 16; ++l) widx_[std::size_t(16 * g + l)] = std::int32_t((16 * g + l) / m_ - first);
+    }
+  }
+
+  std::int64_t head_dim() const noexcept { return d_; }
+  std::int64_t padded_dim() const noexcept { return p_; }
+  std::int64_t m() const noexcept { return m_; }
+  std::int64_t subspaces() const noexcept { return B_; }
+  std::int64_t size() const noexcept { return n_; }
+  const pariskv::Codebook& codebook() const noexcept { return codebook_; }
+  const pariskv::Rotation& rotation() const noexcept { return rot_; }
+  const ParisKVConfig& config() const noexcept { return cfg_; }
+
+  /// Index bytes per key: B centroid ids (1 byte each for m ≤ 8, else 2), P/2 bytes of 4-bit
+  /// codes (rounded up to 16 bytes), B fp32 weights.
+  std::int64_t key_bytes() const noexcept { return B_ * id_bytes() + cb_ + 4 * B_; }
+  /// Bytes of one fp16 key (the cache the index summarises): 2·head_dim.
+  std::int64_t fp16_key_bytes() const noexcept { return 2 * d_; }
+  /// All index memory in use: per-key data (ids padded to blocks of 64 keys) plus the fixed
+  /// part (cluster populations, rotation, tables).
+  std::size_t memory_bytes() const noexcept {
+    return ids8_.size() + 2 * ids16_.size() + codes_.size() + 4 * w_.size() + 8 * pop_.size() +
+           4 * rot_.scaled_signs().size() + 4 * (widx_.size() + wfirst_.size()) + sizeof(*this);
+  }
+
+  // ---- read access to the encoding (tests, tools)
+  std::uint32_t centroid_id(std::int64_t i, std::int64_t b) const noexcept {
+    const std::size_t at = std::size_t((i / 64) * B_ * 64 + b * 64 + i % 64);
+    return m_ <= 8 ? ids8_[at] : ids16_[at];
+  }
+  /// 4-bit code of rotated coordinate j of key i: bit 3 = negative, bits 0-2 = magnitude bin.
+  std::uint8_t code(std::int64_t i, std::int64_t j) const noexcept {
+    const std::uint8_t byte = codes_[std::size_t(i * cb_ + (j / 32) * 16 + (j % 32) % 16)];
+    return (j % 32) < 16 ? byte & 15 : byte >> 4;
+  }
+  float weight(std::int64_t i, std::int64_t b) const noexcept { return w_[std::size_t(i * B_ + b)]; }
+  std::int64_t population(std::int64_t b, std::uint32_t id) const noexcept { return pop_[std::size_t(b * nc_ + id)]; }
+  /// Value of a 4-bit code (±a[t]).
+  float code_value(std::uint8_t c) const noexcept { return value_[c & 15]; }
+
+  // ---- building
+
+  /// Appends n keys; key i is rows[i*row_stride .. +head_dim). Positions continue from size().
+  /// Atomic: every key is validated first, a rejected batch changes nothing.
+  template <class T>
+  void append(const T* rows, std::int64_t n, std::int64_t row_stride) {
+    static_assert(is_element_type_v<T>, "ParisKV::append: T must be float, half or bfloat16");
+    const std::string who = "kvscore::ParisKV::append";
+    if (n < 0) pariskv::detail::fail(who + ": n must be >= 0 (got " + std::to_string(n) + ")");
+    if (n == 0) return;
+    if (rows == nullptr) pariskv::detail::fail(who + ": rows is null but n = " + std::to_string(n));
+    if (n > 1 && row_stride < d_)
+      pariskv::detail::fail(who + ": row_stride " + std::to_string(row_stride) + " < head_dim " + std::to_string(d_) +
+                            " makes rows overlap");
+    for (std::int64_t i = 0; i < n; ++i) check_row(rows + i * row_stride, "key", n_ + i, who);
+    reserve_more(n);
+    std::vector<float> x(static_cast<std::size_t>(d_)), y(static_cast<std::size_t>(p_));
+    for (std::int64_t i = 0; i < n; ++i) encode(rows + i * row_stride, x.data(), y.data());
+  }
+
+  /// Appends every token of head h of a view (a KeysView or a paged view).
+  template <KeyCacheView View>
+  void append(const View& keys, std::int64_t h) {
+    if (keys.head_dim() != d_)
+      pariskv::detail::fail("kvscore::ParisKV::append: keys have head_dim " + std::to_string(keys.head_dim()) +
+                            ", the index " + std::to_string(d_));
+    if (h < 0 || h >= keys.heads())
+      pariskv::detail::fail("kvscore::ParisKV::append: head " + std::to_string(h) + " out of range [0, " +
+                            std::to_string(keys.heads()) + ")");
+    // validate every run first so the append stays atomic across runs
+    const std::int64_t base = n_;
+    keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+      for (std::int64_t i = 0; i < n; ++i) check_row(first + i * stride, "key", base + t0 + i, "kvscore::ParisKV::append");
+    });
+    reserve_more(keys.tokens());
+    std::vector<float> x(static_cast<std::size_t>(d_)), y(static_cast<std::size_t>(p_));
+    keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t, std::int64_t n, std::int64_t stride) {
+      for (std::int64_t i = 0; i < n; ++i) encode(first + i * stride, x.data(), y.data());
+    });
+  }
+
+  // ---- search
+
+  /// Throws std::invalid_argument for options search() would reject (k, ratios, rerank,
+  /// kernel set); `has_rows`: the full-precision keys are given, with this row stride.
+  void check_options(const ParisKVSearch& opt, bool has_rows, std::int64_t row_stride) const {
+    const std::string who = "kvscore::ParisKV::search";
+    if (opt.k < 0 || opt.k > n_)
+      pariskv::detail::fail(who + ": k " + std::to_string(opt.k) + " out of range [0, " + std::to_string(n_) +
+                            "] (the index holds " + std::to_string(n_) + " keys)");
+    if (opt.beta != 0) check_ratio(opt.beta, "beta", who);
+    if (opt.rho != 0) check_ratio(opt.rho, "rho", who);
+    if (opt.rerank_exact != 0 && opt.rerank_exact < opt.k)
+      pariskv::detail::fail(who + ": rerank_exact " + std::to_string(opt.rerank_exact) + " must be 0 (off) or >= k " +
+                            std::to_string(opt.k));
+    if (opt.rerank_exact > 0 && !has_rows && n_ > 0)
+      pariskv::detail::fail(who + ": rerank_exact " + std::to_string(opt.rerank_exact) +
+                            " needs the full-precision keys (rows is null)");
+    if (opt.rerank_exact > 0 && n_ > 1 && row_stride < d_)
+      pariskv::detail::fail(who + ": row_stride " + std::to_string(row_stride) + " < head_dim " + std::to_string(d_));
+    use_avx512(opt.kernels, who);
+  }
+
+  /// The paper's pipeline (no exact rerank; opt.rerank_exact must be 0).
+  void search(const float* q, const ParisKVSearch& opt, Workspace& ws, ParisKVResult& out) const {
+    if (opt.rerank_exact != 0)
+      pariskv::detail::fail("kvscore::ParisKV::search: rerank_exact " + std::to_string(opt.rerank_exact) +
+                            " needs the full-precision keys (use the overload that takes them)");
+    search_impl<float>(q, opt, nullptr, 0, ws, out);
+  }
+  /// With the full-precision keys resident (rows[t*row_stride .. +head_dim) is key t, t < size()),
+  /// so opt.rerank_exact may be set.
+  template <class T>
+  void search(const float* q, const ParisKVSearch& opt, const T* rows, std::int64_t row_stride, Workspace& ws,
+              ParisKVResult& out) const {
+    if (rows == nullptr && n_ > 0 && opt.rerank_exact > 0) pariskv::detail::fail("kvscore::ParisKV::search: rows is null");
+    search_impl<T>(q, opt, rows, row_stride, ws, out);
+  }
+  /// Allocating convenience form of the paper's pipeline.
+  ParisKVResult search(const float* q, const ParisKVSearch& opt = {}) const {
+    Workspace ws;
+    ParisKVResult r;
+    search(q, opt, ws, r);
+    return r;
+  }
+
+  /// GQA: `queries` [group][head_dim]; mean (one search with the mean query, accumulated in
+  /// fp64) or union (one search per query; union of positions, ascending; score = the largest
+  /// of the searches that found the position).
+  template <class T = float>
+  void search_group(const float* queries, std::int64_t group, ParisKVGroup mode, const ParisKVSearch& opt, Workspace& ws,
+                    ParisKVResult& out, const T* rows = nullptr, std::int64_t row_stride = 0) const {
+    if (group < 1) pariskv::detail::fail("kvscore::ParisKV::search_group: group must be >= 1 (got " + std::to_string(group) + ")");
+    if (queries == nullptr) pariskv::detail::fail("kvscore::ParisKV::search_group: queries is null");
+    if (mode == ParisKVGroup::mean || group == 1) {
+      std::vector<double> acc(std::size_t(d_), 0.0);
+      for (std::int64_t g = 0; g < group; ++g) {
+        check_row(queries + g * d_, "query", g, "kvscore::ParisKV::search_group");
+        for (std::int64_t j = 0; j < d_; ++j) acc[std::size_t(j)] += double(queries[g * d_ + j]);
+      }
+      std::vector<float> q(static_cast<std::size_t>(d_));
+      for (std::int64_t j = 0; j < d_; ++j) q[std::size_t(j)] = float(acc[std::size_t(j)] / double(group));
+      search_impl<T>(q.data(), opt, rows, row_stride, ws, out);
+      return;
+    }
+    std::vector<std::pair<std::int64_t, float>> all;
+    ParisKVResult one;
+    std::int64_t cand = 0;
+    for (std::int64_t g = 0; g < group; ++g) {
+      search_impl<T>(queries + g * d_, opt, rows, row_stride, ws, one);
+      cand = std::max(cand, one.candidates);
+      for (std::size_t i = 0; i < one.positions.size(); ++i) all.emplace_back(one.positions[i], one.scores[i]);
+    }
+    std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+      return a.first < b.first || (a.first == b.first && a.second > b.second);
+    });
+    out.positions.clear();
+    out.scores.clear();
+    for (const auto& [pos, s] : all)
+      if (out.positions.empty() || out.positions.back() != pos) {
+        out.positions.push_back(pos);
+        out.scores.push_back(s);
+      }
+    out.candidates = cand;
+  }
+
+  /// RSQ-IP estimates of ⟨k_t, q⟩ for every key (out[size()]): the index as a query-aware
+  /// scorer, e.g. for kvscore::select.
+  void estimate(const float* q, float* out, pariskv::Kernels kernels = pariskv::Kernels::best) const {
+    Workspace ws;
+    const float qn = prepare_query(q, ws, "kvscore::ParisKV::estimate");
+    if (n_ == 0) return;
+    if (out == nullptr) pariskv::detail::fail("kvscore::ParisKV::estimate: out is null");
+    if (qn == 0.f) {
+      std::fill(out, out + n_, 0.f);
+      return;
+    }
+    pariskv::detail::rsq_ip(plan(ws, qn), nullptr, n_, out, use_avx512(kernels, "kvscore::ParisKV::estimate"));
+  }
+
+  /// Stage I collision scores S_i of every key for a query and collision ratio ρ (tests, tools).
+  std::vector<std::int32_t> collision_scores(const float* q, double rho,
+                                             pariskv::Kernels kernels = pariskv::Kernels::best) const {
+    Workspace ws;
+    const float qn = prepare_query(q, ws, "kvscore::ParisKV::collision_scores");
+    check_ratio(rho, "rho", "kvscore::ParisKV::collision_scores");
+    std::vector<std::int32_t> s(std::size_t(n_), 0);
+    if (n_ == 0 || qn == 0.f) return s;
+    const bool vec = use_avx512(kernels, "kvscore::ParisKV::collision_scores");
+    if (collide(ws, pariskv::ratio_count(rho, n_), vec))
+      for (std::int64_t i = 0; i < n_; ++i) s[std::size_t(i)] = ws.s8[std::size_t(i)];
+    else
+      for (std::int64_t i = 0; i < n_; ++i) s[std::size_t(i)] = ws.s16[std::size_t(i)];
+    return s;
+  }
+
+ private:
+  static constexpr std::size_t kWPad = 32;  // floats after the last key's weights (vector over-read)
+
+  std::int64_t id_bytes() const noexcept { return m_ <= 8 ? 1 : 2; }
+
+  template <class T>
+  void check_row(const T* r, const char* what, std::int64_t index, const std::string& who) const {
+    float sq = 0.f;
+    for (std::int64_t j = 0; j < d_; ++j) {
+      const float v = to_float(r[j]);
+      if (!std::isfinite(v))
+        pariskv::detail::fail(who + ": " + what + " " + std::to_string(index) + " has a non-finite value " +
+                              std::to_string(v) + " at element " + std::to_string(j));
+      sq += v * v;
+    }
+    if (!std::isfinite(sq))
+      pariskv::detail::fail(who + ": " + what + " " + std::to_string(index) +
+                            " has a squared norm that overflows fp32 (magnitude above ~1.8e19)");
+  }
+
+  void reserve_more(std::int64_t n) {
+    const std::int64_t total = n_ + n;
+    const std::int64_t blocks = (total + 63) / 64;
+    if (m_ <= 8) ids8_.resize(std::size_t(blocks * B_ * 64), 0);
+    else ids16_.resize(std::size_t(blocks * B_ * 64), 0);
+    codes_.reserve(std::size_t(total * cb_));
+    w_.reserve(std::size_t(total * B_) + kWPad);
+  }
+
+  template <class T>
+  void encode(const T* r, float* x, float* y) {
+    double sq = 0;
+    for (std::int64_t j = 0; j < d_; ++j) {
+      const double v = double(to_float(r[j]));
+      sq += v * v;
+    }
+    const double norm = std::sqrt(sq);
+    for (std::int64_t j = 0; j < d_; ++j) x[j] = norm > 0 ? float(double(to_float(r[j])) / norm) : 0.f;
+    rot_.apply(x, y);
+    const std::int64_t i = n_;
+    const std::size_t id_base = std::size_t((i / 64) * B_ * 64 + i % 64);
+    const std::size_t c0 = codes_.size();
+    codes_.resize(c0 + std::size_t(cb_), 0);
+    std::uint8_t* code = codes_.data() + c0;
+    w_.resize(w_.size() - kWPad);  // drop the padding, append B weights, pad again
+    for (std::int64_t b = 0; b < B_; ++b) {
+      const float* u = y + b * m_;
+      double r2 = 0;
+      for (std::int64_t j = 0; j < m_; ++j) r2 += double(u[j]) * double(u[j]);
+      const double rb = std::sqrt(r2);
+      std::uint32_t id = 0;
+      double alpha = 0;
+      for (std::int64_t j = 0; j < m_; ++j) {
+        const float v = u[j];
+        if (v >= 0.f) id |= std::uint32_t(1) << j;
+        const float au = rb > 0 ? float(std::fabs(double(v)) / rb) : 0.f;
+        int t = 0;
+        while (t < 7 && au >= tau_[std::size_t(t)]) ++t;
+        alpha += double(value_[std::size_t(t)]) * double(au);
+        const std::uint8_t c = std::uint8_t(t | (v < 0.f ? 8 : 0));
+        const std::int64_t jj = b * m_ + j, g = jj / 32, rr = jj % 32;
+        code[g * 16 + rr % 16] |= rr < 16 ? c : std::uint8_t(c << 4);
+      }
+      if (m_ <= 8) ids8_[id_base + std::size_t(b * 64)] = std::uint8_t(id);
+      else ids16_[id_base + std::size_t(b * 64)] = std::uint16_t(id);
+      ++pop_[std::size_t(b * nc_ + id)];
+      w_.push_back(rb > 0 ? float(norm * rb / alpha) : 0.f);
+    }
+    w_.resize(w_.size() + kWPad, 0.f);
+    ++n_;
+  }
+
+  static void check_ratio(double x, const char* name, const std::string& who) {
+    if (!(x > 0 && x <= 1))
+      pariskv::detail::fail(who + ": " + name + " must be in (0, 1] (got " + std::to_string(x) + ")");
+  }
+
+  bool use_avx512(pariskv::Kernels k, const std::string& who) const {
+    if (k == pariskv::Kernels::portable) return false;
+    const bool ok = pariskv::detail::avx512_ok();
+    if (k == pariskv::Kernels::avx512 && !ok)
+      pariskv::detail::fail(who + ": the avx512 kernel set (AVX-512 F/BW/VL/DQ/VBMI) is not supported by this CPU");
+    return ok;
+  }
+
+  /// Validates q, writes the rotated unit query (pc floats, zero tail) into ws.qrot; returns ‖q‖.
+  float prepare_query(const float* q, Workspace& ws, const std::string& who) const {
+    if (q == nullptr) pariskv::detail::fail(who + ": query is null");
+    check_row(q, "query", 0, who);
+    double sq = 0;
+    for (std::int64_t j = 0; j < d_; ++j) sq += double(q[j]) * double(q[j]);
+    const double qn = std::sqrt(sq);
+    ws.x.resize(std::size_t(d_));
+    ws.qrot.assign(std::size_t(pc_), 0.f);
+    if (qn == 0) return 0.f;
+    for (std::int64_t j = 0; j < d_; ++j) ws.x[std::size_t(j)] = float(double(q[j]) / qn);
+    rot_.apply(ws.x.data(), ws.qrot.data());
+    return float(qn);
+  }
+
+  pariskv::detail::RerankPlan plan(const Workspace& ws, float qn) const noexcept {
+    return {codes_.data(), cb_, w_.data(), B_, m_, pc_, ws.qrot.data(), value_.data(), widx_.data(), wfirst_.data(), qn};
+  }
+
+  /// Stage I into ws.s8 (returns true) or ws.s16 (false), for `collided` = ⌈ρN⌉ keys per subspace.
+  bool collide(Workspace& ws, std::int64_t collided, bool vec) const {
+    // tier limits: tier t holds the clusters whose better-ranked clusters hold < ⌈collided·r_t⌉ keys
+    std::int64_t limit[pariskv::kTiers];
+    for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;
+    ws.tbl.assign(std::size_t(B_ * nc_), 0);
+    ws.order.resize(std::size_t(nc_));
+    std::vector<float>& sc = ws.est;  // reused as pattern scores
+    sc.resize(std::size_t(nc_));
+    for (std::int64_t b = 0; b < B_; ++b) {
+      const float* qb = ws.qrot.data() + b * m_;
+      // ⟨q̃_b, s⟩ for s ∈ {±1}^m, bit j of the pattern = (s_j = +1), by doubling: the patterns
+      // with top bit j are those below 2^j plus 2·q̃_j (a fixed order of fp32 operations)
+      float s0 = 0.f;
+      for (std::int64_t j = 0; j < m_; ++j) s0 -= qb[j];
+      sc[0] = s0;
+      for (std::int64_t j = 0; j < m_; ++j) {
+        const std::int64_t half = std::int64_t(1) << j;
+        const float step = 2.f * qb[j];
+        for (std::int64_t p = 0; p < half; ++p) sc[std::size_t(half + p)] = sc[std::size_t(p)] + step;
+      }
+      for (std::int64_t p = 0; p < nc_; ++p) {
+        std::uint32_t bits;
+        std::memcpy(&bits, &sc[std::size_t(p)], 4);
+        const std::uint32_t key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // order-preserving
+        ws.order[std::size_t(p)] = (std::uint64_t(~key) << 32) | std::uint64_t(p);  // ascending = best first, ties by id
+      }
+      // a min-heap popped only until ⌈ρN⌉ keys are covered (typically a fraction of the 2^m
+      // patterns); the keys are distinct, so the order is the total order of a full sort
+      std::make_heap(ws.order.begin(), ws.order.end(), std::greater<>());
+      std::int64_t before = 0;
+      std::uint8_t* tb = ws.tbl.data() + b * nc_;
+      auto end = ws.order.end();
+      while (end != ws.order.begin() && before < limit[pariskv::kTiers - 1]) {
+        std::pop_heap(ws.order.begin(), end, std::greater<>());
+        --end;
+        const std::uint32_t p = std::uint32_t(*end & 0xffffffffu);
+        int wgt = 0;
+        for (int t = 0; t < pariskv::kTiers; ++t) wgt += before < limit[t];
+        tb[p] = std::uint8_t(wgt);
+        before += pop_[std::size_t(b * nc_ + p)];
+      }
+    }
+    const std::int64_t blocks = (n_ + 63) / 64;
+    const bool small = m_ <= 8 && 6 * B_ <= 255;
+#if defined(KVSCORE_PARISKV_X86)
+    if (vec && small && m_ == 8) {
+      ws.s8.resize(std::size_t(blocks * 64));
+      pariskv::detail::collide_vbmi(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
+      return true;
+    }
+#endif
+    (void)vec;
+    if (small) {
+      ws.s8.resize(std::size_t(blocks * 64));
+      pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s8.data());
+      return true;
+    }
+    ws.s16.resize(std::size_t(blocks * 64));
+    if (m_ <= 8) pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s16.data());
+    else pariskv::detail::collide_portable(ids16_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s16.data());
+    return false;
+  }
+
+  /// Top `take` of vals[0..n) (ties: lower index), ascending indices into ws.top.
+  void top_of(const float* vals, std::int64_t n, std::int64_t take, Workspace& ws) const {
+    SelectOptions so;
+    so.num_threads = 1;
+    const Budget bud = Budget::per_head(take);
+    const std::size_t bytes = select_workspace_bytes(1, n, bud, so);
+    if (ws.select_ws.size() < bytes) ws.select_ws.resize(bytes);
+    ws.offsets.resize(2);
+    ws.top.resize(std::size_t(take));
+    select_into(ScoresView(const_cast<float*>(vals), 1, n), bud, so, ws.select_ws.data(), ws.select_ws.size(),
+                ws.offsets.data(), ws.top.data(), ws.top.size());
+  }
+
+  template <class T>
+  void search_impl(const float* q, const ParisKVSearch& opt, const T* rows, std::int64_t row_stride, Workspace& ws,
+                   ParisKVResult& out) const {
+    const std::string who = "kvscore::ParisKV::search";
+    check_options(opt, rows != nullptr, row_stride);
+    const bool vec = use_avx512(opt.kernels, who);
+    const float qn = prepare_query(q, ws, who);
+    out.positions.clear();
+    out.scores.clear();
+    out.candidates = 0;
+    const std::int64_t k = opt.k;
+    if (k == 0) return;
+    if (qn == 0.f) {  // every inner product is 0: the first k positions by the tie rule
+      for (std::int64_t t = 0; t < k; ++t) out.positions.push_back(t);
+      out.scores.assign(std::size_t(k), 0.f);
+      out.candidates = k;
+      return;
+    }
+    const pariskv::Ratios def = pariskv::default_ratios(n_);
+    const double beta = opt.beta != 0 ? opt.beta : def.beta, rho = opt.rho != 0 ? opt.rho : def.rho;
+    const std::int64_t kk = std::min(n_, std::max(k, opt.rerank_exact));
+    const std::int64_t C = std::max(pariskv::ratio_count(beta, n_), kk);
+
+    // Stage I: collision scores and the C best keys (ties: lower position)
+    const bool s8 = collide(ws, pariskv::ratio_count(rho, n_), vec);
+    ws.cand.resize(std::size_t(C));
+    std::int64_t thr = 0, need_eq = 0, got = 0;
+    if (s8) {
+      pariskv::detail::bucket_threshold(ws.s8.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
+#if defined(KVSCORE_PARISKV_X86)
+      if (vec) got = pariskv::detail::bucket_collect_avx512(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
+      else
+#endif
+        got = pariskv::detail::bucket_collect_portable(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
+    } else {
+      pariskv::detail::bucket_threshold(ws.s16.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
+      got = pariskv::detail::bucket_collect_portable(ws.s16.data(), n_, thr, need_eq, ws.cand.data());
+    }
+    (void)got;  // == C by construction
+    out.candidates = C;
+
+    // Stage II: RSQ-IP on the candidates, top kk
+    ws.est.resize(std::size_t(C));
+    pariskv::detail::rsq_ip(plan(ws, qn), ws.cand.data(), C, ws.est.data(), vec);
+    top_of(ws.est.data(), C, kk, ws);
+    if (opt.rerank_exact == 0) {
+      out.positions.resize(std::size_t(k));
+      out.scores.resize(std::size_t(k));
+      for (std::int64_t i = 0; i < k; ++i) {
+        out.positions[std::size_t(i)] = ws.cand[std::size_t(ws.top[std::size_t(i)])];
+        out.scores[std::size_t(i)] = ws.est[std::size_t(ws.top[std::size_t(i)])];
+      }
+      return;
+    }
+    // Exact rerank of the kk best estimates with the library's dot kernel (fp32 accumulation).
+    const simd::RowOps<T>& ops = simd::active_table().template ops<T>();
+    ws.sel.resize(std::size_t(kk));
+    ws.exact.resize(std::size_t(kk));
+    for (std::int64_t i = 0; i < kk; ++i) {
+      const std::int64_t pos = ws.cand[std::size_t(ws.top[std::size_t(i)])];
+      ws.sel[std::size_t(i)] = pos;
+      ops.dot(rows + pos * row_stride, 1, row_stride, d_, q, &ws.exact[std::size_t(i)]);
+    }
+    top_of(ws.exact.data(), kk, k, ws);
+    out.positions.resize(std::size_t(k));
+    out.scores.resize(std::size_t(k));
+    for (std::int64_t i = 0; i < k; ++i) {
+      out.positions[std::size_t(i)] = ws.sel[std::size_t(ws.top[std::size_t(i)])];
+      out.scores[std::size_t(i)] = ws.exact[std::size_t(ws.top[std::size_t(i)])];
+    }
+  }
+
+  ParisKVConfig cfg_;
+  pariskv::Rotation rot_;
+  pariskv::Codebook codebook_;
+  std::int64_t d_ = 0, p_ = 0, m_ = 0, B_ = 0, nc_ = 0, pc_ = 0, cb_ = 0, n_ = 0;
+  std::array<float, 7> tau_{};
+  std::array<float, 16> value_{};  ///< code -> ±a[t] (bit 3 = negative)
+  std::vector<std::uint8_t> ids8_;     ///< [block][B][64] for m <= 8
+  std::vector<std::uint16_t> ids16_;   ///< [block][B][64] for m > 8
+  std::vector<std::uint8_t> codes_;    ///< [N][cb]
+  std::vector<float> w_;               ///< [N][B] + kWPad
+  std::vector<std::int64_t> pop_;      ///< [B][2^m] keys per cluster
+  std::vector<std::int32_t> widx_, wfirst_;
+};
+
+/// Retrieval for a whole layer: one index per KV head of `keys` (built in parallel over heads),
+/// queries [q_heads][n_queries][head_dim] fp32 (q_heads = H_kv·G for GQA). Query heads are
+/// searched in sets of `group` consecutive heads of the same KV head (1 ≤ group, dividing
+/// q_heads/H_kv): the set's mean query is searched once and every head of the set gets the
+/// result (group = 1: every query head on its own). Returns positions [q_heads][n_queries][k],
+/// ascending per row. Identical for every num_threads (0 = OpenMP default).
+template <class T>
+std::vector<std::int64_t> pariskv_retrieve(const KeysView<T>& keys, const float* queries, std::int64_t q_heads,
+                                           std::int64_t n_queries, std::int64_t group, const ParisKVSearch& opt,
+                                           const ParisKVConfig& cfg = {}, int num_threads = 0) {
+  const std::string who = "kvscore::pariskv_retrieve";
+  const std::int64_t H = keys.heads();
+  if (H < 1) pariskv::detail::fail(who + ": keys have no heads");
+  if (q_heads < 1 || q_heads % H != 0)
+    pariskv::detail::fail(who + ": query heads " + std::to_string(q_heads) + " must be a positive multiple of the " +
+                          std::to_string(H) + " KV heads");
+  const std::int64_t G = q_heads / H;
+  if (group < 1 || G % group != 0)
+    pariskv::detail::fail(who + ": group " + std::to_string(group) + " must divide the GQA group size " + std::to_string(G) +
+                          " (query heads " + std::to_string(q_heads) + " / KV heads " + std::to_string(H) + ")");
+  if (n_queries < 0) pariskv::detail::fail(who + ": n_queries must be >= 0 (got " + std::to_string(n_queries) + ")");
+  if (queries == nullptr && n_queries > 0) pariskv::detail::fail(who + ": queries is null");
+  const std::int64_t d = keys.head_dim(), k = opt.k;
+  std::vector<ParisKV> index;
+  index.reserve(std::size_t(H));
+  for (std::int64_t h = 0; h < H; ++h) index.emplace_back(d, cfg);
+  // validate everything serially (exceptions must not cross an OpenMP region)
+  for (std::int64_t h = 0; h < H; ++h) index[std::size_t(h)].append(keys, h);
+  for (std::int64_t i = 0; i < q_heads * n_queries; ++i)
+    for (std::int64_t j = 0; j < d; ++j)
+      if (!std::isfinite(queries[i * d + j]))
+        pariskv::detail::fail(who + ": query value " + std::to_string(queries[i * d + j]) + " at query head " +
+                              std::to_string(i / n_queries) + ", query " + std::to_string(i % n_queries) +
+                              " is not finite");
+  index[0].check_options(opt, true, keys.token_stride());
+  std::vector<std::int64_t> out(std::size_t(q_heads * n_queries * k));
+  const std::int64_t sets = q_heads / group;
+  auto run = [&](std::int64_t s, ParisKV::Workspace& ws, ParisKVResult& r, std::vector<float>& qg) {
+    const std::int64_t h0 = s * group, kvh = h0 / G;
+    for (std::int64_t qi = 0; qi < n_queries; ++qi) {
+      for (std::int64_t g = 0; g < group; ++g)
+        std::copy(queries + ((h0 + g) * n_queries + qi) * d, queries + ((h0 + g) * n_queries + qi + 1) * d,
+                  qg.begin() + g * d);
+      index[std::size_t(kvh)].search_group<T>(qg.data(), group, ParisKVGroup::mean, opt, ws, r, keys.head(kvh),
+                                              keys.token_stride());
+      for (std::int64_t g = 0; g < group; ++g)
+        std::copy(r.positions.begin(), r.positions.end(), out.begin() + ((h0 + g) * n_queries + qi) * k);
+    }
+  };
+#if defined(_OPENMP)
+  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel num_threads(nt)
+  {
+    ParisKV::Workspace ws;
+    ParisKVResult r;
+    std::vector<float> qg(std::size_t(group * d));
+#pragma omp for schedule(static)
+    for (std::int64_t s = 0; s < sets; ++s) run(s, ws, r, qg);
+  }
+#else
+  (void)num_threads;
+  ParisKV::Workspace ws;
+  ParisKVResult r;
+  std::vector<float> qg(std::size_t(group * d));
+  for (std::int64_t s = 0; s < sets; ++s) run(s, ws, r, qg);
+#endif
+  return out;
+}
+
+}  // namespace kvscore

@@ -1,0 +1,108 @@
+// cuda/src/common.cuh — what every kernel file of kvscore::cuda shares: error checks, element
+// loads (fp32/fp16/bf16 widened exactly to fp32), order-preserving keys, workspace carving.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kvscore/cuda/kernels.hpp"
+
+namespace kvscore::cuda::detail {
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* call, const char* file, int line);
+
+#define KVSCORE_CUDA_CHECK(call)                                                          \
+  do {                                                                                    \
+    const cudaError_t kvscore_e_ = (call);                                                \
+    if (kvscore_e_ != cudaSuccess) ::kvscore::cuda::detail::throw_cuda(kvscore_e_, #call, __FILE__, __LINE__); \
+  } while (0)
+// After a launch: configuration errors now (asynchronous faults surface at the next sync).
+#define KVSCORE_CUDA_LAUNCHED() KVSCORE_CUDA_CHECK(cudaGetLastError())
+
+inline constexpr float kNegInf = -__builtin_huge_valf();
+
+// Storage types on the device: raw bits for the 16-bit formats.
+template <dtype D> struct Storage;
+template <> struct Storage<dtype::f32> { using type = float; };
+template <> struct Storage<dtype::f16> { using type = std::uint16_t; };
+template <> struct Storage<dtype::bf16> { using type = std::uint16_t; };
+
+template <dtype D>
+__device__ __forceinline__ float widen(typename Storage<D>::type v) {
+  if constexpr (D == dtype::f32) return v;
+  else if constexpr (D == dtype::f16) return __half2float(__ushort_as_half(v));  // exact
+  else return __uint_as_float(std::uint32_t(v) << 16);                              // exact
+}
+
+/// Loads N contiguous elements at p (aligned to N * sizeof) and widens them.
+template <dtype D, int N>
+__device__ __forceinline__ void load_vec(const typename Storage<D>::type* p, float (&out)[N]) {
+  using S = typename Storage<D>::type;
+  constexpr int bytes = N * int(sizeof(S));
+  if constexpr (bytes % 16 == 0) {
+    constexpr int V = bytes / 16;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + v);
+      const S* s = reinterpret_cast<const S*>(&u);
+#pragma unroll
+      for (int i = 0; i < int(16 / sizeof(S)); ++i) out[v * int(16 / sizeof(S)) + i] = widen<D>(s[i]);
+    }
+  } else if constexpr (bytes == 8) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const S* s = reinterpret_cast<const S*>(&u);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = widen<D>(s[i]);
+  } else if constexpr (bytes == 4) {
+    const unsigned u = __ldg(reinterpret_cast<const unsigned*>(p));
+    const S* s = reinterpret_cast<const S*>(&u);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = widen<D>(s[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = widen<D>(p[i]);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;  // every lane holds the same value (butterfly: the same order on every lane)
+}
+
+/// The CPU selector's order-preserving key (kvscore/select/radix.hpp key_of): -0 == +0, NaN = 1.
+__host__ __device__ __forceinline__ std::uint32_t key_of_bits(std::uint32_t u) {
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 1u;
+  return (u >> 31) != 0 ? 0u - u : u | 0x80000000u;
+}
+inline constexpr std::uint32_t kForcedKey = 0xFFFFFFFFu;
+
+/// Hands out 256-byte-aligned pieces of a workspace; with data == nullptr it only counts.
+class Carver {
+ public:
+  explicit Carver(void* base = nullptr) : base_(static_cast<std::byte*>(base)) {
+    if (base_ != nullptr) pad_ = (256 - reinterpret_cast<std::uintptr_t>(base_) % 256) % 256;
+  }
+  template <class T>
+  T* take(std::size_t count) {
+    const std::size_t off = used_;
+    used_ += (count * sizeof(T) + 255) / 256 * 256;
+    return base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + pad_ + off);
+  }
+  /// Bytes needed so that every piece fits whatever the alignment of the base.
+  std::size_t bytes() const noexcept { return used_ + 256; }
+
+ private:
+  std::byte* base_ = nullptr;
+  std::size_t pad_ = 0, used_ = 0;
+};
+
+void require_workspace(const Workspace& ws, std::size_t need, const char* who);
+
+inline unsigned grid_dim(std::int64_t n) { return unsigned(n); }
+
+}  // namespace kvscore::cuda::detail

@@ -1,0 +1,192 @@
+// kvscore/cuda/device.hpp — device-memory views, streams, errors and buffers of the CUDA path.
+//
+// This header needs no CUDA headers: it compiles with any C++20 compiler, and the functions it
+// declares live in the compiled library kvscore::cuda (built with -DKVSCORE_CUDA=ON, cuda/).
+//
+// The memory space is part of the type: DeviceKeysView<T>, DeviceMutKeysView<T> and
+// DeviceScoresView are distinct from the CPU views and do not model KeyCacheView (no
+// for_each_run), so a device view can never reach a CPU kernel, and a CPU view never reaches a
+// GPU kernel. Shape and stride rules are the CPU ones (they are checked by the same code); the
+// CUDA entry points also ask the driver where each pointer lives and reject host memory.
+//
+// Errors: a failing CUDA call throws kvscore::cuda::Error (a std::runtime_error) whose message
+// holds the call, cudaGetErrorName and cudaGetErrorString; bad arguments throw
+// std::invalid_argument naming the value, before anything is launched.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kvscore/dtype.hpp"
+#include "kvscore/view.hpp"
+
+struct CUstream_st;  // = cudaStream_t's pointee (driver_types.h: typedef struct CUstream_st* cudaStream_t)
+
+namespace kvscore::cuda {
+
+/// A CUDA stream (cudaStream_t is CUstream_st*). nullptr = the legacy default stream.
+using stream_t = CUstream_st*;
+
+enum class MemorySpace { host, device };
+
+/// A CUDA runtime failure; what() = "<call>: <cudaGetErrorName>: <cudaGetErrorString>".
+class Error : public std::runtime_error {
+ public:
+  Error(const std::string& what, int code) : std::runtime_error(what), code_(code) {}
+  /// The cudaError_t value.
+  int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
+// ---------------------------------------------------------------- runtime (kvscore::cuda library)
+
+/// Number of CUDA devices usable by this process (0 when there is no driver or no GPU; never throws).
+int device_count() noexcept;
+/// "<name>, sm_XY, N SMs" of the current device; throws Error without one.
+std::string device_description();
+/// Throws std::invalid_argument unless `p` is device (or managed) memory; `what` names it in the message.
+void require_device_pointer(const void* p, const char* what);
+/// cudaStreamSynchronize(stream), errors as Error.
+void synchronize(stream_t stream = nullptr);
+
+/// Owning device allocation (cudaMalloc / cudaFree). Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      DeviceBuffer tmp(std::move(*this));
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const noexcept { return p_; }
+  template <class T>
+  T* as() const noexcept { return static_cast<T*>(p_); }
+  std::size_t bytes() const noexcept { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+/// Synchronous copies (cudaMemcpy), errors as Error.
+void copy_to_device(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+/// cudaMemcpyAsync host -> device on `stream`. From pageable memory the call returns once `src` has
+/// been staged, so `src` may be freed right after (CUDA's documented behaviour).
+void copy_to_device_async(void* dst, const void* src, std::size_t bytes, stream_t stream = nullptr);
+/// cudaMemsetAsync(p, 0, bytes, stream).
+void zero_async(void* p, std::size_t bytes, stream_t stream = nullptr);
+
+// ---------------------------------------------------------------- views
+
+/// Read-only device view of keys [heads][tokens][head_dim], inner stride 1 (KeysView's rules).
+template <class T>
+class DeviceKeysView {
+  static_assert(is_element_type_v<T>, "DeviceKeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
+
+ public:
+  using value_type = T;
+  static constexpr MemorySpace space = MemorySpace::device;
+
+  DeviceKeysView() = default;
+  /// Element (h, t, j) at data[h*head_stride + t*token_stride + j]; `data` is device memory.
+  DeviceKeysView(const T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
+                 std::int64_t head_stride, std::int64_t token_stride)
+      : v_(data, heads, tokens, head_dim, head_stride, token_stride) {}
+  /// One batch row of an HF cache [batch, kv_heads, seq, head_dim] in device memory.
+  static DeviceKeysView hf(const T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
+                           std::int64_t seq, std::int64_t head_dim, std::int64_t capacity = -1) {
+    return DeviceKeysView(KeysView<T>::hf(layer, batch_index, batch, kv_heads, seq, head_dim, capacity));
+  }
+  /// Token-major cache [tokens, kv_heads, head_dim] in device memory.
+  static DeviceKeysView token_major(const T* data, std::int64_t tokens, std::int64_t kv_heads,
+                                    std::int64_t head_dim) {
+    return DeviceKeysView(KeysView<T>::token_major(data, tokens, kv_heads, head_dim));
+  }
+
+  const T* data() const noexcept { return v_.data(); }
+  std::int64_t heads() const noexcept { return v_.heads(); }
+  std::int64_t tokens() const noexcept { return v_.tokens(); }
+  std::int64_t head_dim() const noexcept { return v_.head_dim(); }
+  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
+  std::int64_t token_stride() const noexcept { return v_.token_stride(); }
+  bool empty() const noexcept { return v_.empty(); }
+
+ private:
+  explicit DeviceKeysView(const KeysView<T>& v) : v_(v) {}
+  KeysView<T> v_;  // validation and arithmetic only: never dereferenced on the host
+};
+
+/// Writable device view of keys or values [heads][tokens][head_dim] (compaction).
+template <class T>
+class DeviceMutKeysView {
+ public:
+  using value_type = T;
+  static constexpr MemorySpace space = MemorySpace::device;
+
+  DeviceMutKeysView() = default;
+  DeviceMutKeysView(T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
+                    std::int64_t head_stride, std::int64_t token_stride)
+      : v_(data, heads, tokens, head_dim, head_stride, token_stride), data_(data) {}
+  static DeviceMutKeysView hf(T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
+                              std::int64_t seq, std::int64_t head_dim, std::int64_t capacity = -1) {
+    const DeviceKeysView<T> v = DeviceKeysView<T>::hf(layer, batch_index, batch, kv_heads, seq, head_dim, capacity);
+    return DeviceMutKeysView(const_cast<T*>(v.data()), v.heads(), v.tokens(), v.head_dim(), v.head_stride(),
+                             v.token_stride());
+  }
+  static DeviceMutKeysView token_major(T* data, std::int64_t tokens, std::int64_t kv_heads, std::int64_t head_dim) {
+    const DeviceKeysView<T> v = DeviceKeysView<T>::token_major(data, tokens, kv_heads, head_dim);
+    return DeviceMutKeysView(data, v.heads(), v.tokens(), v.head_dim(), v.head_stride(), v.token_stride());
+  }
+
+  /// The read-only view (to score it).
+  const DeviceKeysView<T>& view() const noexcept { return v_; }
+  T* data() const noexcept { return data_; }
+  std::int64_t heads() const noexcept { return v_.heads(); }
+  std::int64_t tokens() const noexcept { return v_.tokens(); }
+  std::int64_t head_dim() const noexcept { return v_.head_dim(); }
+  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
+  std::int64_t token_stride() const noexcept { return v_.token_stride(); }
+
+ private:
+  DeviceKeysView<T> v_;
+  T* data_ = nullptr;
+};
+
+/// Device fp32 scores [heads][tokens], token stride 1 (ScoresView's rules).
+class DeviceScoresView {
+ public:
+  static constexpr MemorySpace space = MemorySpace::device;
+  DeviceScoresView() = default;
+  DeviceScoresView(float* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_stride = -1)
+      : v_(data, heads, tokens, head_stride) {}
+  float* data() const noexcept { return v_.data(); }
+  std::int64_t heads() const noexcept { return v_.heads(); }
+  std::int64_t tokens() const noexcept { return v_.tokens(); }
+  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
+
+ private:
+  ScoresView v_;  // validation only: never dereferenced on the host
+};
+
+/// Caller-owned device scratch memory (any alignment; the kernels align it to 256 bytes).
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+}  // namespace kvscore::cuda

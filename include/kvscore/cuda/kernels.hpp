@@ -1,0 +1,87 @@
+// kvscore/cuda/kernels.hpp — the raw entry points of the compiled library kvscore::cuda
+// (internal: use kvscore/cuda/scorers.hpp, select.hpp and compact.hpp, which validate every
+// argument with the CPU path's own checks before calling these).
+//
+// Plain C++ (no CUDA headers), so the public headers compile anywhere; the definitions are in
+// cuda/src/*.cu. Every function here is asynchronous on `stream` unless it says otherwise, never
+// allocates, and throws kvscore::cuda::Error on a CUDA failure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvscore/cuda/device.hpp"
+#include "kvscore/dtype.hpp"
+
+namespace kvscore::cuda::detail {
+
+/// A key tensor in device memory, type-erased (the public views are checked before).
+struct KeysArg {
+  const void* data = nullptr;
+  dtype type = dtype::f32;
+  std::int64_t heads = 0, tokens = 0, head_dim = 0, head_stride = 0, token_stride = 0;
+};
+
+template <class T>
+KeysArg keys_arg(const DeviceKeysView<T>& v) noexcept {
+  return {v.data(), dtype_of<T>(), v.heads(), v.tokens(), v.head_dim(), v.head_stride(), v.token_stride()};
+}
+
+struct ScoresArg {
+  float* data = nullptr;
+  std::int64_t heads = 0, tokens = 0, head_stride = 0;
+};
+
+inline ScoresArg scores_arg(const DeviceScoresView& s) noexcept {
+  return {s.data(), s.heads(), s.tokens(), s.head_stride()};
+}
+
+// ---------------------------------------------------------------- geometric scorers
+
+enum class Geometric { knorm, keydiff, l2, qfilter };
+
+/// Workspace of score_geometric; `window` = 0 for one centroid per head (ManifoldL2, KeyDiff).
+std::size_t geometric_workspace_bytes(Geometric kind, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
+                                      std::int64_t window) noexcept;
+/// All heads of a layer; `host_filters` [heads][head_dim] (QFilter only) is copied into the workspace.
+void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window,
+                     const float* host_filters, Workspace ws, stream_t stream);
+
+// ---------------------------------------------------------------- SnapKV
+
+std::size_t snapkv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
+                                   std::int64_t q_heads, std::int64_t window) noexcept;
+/// `host_scaled_queries` [q_heads][window][head_dim] = q/√d rounded to fp32 (as the CPU SnapKV).
+void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_scaled_queries, std::int64_t q_heads,
+                  std::int64_t window, std::int64_t kernel_size, Workspace ws, stream_t stream);
+
+// ---------------------------------------------------------------- top-k and selection
+
+/// Which top-k kernels run. Every path gives the same positions.
+enum class TopkPath { automatic, one_cta_per_row, multi_cta_per_row };
+
+/// A validated selection plan (made by the CPU's kvscore::detail::sel::make_plan).
+struct SelectPlan {
+  std::int64_t heads = 0, tokens = 0, score_head_stride = 0;
+  bool adakv = false;
+  std::int64_t per_head = 0;     ///< per-head allocation: kept per head
+  std::int64_t layer = 0;        ///< total kept
+  std::int64_t sink_end = 0, recent_begin = 0, protect = 0;
+  std::int64_t guaranteed = 0;   ///< AdaKV: max(safeguard, protect)
+  TopkPath path = TopkPath::automatic;
+};
+
+std::size_t select_workspace_bytes(const SelectPlan& p) noexcept;
+/// Writes offsets[heads + 1] and positions[layer] (device memory, CSR, ascending per head).
+void select_into(const float* scores, const SelectPlan& p, Workspace ws, std::int64_t* offsets,
+                 std::int64_t* positions, stream_t stream);
+
+// ---------------------------------------------------------------- compaction
+
+/// In-place gather of every head's kept rows (CSR offsets/positions in device memory, kept
+/// positions ascending and < tokens, as select_into writes them); tails zeroed if `zero_tail`.
+void compact(void* data, dtype type, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
+             std::int64_t head_stride, std::int64_t token_stride, const std::int64_t* offsets,
+             const std::int64_t* positions, bool zero_tail, stream_t stream);
+
+}  // namespace kvscore::cuda::detail

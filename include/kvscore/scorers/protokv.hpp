@@ -1,0 +1,527 @@
+// kvscore/scorers/protokv.hpp — ProtoKV (ICLR 2026, "Knowledge in Long Context is Already
+// Organized Before You Query"): prototype-guided cluster retention.
+//
+// Per KV head h (docs/protokv.md has every choice and its reason):
+//   1. S(i) = mean cos(k_i, k_j) over the valid j in [i-κ, i+κ], j != i (clipped at the ends);
+//      Θ(i) = (E[S] - S(i)) / sd[S]: LOW neighbourhood similarity = HIGH local deviation.
+//   2. SAT candidates: the p tokens of highest Θ (ties: lower position), zero keys excluded.
+//      Their unit keys are hashed with random Fourier features, bit_i = [cos(w_i·x/σ + b_i) >= 0]
+//      (w_i ~ N(0, I) from splitmix64 + Box–Muller, b_i ~ U[0, 2π), σ = median pairwise
+//      distance of the candidates), bucket = Σ bit_i 2^(r-1-i); SAT prototype = normalised
+//      sum of a bucket's keys.
+//   3. PDT prototypes: the other valid tokens in position order cut into v chunks whose
+//      lengths differ by at most one; prototype = normalised sum.
+//   4. Every valid token joins the prototype of highest cosine (an Eigen GEMM over blocks of
+//      32 tokens; ties: lower prototype index, PDT chunks first, then SAT buckets).
+//   5. ψ(C) = Σ_{i∈C} q̄·k_i with q̄ = Σ over the group's query heads and the window of q
+//      (Psi::sum, the paper's formula) or that sum / |C| (Psi::mean).
+// Scores encode the cluster-granular order so that the generic selector reproduces it: the
+// valid tokens sorted by (cluster ψ desc, cluster index asc, q̄·k desc, position asc) get
+// scores M, M-1, ..., 1 (M = valid tokens; exact integers in fp32, hence N <= 2^24). Any
+// budget then keeps whole clusters in decreasing ψ and fills the rest from the next cluster by
+// q̄·k; protected tokens (sinks, the window) are masked by the selector, so a cluster's size
+// is its unprotected members. Invalid keys (fp32 squared norm not finite) take no part and
+// score -inf. The budget never enters the scores.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Dense>
+
+#include "kvscore/dtype.hpp"
+#include "kvscore/scorers/scorer_base.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace kvscore {
+
+namespace detail::proto {
+
+/// splitmix64 (Steele, Lea, Flood 2014): a fixed generator, identical on every platform.
+struct SplitMix64 {
+  std::uint64_t state;
+  static constexpr std::uint64_t mix(std::uint64_t z) noexcept {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t next() noexcept { return mix(state += 0x9E3779B97F4A7C15ull); }
+  /// Uniform in [0, 1) with 53 random bits.
+  double uniform() noexcept { return double(next() >> 11) * 0x1.0p-53; }
+};
+
+/// Stream of head h: its own state, so heads can run in any order.
+inline SplitMix64 head_stream(std::uint64_t seed, std::int64_t h) noexcept {
+  return SplitMix64{SplitMix64::mix(seed ^ SplitMix64::mix(std::uint64_t(h) + 1))};
+}
+
+/// RFF parameters of one head: W [r][d] standard normal (Box–Muller on pairs of uniforms,
+/// both outputs used, row-major fill), then b [r] uniform in [0, 2π).
+inline void rff_params(std::uint64_t seed, std::int64_t h, int r, std::int64_t d, std::vector<double>& W,
+                       std::vector<double>& b) {
+  SplitMix64 g = head_stream(seed, h);
+  const double two_pi = 6.283185307179586;
+  const std::size_t n = std::size_t(r) * std::size_t(d);
+  W.resize(n);
+  for (std::size_t i = 0; i < n; i += 2) {
+    const double u1 = 1.0 - g.uniform(), u2 = g.uniform();  // u1 in (0, 1]: log is finite
+    const double rad = std::sqrt(-2.0 * std::log(u1));
+    W[i] = rad * std::cos(two_pi * u2);
+    if (i + 1 < n) W[i + 1] = rad * std::sin(two_pi * u2);
+  }
+  b.resize(std::size_t(r));
+  for (int i = 0; i < r; ++i) b[std::size_t(i)] = two_pi * g.uniform();
+}
+
+}  // namespace detail::proto
+
+/// Everything ProtoKV computed for one KV head (ProtoKV::analyze), for tests and diagnostics.
+struct ProtoKVHead {
+  std::int64_t tokens = 0, head_dim = 0;
+  std::vector<unsigned char> valid;           ///< [N] fp32 squared norm finite
+  std::vector<double> similarity;             ///< [N] S_κ(i); NaN for invalid keys
+  std::vector<double> deviation;              ///< [N] Θ(i); NaN for invalid keys
+  std::vector<float> qk;                      ///< [N] q̄·k_i (fp32 dot); 0 for invalid keys
+  std::vector<std::int64_t> candidates;       ///< SAT candidates, highest deviation first
+  std::vector<int> candidate_bucket;          ///< LSH bucket of each candidate
+  double bandwidth = 0;                       ///< σ used by the LSH
+  std::int64_t pdt_prototypes = 0;            ///< prototypes [0, pdt) are PDT chunks
+  std::int64_t sat_prototypes = 0;            ///< prototypes [pdt, pdt + sat) are SAT buckets
+  std::vector<int> sat_bucket_id;             ///< bucket id of each SAT prototype (ascending)
+  std::vector<std::int64_t> chunk_begin;      ///< [pdt + 1] PDT chunk c = non-candidates [chunk_begin[c], chunk_begin[c+1]) (ranks)
+  std::vector<float> prototypes;              ///< [P][d] unit vectors (0 for a zero sum)
+  std::vector<std::int32_t> cluster;          ///< [N] prototype of each token; -1 for invalid keys
+  std::vector<std::int64_t> cluster_size;     ///< [P]
+  std::vector<double> psi;                    ///< [P] ψ (sum or mean as configured); 0 for empty clusters
+  std::vector<std::int32_t> cluster_order;    ///< non-empty clusters, best first
+};
+
+class ProtoKV : public ScorerOptions {
+ public:
+  static constexpr const char* name = "protokv";
+  static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
+
+  /// Neighbourhood radius κ (paper default 5).
+  static constexpr std::int64_t kDefaultKappa = 5;
+  /// SAT candidates p (paper: 20–40 suffice).
+  static constexpr std::int64_t kDefaultSatCandidates = 32;
+  /// LSH bits r: at most 2^r = 4 SAT prototypes (paper: 2–4).
+  static constexpr int kDefaultLshBits = 2;
+  /// PDT chunks v: with 2^r SAT buckets at most 500 prototypes (paper: about 500).
+  static constexpr std::int64_t kDefaultChunks = 496;
+  /// Largest cache: scores are exact integers in fp32.
+  static constexpr std::int64_t kMaxTokens = std::int64_t(1) << 24;
+
+  enum class Psi { sum, mean };
+
+  std::int64_t kappa = kDefaultKappa;                   ///< >= 1
+  std::int64_t sat_candidates = kDefaultSatCandidates;  ///< p in [0, N]
+  int lsh_bits = kDefaultLshBits;                       ///< r in [0, 16]
+  std::int64_t chunks = kDefaultChunks;                 ///< v >= 0 (clipped to the non-candidates)
+  double bandwidth = 0;                                 ///< σ > 0 fixed, 0 = median heuristic
+  std::uint64_t seed = 0;                               ///< RFF seed
+  Psi psi = Psi::sum;
+
+  /// queries: [q_heads][window][head_dim] row-major fp32, the post-RoPE queries of the last
+  /// `window` positions; GQA groups contiguous (query heads h*G .. h*G+G-1 serve KV head h).
+  /// Only their sum per query head is kept. `group` = q_heads / kv_heads, 0 = derive it.
+  ProtoKV(const float* queries, std::int64_t q_heads, std::int64_t window, std::int64_t head_dim,
+          std::int64_t group = 0)
+      : q_heads_(q_heads), window_(window), dim_(head_dim), group_(group) {
+    const std::string who = "kvscore::ProtoKV: ";
+    if (q_heads <= 0) detail::throw_invalid(who + "q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
+    if (window <= 0) detail::throw_invalid(who + "window must be > 0 (got " + std::to_string(window) + ")");
+    if (head_dim <= 0 || head_dim > kMaxHeadDim)
+      detail::throw_invalid(who + "head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                            std::to_string(head_dim) + ")");
+    if (group < 0 || (group > 0 && q_heads % group != 0))
+      detail::throw_invalid(who + "group " + std::to_string(group) + " must be >= 0 and divide q_heads " +
+                            std::to_string(q_heads) + " (0 = q_heads / kv_heads of the keys)");
+    if (queries == nullptr) detail::throw_invalid(who + "queries is null");
+    detail::checked_mul(detail::checked_mul(q_heads, window, "kvscore::ProtoKV"), head_dim, "kvscore::ProtoKV");
+    qsum_.assign(std::size_t(q_heads * head_dim), 0.0);
+    for (std::int64_t hq = 0; hq < q_heads; ++hq)
+      for (std::int64_t m = 0; m < window; ++m)
+        for (std::int64_t j = 0; j < head_dim; ++j) {
+          const float x = queries[(hq * window + m) * head_dim + j];
+          if (!std::isfinite(x))
+            detail::throw_invalid(who + "query value " + std::to_string(x) + " at [head " + std::to_string(hq) +
+                                  ", query " + std::to_string(m) + ", dim " + std::to_string(j) + "] is not finite");
+          qsum_[std::size_t(hq * head_dim + j)] += double(x);
+        }
+  }
+
+  std::int64_t q_heads() const noexcept { return q_heads_; }
+  std::int64_t window() const noexcept { return window_; }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t group() const noexcept { return group_; }
+  /// The observation window, to protect in the selector: `SelectOptions::recent`.
+  std::int64_t protected_recent() const noexcept { return window_; }
+
+  /// Throws std::invalid_argument unless these keys can be scored with these parameters.
+  template <class View>
+  void check(const View& keys) const {
+    const std::string who = "kvscore::ProtoKV: ";
+    const std::int64_t kv = keys.heads(), n = keys.tokens();
+    if (kv <= 0 || q_heads_ % kv != 0)
+      detail::throw_invalid(who + "q_heads " + std::to_string(q_heads_) + " is not a multiple of the keys' kv_heads " +
+                            std::to_string(kv));
+    if (group_ > 0 && group_ != q_heads_ / kv)
+      detail::throw_invalid(who + "group " + std::to_string(group_) + " does not match q_heads / kv_heads = " +
+                            std::to_string(q_heads_) + " / " + std::to_string(kv) + " = " +
+                            std::to_string(q_heads_ / kv));
+    if (keys.head_dim() != dim_)
+      detail::throw_invalid(who + "queries have head_dim " + std::to_string(dim_) + " but keys have head_dim " +
+                            std::to_string(keys.head_dim()));
+    if (window_ > n)
+      detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " + std::to_string(n) +
+                            " (the window's queries sit at the last positions of the cache)");
+    if (n > kMaxTokens)
+      detail::throw_invalid(who + "tokens " + std::to_string(n) + " > " + std::to_string(kMaxTokens) +
+                            " (scores are exact integer ranks in fp32)");
+    if (kappa < 1) detail::throw_invalid(who + "kappa must be >= 1 (got " + std::to_string(kappa) + ")");
+    if (sat_candidates < 0 || sat_candidates > n)
+      detail::throw_invalid(who + "sat_candidates " + std::to_string(sat_candidates) + " must be in [0, tokens " +
+                            std::to_string(n) + "]");
+    if (lsh_bits < 0 || lsh_bits > 16)
+      detail::throw_invalid(who + "lsh_bits " + std::to_string(lsh_bits) + " must be in [0, 16]");
+    if (chunks < 0) detail::throw_invalid(who + "chunks must be >= 0 (got " + std::to_string(chunks) + ")");
+    if (chunks == 0 && sat_candidates == 0)
+      detail::throw_invalid(who + "chunks 0 and sat_candidates 0 leave no prototypes");
+    if (!(bandwidth >= 0) || !std::isfinite(bandwidth))
+      detail::throw_invalid(who + "bandwidth " + std::to_string(bandwidth) + " must be finite and >= 0 (0 = median)");
+    if (psi != Psi::sum && psi != Psi::mean) detail::throw_invalid(who + "psi must be Psi::sum or Psi::mean");
+    detail::checked_mul(n, dim_, "kvscore::ProtoKV");
+  }
+
+  template <KeyCacheView View>
+  void score(const View& keys, ScoresView out) const {
+    detail::check_scores_shape(keys, out, name);
+    check(keys);
+    const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
+    const std::int64_t heads = keys.heads();
+    std::exception_ptr err;
+    auto body = [&](std::int64_t h) {
+      try {
+        run_head(table, keys, h, out.head(h), nullptr);
+      } catch (...) {
+#if defined(_OPENMP)
+#pragma omp critical(kvscore_protokv_error)
+#endif
+        if (!err) err = std::current_exception();
+      }
+    };
+#if defined(_OPENMP)
+    const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+    if (nt > 1 && heads > 1) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+      for (std::int64_t h = 0; h < heads; ++h) body(h);
+    } else {
+      for (std::int64_t h = 0; h < heads; ++h) body(h);
+    }
+#else
+    for (std::int64_t h = 0; h < heads; ++h) body(h);
+#endif
+    if (err) std::rethrow_exception(err);  // only std::bad_alloc can get here
+  }
+
+  template <KeyCacheView View>
+  Scores score(const View& keys) const {
+    Scores s(keys.heads(), keys.tokens());
+    score(keys, s.view());
+    return s;
+  }
+
+  /// Every intermediate of KV head h (same computation as score()).
+  template <KeyCacheView View>
+  ProtoKVHead analyze(const View& keys, std::int64_t h) const {
+    check(keys);
+    if (h < 0 || h >= keys.heads())
+      detail::throw_invalid("kvscore::ProtoKV::analyze: head " + std::to_string(h) + " out of range [0, " +
+                            std::to_string(keys.heads()) + ")");
+    ProtoKVHead a;
+    std::vector<float> scores(std::size_t(keys.tokens()));
+    run_head(isa != nullptr ? *isa : simd::active_table(), keys, h, scores.data(), &a);
+    return a;
+  }
+
+ private:
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  // At most 32 rows at compile time: Eigen's GEMM then never splits the product over
+  // OpenMP threads (Parallelizer.h), so the result cannot depend on the thread count.
+  static constexpr int kBlockRows = 32;
+  using BlockMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor, kBlockRows, Eigen::Dynamic>;
+
+  template <class View>
+  void run_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out,
+                ProtoKVHead* a) const {
+    using T = typename View::value_type;
+    const simd::RowOps<T>& ops = table.ops<T>();
+    const std::int64_t N = keys.tokens(), d = dim_, G = q_heads_ / keys.heads();
+    const std::size_t Nz = std::size_t(N);
+
+    // q̄ = Σ over the group's query heads and the window, in double, rounded once.
+    std::vector<float> qbar(static_cast<std::size_t>(d));
+    for (std::int64_t j = 0; j < d; ++j) {
+      double s = 0;
+      for (std::int64_t g = 0; g < G; ++g) s += qsum_[std::size_t((h * G + g) * d + j)];
+      qbar[std::size_t(j)] = float(s);
+    }
+
+    // Pass over the keys: q̄·k, ‖k‖², and the fp32 unit rows U (zero rows for zero and invalid keys).
+    std::vector<float> U(Nz * std::size_t(d)), qk(Nz), sq(Nz), norm(Nz);
+    std::vector<unsigned char> valid(Nz);
+    keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t len, std::int64_t stride) {
+      ops.dot_sqnorm(first, len, stride, d, qbar.data(), qk.data() + t0, sq.data() + t0);
+      for (std::int64_t i = 0; i < len; ++i) {
+        const std::int64_t t = t0 + i;
+        const float s2 = sq[std::size_t(t)];
+        float* u = U.data() + t * d;
+        valid[std::size_t(t)] = std::isfinite(s2) ? 1 : 0;
+        if (!valid[std::size_t(t)] || s2 == 0.f) {
+          std::fill(u, u + d, 0.f);
+          norm[std::size_t(t)] = 0.f;
+          if (!valid[std::size_t(t)]) qk[std::size_t(t)] = 0.f;
+          continue;
+        }
+        convert(first + i * stride, u, std::size_t(d));
+        const double nrm = std::sqrt(double(s2)), inv = 1.0 / nrm;
+        norm[std::size_t(t)] = float(nrm);
+        for (std::int64_t j = 0; j < d; ++j) u[j] = float(double(u[j]) * inv);
+        if (!std::isfinite(qk[std::size_t(t)])) {  // |q̄|·|k| beyond fp32 (or Inf-Inf lanes): redo in double
+          double s = 0;
+          for (std::int64_t j = 0; j < d; ++j) s += double(u[j]) * nrm * double(qbar[std::size_t(j)]);
+          qk[std::size_t(t)] = float(std::clamp(s, -double(std::numeric_limits<float>::max()),
+                                                double(std::numeric_limits<float>::max())));
+        }
+      }
+    });
+
+    // 1. Neighbourhood similarity, each pair (i, i+δ), 1 <= δ <= κ, computed once.
+    std::vector<double> S(Nz, 0.0);
+    std::vector<std::int64_t> cnt(Nz, 0);
+    {
+      float c[64];
+      for (std::int64_t i = 0; i < N; ++i) {
+        if (!valid[std::size_t(i)]) continue;
+        for (std::int64_t j0 = i + 1; j0 <= std::min(N - 1, i + kappa); j0 += 64) {
+          const std::int64_t m = std::min<std::int64_t>(64, std::min(N - 1, i + kappa) - j0 + 1);
+          table.f32.dot(U.data() + j0 * d, m, d, d, U.data() + i * d, c);
+          for (std::int64_t k = 0; k < m; ++k) {
+            const std::size_t j = std::size_t(j0 + k);
+            if (!valid[j]) continue;
+            S[std::size_t(i)] += double(c[k]);
+            S[j] += double(c[k]);
+            ++cnt[std::size_t(i)];
+            ++cnt[j];
+          }
+        }
+      }
+      for (std::size_t i = 0; i < Nz; ++i)
+        S[i] = !valid[i] ? std::numeric_limits<double>::quiet_NaN() : cnt[i] > 0 ? S[i] / double(cnt[i]) : 1.0;
+    }
+
+    // Local deviation Θ over the eligible keys (valid, non-zero).
+    auto eligible = [&](std::int64_t t) { return valid[std::size_t(t)] && norm[std::size_t(t)] > 0.f; };
+    std::vector<std::int64_t> elig;
+    elig.reserve(Nz);
+    for (std::int64_t t = 0; t < N; ++t)
+      if (eligible(t)) elig.push_back(t);
+    double mean = 0, var = 0;
+    for (std::int64_t t : elig) mean += S[std::size_t(t)];
+    if (!elig.empty()) mean /= double(elig.size());
+    for (std::int64_t t : elig) var += (S[std::size_t(t)] - mean) * (S[std::size_t(t)] - mean);
+    const double sd = elig.empty() ? 0.0 : std::sqrt(var / double(elig.size()));
+
+    // 2. SAT candidates: top-p deviation = lowest S (Θ is a decreasing affine map of S), ties lower position.
+    const std::int64_t p = std::min<std::int64_t>(sat_candidates, std::int64_t(elig.size()));
+    auto by_dev = [&](std::int64_t x, std::int64_t y) {
+      return S[std::size_t(x)] != S[std::size_t(y)] ? S[std::size_t(x)] < S[std::size_t(y)] : x < y;
+    };
+    if (p > 0 && p < std::int64_t(elig.size()))
+      std::nth_element(elig.begin(), elig.begin() + (p - 1), elig.end(), by_dev);
+    std::vector<std::int64_t> cand(elig.begin(), elig.begin() + p);
+    std::sort(cand.begin(), cand.end(), by_dev);
+    std::vector<unsigned char> is_cand(Nz, 0);
+    for (std::int64_t t : cand) is_cand[std::size_t(t)] = 1;
+
+    // Bandwidth: fixed, or the median pairwise distance of the candidates' unit keys.
+    double sigma = bandwidth;
+    if (sigma == 0) {
+      std::vector<double> dist;
+      dist.reserve(std::size_t(p * (p - 1) / 2 > 0 ? p * (p - 1) / 2 : 0));
+      for (std::int64_t x = 0; x < p; ++x)
+        for (std::int64_t y = x + 1; y < p; ++y) {
+          const float* ux = U.data() + cand[std::size_t(x)] * d;
+          const float* uy = U.data() + cand[std::size_t(y)] * d;
+          double s = 0;
+          for (std::int64_t j = 0; j < d; ++j) s += (double(ux[j]) - uy[j]) * (double(ux[j]) - uy[j]);
+          dist.push_back(std::sqrt(s));
+        }
+      if (!dist.empty()) {
+        const std::size_t mid = (dist.size() - 1) / 2;  // lower median
+        std::nth_element(dist.begin(), dist.begin() + std::ptrdiff_t(mid), dist.end());
+        sigma = dist[mid];
+      }
+      if (!(sigma > 0)) sigma = 1.0;
+    }
+
+    // RFF-LSH buckets of the candidates.
+    const int r = lsh_bits;
+    std::vector<double> W, b;
+    detail::proto::rff_params(seed, h, r, d, W, b);
+    std::vector<int> bucket(static_cast<std::size_t>(p));
+    for (std::int64_t x = 0; x < p; ++x) {
+      const float* u = U.data() + cand[std::size_t(x)] * d;
+      int id = 0;
+      for (int i = 0; i < r; ++i) {
+        double z = 0;
+        for (std::int64_t j = 0; j < d; ++j) z += W[std::size_t(i) * std::size_t(d) + std::size_t(j)] * double(u[j]);
+        const bool bit = std::cos(z / sigma + b[std::size_t(i)]) >= 0.0;
+        id = (id << 1) | (bit ? 1 : 0);
+      }
+      bucket[std::size_t(x)] = id;
+    }
+
+    // 3. PDT chunks over the other valid tokens, in position order.
+    std::vector<std::int64_t> rest;
+    rest.reserve(Nz);
+    for (std::int64_t t = 0; t < N; ++t)
+      if (valid[std::size_t(t)] && !is_cand[std::size_t(t)]) rest.push_back(t);
+    const std::int64_t nr = std::int64_t(rest.size());
+    const std::int64_t v = std::min(chunks, nr);
+    std::vector<std::int64_t> cb(std::size_t(v + 1));
+    for (std::int64_t c = 0; c <= v; ++c) cb[std::size_t(c)] = v > 0 ? c * nr / v : 0;
+
+    // Prototypes: PDT chunks first, then the non-empty SAT buckets by ascending id.
+    std::vector<int> ids(bucket.begin(), bucket.end());
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    const std::int64_t ns = std::int64_t(ids.size()), P = v + ns;
+    std::vector<float> protos(std::size_t(P) * std::size_t(d), 0.f);
+    std::vector<double> acc(static_cast<std::size_t>(d));
+    auto finish = [&](std::int64_t c) {  // normalise acc into prototype c
+      double s = 0;
+      for (double x : acc) s += x * x;
+      const double inv = s > 0 ? 1.0 / std::sqrt(s) : 0.0;
+      for (std::int64_t j = 0; j < d; ++j) protos[std::size_t(c * d + j)] = float(acc[std::size_t(j)] * inv);
+    };
+    auto add_key = [&](std::int64_t t) {  // k = ‖k‖·u, in double
+      const float* u = U.data() + t * d;
+      const double nrm = norm[std::size_t(t)];
+      for (std::int64_t j = 0; j < d; ++j) acc[std::size_t(j)] += nrm * double(u[j]);
+    };
+    for (std::int64_t c = 0; c < v; ++c) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t k = cb[std::size_t(c)]; k < cb[std::size_t(c + 1)]; ++k) add_key(rest[std::size_t(k)]);
+      finish(c);
+    }
+    {  // SAT buckets: members summed in position order
+      std::vector<std::pair<int, std::int64_t>> members(static_cast<std::size_t>(p));
+      for (std::int64_t x = 0; x < p; ++x) members[std::size_t(x)] = {bucket[std::size_t(x)], cand[std::size_t(x)]};
+      std::sort(members.begin(), members.end());
+      std::size_t k = 0;
+      for (std::int64_t s = 0; s < ns; ++s) {
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (; k < members.size() && members[k].first == ids[std::size_t(s)]; ++k) add_key(members[k].second);
+        finish(v + s);
+      }
+    }
+
+    // 4. Nearest prototype by cosine: GEMM over blocks of 32 unit rows, first maximum wins.
+    std::vector<std::int32_t> cl(Nz, -1);
+    if (P > 0) {
+      const Eigen::Map<const RowMat> M(protos.data(), Eigen::Index(P), Eigen::Index(d));
+      BlockMat C(kBlockRows, Eigen::Index(P));
+      for (std::int64_t t0 = 0; t0 < N; t0 += kBlockRows) {
+        const std::int64_t m = std::min<std::int64_t>(kBlockRows, N - t0);
+        const Eigen::Map<const RowMat> A(U.data() + t0 * d, Eigen::Index(m), Eigen::Index(d));
+        if (C.rows() != m) C.resize(Eigen::Index(m), Eigen::Index(P));
+        C.noalias() = A * M.transpose();
+        for (std::int64_t i = 0; i < m; ++i) {
+          if (!valid[std::size_t(t0 + i)]) continue;
+          std::int32_t best = 0;
+          float bv = C(Eigen::Index(i), 0);
+          for (std::int64_t c = 1; c < P; ++c)
+            if (C(Eigen::Index(i), Eigen::Index(c)) > bv) {
+              bv = C(Eigen::Index(i), Eigen::Index(c));
+              best = std::int32_t(c);
+            }
+          cl[std::size_t(t0 + i)] = best;
+        }
+      }
+    }
+
+    // 5. ψ per cluster (fp64 sums in position order), cluster order, token order.
+    std::vector<double> psi_c(std::size_t(P), 0.0);
+    std::vector<std::int64_t> size(std::size_t(P), 0);
+    for (std::int64_t t = 0; t < N; ++t)
+      if (cl[std::size_t(t)] >= 0) {
+        psi_c[std::size_t(cl[std::size_t(t)])] += double(qk[std::size_t(t)]);
+        ++size[std::size_t(cl[std::size_t(t)])];
+      }
+    if (psi == Psi::mean)
+      for (std::int64_t c = 0; c < P; ++c)
+        if (size[std::size_t(c)] > 0) psi_c[std::size_t(c)] /= double(size[std::size_t(c)]);
+    std::vector<std::int32_t> corder;
+    for (std::int64_t c = 0; c < P; ++c)
+      if (size[std::size_t(c)] > 0) corder.push_back(std::int32_t(c));
+    std::sort(corder.begin(), corder.end(), [&](std::int32_t x, std::int32_t y) {
+      return psi_c[std::size_t(x)] != psi_c[std::size_t(y)] ? psi_c[std::size_t(x)] > psi_c[std::size_t(y)] : x < y;
+    });
+    std::vector<std::int64_t> rank(std::size_t(P), 0);
+    for (std::size_t k = 0; k < corder.size(); ++k) rank[std::size_t(corder[k])] = std::int64_t(k);
+
+    std::vector<std::int64_t> order;
+    order.reserve(Nz);
+    for (std::int64_t t = 0; t < N; ++t)
+      if (cl[std::size_t(t)] >= 0) order.push_back(t);
+    std::sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
+      const std::int64_t rx = rank[std::size_t(cl[std::size_t(x)])], ry = rank[std::size_t(cl[std::size_t(y)])];
+      if (rx != ry) return rx < ry;
+      if (qk[std::size_t(x)] != qk[std::size_t(y)]) return qk[std::size_t(x)] > qk[std::size_t(y)];
+      return x < y;
+    });
+    const std::int64_t M = std::int64_t(order.size());
+    for (std::int64_t t = 0; t < N; ++t) out[t] = kInvalidScore;
+    for (std::int64_t o = 0; o < M; ++o) out[order[std::size_t(o)]] = float(M - o);
+
+    if (a == nullptr) return;
+    a->tokens = N;
+    a->head_dim = d;
+    a->valid = valid;
+    a->similarity = S;
+    a->deviation.assign(Nz, std::numeric_limits<double>::quiet_NaN());
+    for (std::int64_t t : elig) a->deviation[std::size_t(t)] = sd > 0 ? (mean - S[std::size_t(t)]) / sd : 0.0;
+    for (std::size_t t = 0; t < Nz; ++t)  // zero keys: Θ from their S too (they are just not eligible)
+      if (valid[t] && norm[t] == 0.f) a->deviation[t] = sd > 0 ? (mean - S[t]) / sd : 0.0;
+    a->qk = qk;
+    a->candidates = cand;
+    a->candidate_bucket = bucket;
+    a->bandwidth = sigma;
+    a->pdt_prototypes = v;
+    a->sat_prototypes = ns;
+    a->sat_bucket_id = ids;
+    a->chunk_begin = cb;
+    a->prototypes = protos;
+    a->cluster = cl;
+    a->cluster_size = size;
+    a->psi = psi_c;
+    a->cluster_order = corder;
+  }
+
+  std::vector<double> qsum_;  ///< Σ over the window of each query head, [q_heads][head_dim]
+  std::int64_t q_heads_, window_, dim_, group_;
+};
+
+}  // namespace kvscore

@@ -1,0 +1,472 @@
+// cuda/tests/test_cuda.cpp — the CUDA path against the CPU path on the same data.
+//
+// GPU tests ([gpu]) compare every kernel with the CPU reference (kvscore/scorers/*.hpp,
+// select.hpp, compact.hpp) on identical inputs: selections and compacted caches must be
+// identical (random data without ties, plus tie/NaN/±0/±inf cases against the CPU's documented
+// order); scores must agree to 1e-5 relative (see check_scores for the one documented floor),
+// SnapKV to its derived bound (test_snapkv.cpp's). Without a device, main() says so and runs
+// only the host-side tests: type rules, argument checks, and CUDA errors as exceptions.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <kvscore/compact.hpp>
+#include <kvscore/cuda/compact.hpp>
+#include <kvscore/cuda/device.hpp>
+#include <kvscore/cuda/scorers.hpp>
+#include <kvscore/cuda/select.hpp>
+#include <kvscore/select.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+namespace kc = kvscore::cuda;
+using kvscore::bfloat16;
+using kvscore::half;
+using Catch::Matchers::Contains;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// The memory space is in the type: device views are not CPU views and do not convert.
+static_assert(!kvscore::KeyCacheView<kc::DeviceKeysView<float>>);
+static_assert(!kvscore::KeyCacheView<kc::DeviceKeysView<half>>);
+static_assert(kvscore::KeyCacheView<kvscore::KeysView<half>>);
+static_assert(!std::is_convertible_v<kc::DeviceScoresView, kvscore::ScoresView>);
+static_assert(!std::is_convertible_v<kvscore::ScoresView, kc::DeviceScoresView>);
+static_assert(!std::is_convertible_v<kvscore::KeysView<float>, kc::DeviceKeysView<float>>);
+static_assert(!kvscore::MutableCacheView<kc::DeviceMutKeysView<float>>);
+static_assert(kc::DeviceKeysView<float>::space == kc::MemorySpace::device);
+
+template <class T>
+kc::DeviceBuffer upload(const std::vector<T>& v) {
+  kc::DeviceBuffer b(std::max<std::size_t>(v.size() * sizeof(T), 1));
+  kc::copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
+  return b;
+}
+template <class T>
+std::vector<T> download(const kc::DeviceBuffer& b, std::size_t n) {
+  std::vector<T> v(n);
+  kc::copy_to_host(v.data(), b.get(), n * sizeof(T));
+  return v;
+}
+
+/// A layer of keys in one of the engine layouts, as host data and the same bytes on the device.
+struct Layout {
+  const char* name;
+  std::int64_t hs, ts, elems;
+};
+Layout hf(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
+Layout token_major(std::int64_t H, std::int64_t N, std::int64_t d) { return {"token-major", d, H * d, H * N * d}; }
+/// Rows padded by 3 elements: misaligned for the vector path, so the generic kernel runs.
+Layout padded(std::int64_t H, std::int64_t N, std::int64_t d) { return {"padded", N * (d + 3), d + 3, H * N * (d + 3)}; }
+
+template <class T>
+std::vector<T> make_keys(std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L, unsigned seed,
+                         bool invalid_rows) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> k(std::size_t(L.elems), kvscore::from_float<T>(0.f));
+  std::vector<float> dir(static_cast<std::size_t>(d));
+  for (auto& x : dir) x = nd(rng);
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t j = 0; j < d; ++j)
+        k[std::size_t(h * L.hs + t * L.ts + j)] = kvscore::from_float<T>(0.7f * dir[std::size_t(j)] + nd(rng));
+  if (invalid_rows && N > 8) {
+    k[std::size_t(0 * L.hs + 3 * L.ts + 1)] = kvscore::from_float<T>(kNaN);
+    k[std::size_t((H - 1) * L.hs + 7 * L.ts)] = kvscore::from_float<T>(kInf);
+    for (std::int64_t j = 0; j < d; ++j) k[std::size_t(0 * L.hs + 5 * L.ts + j)] = kvscore::from_float<T>(0.f);
+  }
+  return k;
+}
+
+/// GPU vs CPU scores: -inf exactly where the CPU has -inf, otherwise |gpu - cpu| <= 1e-5·|cpu|,
+/// with a floor of 1e-5 · (largest |cpu| of the head) for QFilter and KeyDiff, whose scores are
+/// dot products: cancellation makes a relative bound meaningless near 0 for any two summation
+/// orders (the absolute error of a dot is bounded by d·u·Σ|k_j v_j|, not by |k·v|).
+void check_scores(const std::vector<float>& cpu, const std::vector<float>& gpu, std::int64_t H, std::int64_t N,
+                  bool dot_floor, double rel = 1e-5) {
+  for (std::int64_t h = 0; h < H; ++h) {
+    double mx = 0;
+    for (std::int64_t t = 0; t < N; ++t)
+      if (std::isfinite(cpu[std::size_t(h * N + t)])) mx = std::max(mx, double(std::fabs(cpu[std::size_t(h * N + t)])));
+    for (std::int64_t t = 0; t < N; ++t) {
+      const float c = cpu[std::size_t(h * N + t)], g = gpu[std::size_t(h * N + t)];
+      INFO("head " << h << " token " << t << " cpu " << c << " gpu " << g);
+      REQUIRE(!std::isnan(g));
+      if (std::isinf(c)) {
+        REQUIRE(g == c);
+        continue;
+      }
+      const double tol = rel * std::fabs(double(c)) + (dot_floor ? rel * mx : 0.0) + 1e-30;
+      REQUIRE(std::fabs(double(g) - double(c)) <= tol);
+    }
+  }
+}
+
+template <class S, class T>
+void compare_scorer(const S& s_in, std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L, bool dot_floor) {
+  INFO("scorer " << S::name << " dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " d " << d << " layout "
+                 << L.name << " H " << H << " N " << N);
+  S s = s_in;
+  s.num_threads = 1;
+  const std::vector<T> host = make_keys<T>(H, N, d, L, unsigned(H * 131 + N * 7 + d), true);
+  const kvscore::Scores cpu = s.score(kvscore::KeysView<T>(host.data(), H, N, d, L.hs, L.ts));
+  const kc::DeviceBuffer dk = upload(host);
+  const kc::DeviceKeysView<T> keys(dk.as<T>(), H, N, d, L.hs, L.ts);
+  kc::DeviceBuffer ws(kc::score_workspace_bytes(s, keys));
+  kc::DeviceBuffer out(std::size_t(H * N) * sizeof(float));
+  kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+  kc::synchronize();
+  const std::vector<float> gpu = download<float>(out, std::size_t(H * N));
+  check_scores(cpu.values(), gpu, H, N, dot_floor);
+  // Deterministic: a second run gives the same bits.
+  kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+  kc::synchronize();
+  const std::vector<float> again = download<float>(out, std::size_t(H * N));
+  REQUIRE(std::memcmp(gpu.data(), again.data(), gpu.size() * sizeof(float)) == 0);
+}
+
+template <class T>
+void all_geometric(std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L) {
+  compare_scorer<kvscore::KNorm, T>(kvscore::KNorm{}, H, N, d, L, false);
+  compare_scorer<kvscore::ManifoldL2, T>(kvscore::ManifoldL2{}, H, N, d, L, false);
+  compare_scorer<kvscore::KeyDiff, T>(kvscore::KeyDiff{}, H, N, d, L, true);
+  compare_scorer<kvscore::WindowedManifoldL2, T>(kvscore::WindowedManifoldL2(256), H, N, d, L, false);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> f(std::size_t(H * d));
+  for (auto& x : f) x = nd(rng);
+  compare_scorer<kvscore::QFilter, T>(kvscore::QFilter(f, H, d), H, N, d, L, true);
+}
+
+// -------------------------------------------------------------- selection helpers
+
+std::vector<float> random_scores(std::int64_t H, std::int64_t N, unsigned seed, int distinct = 0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> ud(0, std::max(distinct - 1, 0));
+  std::vector<float> s(std::size_t(H * N));
+  for (auto& x : s) x = distinct > 0 ? float(ud(rng)) : nd(rng);
+  return s;
+}
+
+void compare_select(const std::vector<float>& scores, std::int64_t H, std::int64_t N, kvscore::Budget b,
+                    const kvscore::SelectOptions& opt, kc::TopkPath path) {
+  INFO("H " << H << " N " << N << " budget " << b.count() << " adakv " << (opt.alloc == kvscore::Alloc::adakv)
+            << " sinks " << opt.sinks << " recent " << opt.recent << " alpha " << opt.alpha << " path "
+            << int(path));
+  const kvscore::Selection cpu = kvscore::select(kvscore::ScoresView(const_cast<float*>(scores.data()), H, N), b, opt);
+  const kc::DeviceBuffer d = upload(scores);
+  const kvscore::Selection gpu = kc::select(kc::DeviceScoresView(d.as<float>(), H, N), b, opt, nullptr, path);
+  REQUIRE(gpu.offsets == cpu.offsets);
+  REQUIRE(gpu.positions == cpu.positions);
+}
+
+const kc::TopkPath kPaths[] = {kc::TopkPath::one_cta_per_row, kc::TopkPath::multi_cta_per_row,
+                               kc::TopkPath::automatic};
+
+}  // namespace
+
+// ================================================================ host-side (no GPU needed)
+
+TEST_CASE("cuda: device views validate like the CPU views", "[cuda][host]") {
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(4096));  // never dereferenced on the host
+  REQUIRE_THROWS_WITH((kc::DeviceKeysView<float>(fake, 2, 10, 8, 8, 8)), Contains("overlap"));
+  REQUIRE_THROWS_WITH((kc::DeviceKeysView<float>(fake, -1, 10, 8, 80, 8)), Contains("heads must be >= 0 (got -1)"));
+  REQUIRE_THROWS_WITH((kc::DeviceKeysView<float>(nullptr, 2, 10, 8, 80, 8)), Contains("data is null"));
+  REQUIRE_THROWS_WITH((kc::DeviceKeysView<float>(fake, 2, 10, 5000, 50000, 5000)), Contains("5000"));
+  REQUIRE_THROWS_WITH((kc::DeviceScoresView(fake, 2, 10, 5)), Contains("head_stride 5"));
+  const auto v = kc::DeviceKeysView<half>::hf(reinterpret_cast<half*>(fake), 1, 2, 4, 10, 64, 16);
+  REQUIRE(v.head_stride() == 16 * 64);
+  REQUIRE(v.data() == reinterpret_cast<half*>(fake) + 4 * 16 * 64);
+  REQUIRE_THROWS_WITH((kc::DeviceKeysView<float>::hf(fake, 2, 2, 4, 10, 64)), Contains("batch_index 2"));
+}
+
+TEST_CASE("cuda: arguments are checked before anything is launched", "[cuda][host]") {
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(4096));
+  const kc::DeviceKeysView<float> keys(fake, 2, 10, 8, 80, 8);
+  REQUIRE_THROWS_WITH(kc::score(kvscore::KNorm{}, keys, kc::DeviceScoresView(fake, 2, 9)),
+                      Contains("scores shape (2, 9) does not match keys (2, 10)"));
+  const kvscore::QFilter q(std::vector<float>(3 * 8, 1.f), 3, 8);
+  REQUIRE_THROWS_WITH(kc::score(q, keys, kc::DeviceScoresView(fake, 2, 10)), Contains("kv_heads 3"));
+  const std::vector<float> queries(2 * 16 * 8, 0.5f);
+  const kvscore::SnapKV snap(queries.data(), 2, 16, 8);
+  REQUIRE_THROWS_WITH(kc::score(snap, keys, kc::DeviceScoresView(fake, 2, 10)), Contains("window 16 > tokens 10"));
+  const kc::DeviceScoresView s(fake, 2, 10);
+  REQUIRE_THROWS_WITH(kc::select_workspace_bytes(s, kvscore::Budget::per_head(11)), Contains("11"));
+  kvscore::SelectOptions o;
+  o.sinks = 8;
+  o.recent = 4;
+  REQUIRE_THROWS_WITH(kc::select_total(s, kvscore::Budget::per_head(5), o), Contains("protect 10"));
+  o = {};
+  o.alloc = kvscore::Alloc::adakv;
+  o.normalize = true;
+  REQUIRE_THROWS_WITH(kc::select_total(s, kvscore::Budget::per_head(5), o), Contains("normalize"));
+  o.normalize = false;
+  REQUIRE(kc::select_total(s, kvscore::Budget::per_head(5), o) == 10);
+  REQUIRE_THROWS_WITH(kc::select_into(s, kvscore::Budget::per_head(5), {}, {}, nullptr, nullptr, 10),
+                      Contains("offsets is null"));
+  std::int64_t dummy = 0;
+  REQUIRE_THROWS_WITH(kc::select_into(s, kvscore::Budget::per_head(5), {}, {}, &dummy, &dummy, 9),
+                      Contains("capacity 9"));
+  kvscore::Selection bad;
+  bad.heads = 2;
+  bad.tokens = 10;
+  bad.offsets = {0, 1, 2};
+  bad.positions = {3, 10};
+  const kc::DeviceMutKeysView<float> cache(fake, 2, 10, 8, 80, 8);
+  REQUIRE_THROWS_AS(kc::compact(cache, bad, {}), std::invalid_argument);
+}
+
+TEST_CASE("cuda: CUDA failures become kvscore::cuda::Error with the CUDA error string", "[cuda][host]") {
+  if (kc::device_count() == 0) {
+    // No device here: the runtime's own error (no device / no driver) must come through.
+    try {
+      kc::DeviceBuffer b(1024);
+      FAIL("cudaMalloc succeeded without a device");
+    } catch (const kc::Error& e) {
+      REQUIRE(e.code() != 0);
+      REQUIRE_THAT(e.what(), Contains("cudaMalloc") && Contains("cudaError"));
+    }
+  } else {
+    try {
+      kc::DeviceBuffer b(std::size_t(1) << 60);
+      FAIL("a 2^60-byte cudaMalloc succeeded");
+    } catch (const kc::Error& e) {
+      REQUIRE(e.code() == 2);  // cudaErrorMemoryAllocation
+      REQUIRE_THAT(e.what(), Contains("cudaErrorMemoryAllocation") && Contains("out of memory"));
+    }
+  }
+}
+
+// ================================================================ GPU: scorers
+
+TEST_CASE("cuda: geometric scorers match the CPU path (fp32/fp16/bf16, head_dim 64/128/256/generic)", "[cuda][gpu]") {
+  for (std::int64_t d : {64, 128, 256, 40}) {
+    all_geometric<float>(3, 1100, d, hf(3, 1100, d));
+    all_geometric<half>(3, 1100, d, hf(3, 1100, d));
+    all_geometric<bfloat16>(3, 1100, d, hf(3, 1100, d));
+  }
+  all_geometric<half>(4, 700, 128, token_major(4, 700, 128));
+  all_geometric<bfloat16>(2, 900, 128, padded(2, 900, 128));
+  all_geometric<float>(2, 5000, 64, hf(2, 5000, 64));  // several centroid parts and windows (+ merged tail)
+}
+
+TEST_CASE("cuda: windowed L2 keeps the CPU's tail rule", "[cuda][gpu]") {
+  // 1000 = 3 x 256 + 232 (own window) and 900 = 3 x 256 + 132 (merged into the third).
+  for (std::int64_t N : {1000, 900, 200, 256, 257})
+    compare_scorer<kvscore::WindowedManifoldL2, float>(kvscore::WindowedManifoldL2(256), 2, N, 64, hf(2, N, 64), false);
+}
+
+TEST_CASE("cuda: a head with no valid key, and a zero KeyDiff anchor", "[cuda][gpu]") {
+  const std::int64_t H = 2, N = 50, d = 64;
+  std::vector<float> host(std::size_t(H * N * d), 1.f);
+  for (std::int64_t t = 0; t < N; ++t) host[std::size_t(t * d)] = kNaN;               // head 0: all invalid
+  for (std::int64_t t = 0; t < N; ++t)                                                 // head 1: k and -k
+    for (std::int64_t j = 0; j < d; ++j) host[std::size_t((N + t) * d + j)] = (t % 2 ? -1.f : 1.f) * float(j + 1);
+  const kc::DeviceBuffer dk = upload(host);
+  const kc::DeviceKeysView<float> keys(dk.as<float>(), H, N, d, N * d, d);
+  kc::DeviceBuffer out(std::size_t(H * N) * sizeof(float));
+  kvscore::KeyDiff kd;
+  kc::DeviceBuffer ws(kc::score_workspace_bytes(kd, keys));
+  kc::score(kd, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+  const auto g = download<float>(out, std::size_t(H * N));
+  for (std::int64_t t = 0; t < N; ++t) REQUIRE(g[std::size_t(t)] == -kInf);
+  for (std::int64_t t = 0; t < N; ++t) REQUIRE(g[std::size_t(N + t)] == 0.f);  // anchor = 0: every valid key 0
+  kvscore::ManifoldL2 l2;
+  kc::DeviceBuffer ws2(kc::score_workspace_bytes(l2, keys));
+  kc::score(l2, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws2.get(), ws2.bytes()});
+  const auto g2 = download<float>(out, std::size_t(H * N));
+  for (std::int64_t t = 0; t < N; ++t) REQUIRE(g2[std::size_t(t)] == -kInf);
+}
+
+TEST_CASE("cuda: SnapKV matches the CPU path", "[cuda][gpu]") {
+  const std::int64_t H = 2, G = 2, w = 16, N = 1500;
+  for (std::int64_t d : {64, 128, 40}) {
+    std::mt19937 rng(static_cast<unsigned>(d));
+    std::normal_distribution<float> nd(0.f, 0.3f);
+    std::vector<float> q(std::size_t(H * G * w * d));
+    for (auto& x : q) x = nd(rng);
+    kvscore::SnapKV s(q.data(), H * G, w, d);
+    s.num_threads = 1;
+    const std::vector<half> host = make_keys<half>(H, N, d, hf(H, N, d), 3, true);
+    const kvscore::KeysView<half> cview(host.data(), H, N, d, N * d, d);
+    const kvscore::Scores cpu = s.score(cview);
+    const kc::DeviceBuffer dk = upload(host);
+    const kc::DeviceKeysView<half> keys(dk.as<half>(), H, N, d, N * d, d);
+    kc::DeviceBuffer ws(kc::score_workspace_bytes(s, keys));
+    kc::DeviceBuffer out(std::size_t(H * N) * sizeof(float));
+    kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+    const auto g = download<float>(out, std::size_t(H * N));
+    // test_snapkv.cpp's bound: (3(d+2)·L + 8)·u relative, L = max Σ_j |q_j k_j| / √d.
+    double Lmax = 0;
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t qi = 0; qi < G * w; ++qi)
+        for (std::int64_t t = 0; t < N; ++t) {
+          double a = 0;
+          bool ok = true;
+          for (std::int64_t j = 0; j < d; ++j) {
+            const double k = kvscore::to_float(host[std::size_t((h * N + t) * d + j)]);
+            ok = ok && std::isfinite(k);
+            a += std::fabs(double(q[std::size_t(((h * G * w) + qi) * d + j)]) * k);
+          }
+          if (ok) Lmax = std::max(Lmax, a / std::sqrt(double(d)));
+        }
+    const double rel = (3.0 * double(d + 2) * Lmax + 8.0) / 16777216.0;
+    INFO("d " << d << " L " << Lmax << " rel bound " << rel);
+    check_scores(cpu.values(), g, H, N, false, rel);
+  }
+}
+
+// ================================================================ GPU: selection
+
+TEST_CASE("cuda: batched top-k equals the CPU selector (distinct scores)", "[cuda][gpu]") {
+  for (auto path : kPaths)
+    for (std::int64_t H : {1, 3, 40})
+      for (std::int64_t N : {1000, 70000}) {
+        const auto s = random_scores(H, N, unsigned(H + N));
+        for (std::int64_t k : {std::int64_t(0), std::int64_t(1), N / 10, N / 2, N - 1, N})
+          compare_select(s, H, N, kvscore::Budget::per_head(k), {}, path);
+      }
+}
+
+TEST_CASE("cuda: ties, NaN, ±inf and ±0 follow the CPU's order", "[cuda][gpu]") {
+  for (auto path : kPaths) {
+    for (int distinct : {1, 2, 5}) {
+      const auto s = random_scores(5, 9000, unsigned(distinct), distinct);
+      for (std::int64_t k : {1, 100, 4500, 8999}) compare_select(s, 5, 9000, kvscore::Budget::per_head(k), {}, path);
+    }
+    std::vector<float> sp(4 * 3000);
+    const float vals[] = {kNaN, -kNaN, -kInf, kInf, 0.f, -0.f, 1.f, -1.f};
+    std::mt19937 rng(9);
+    for (auto& x : sp) x = vals[rng() % 8];
+    for (std::int64_t k : {1, 400, 1500, 2600, 2999}) compare_select(sp, 4, 3000, kvscore::Budget::per_head(k), {}, path);
+  }
+}
+
+TEST_CASE("cuda: protection and AdaKV allocation equal the CPU selector", "[cuda][gpu]") {
+  for (auto path : kPaths)
+    for (int distinct : {0, 3}) {
+      const std::int64_t H = 6, N = 5000;
+      const auto s = random_scores(H, N, 17, distinct);
+      kvscore::SelectOptions o;
+      o.sinks = 4;
+      o.recent = 64;
+      for (std::int64_t k : {68, 69, 500, 4999}) compare_select(s, H, N, kvscore::Budget::per_head(k), o, path);
+      o.alloc = kvscore::Alloc::adakv;
+      for (double alpha : {0.0, 0.2, 1.0}) {
+        o.alpha = alpha;
+        for (std::int64_t B : {68 * 6, 3000, 12345, 29999}) compare_select(s, H, N, kvscore::Budget::per_layer(B), o, path);
+      }
+      o.sinks = o.recent = 0;
+      o.alpha = 0.2;
+      for (std::int64_t B : {0, 1, 7, 15000, 30000}) compare_select(s, H, N, kvscore::Budget::per_layer(B), o, path);
+    }
+}
+
+TEST_CASE("cuda: topk_into writes [rows][k] ascending positions", "[cuda][gpu]") {
+  const std::int64_t R = 7, N = 20000, k = 1234;
+  const auto s = random_scores(R, N, 3);
+  const kvscore::Selection cpu = kvscore::select(kvscore::ScoresView(const_cast<float*>(s.data()), R, N),
+                                                 kvscore::Budget::per_head(k));
+  const kc::DeviceBuffer d = upload(s);
+  const kc::DeviceScoresView v(d.as<float>(), R, N);
+  for (auto path : kPaths) {
+    kc::DeviceBuffer ws(kc::topk_workspace_bytes(v, k, path));
+    kc::DeviceBuffer out(std::size_t(R * k) * sizeof(std::int64_t));
+    kc::topk_into(v, k, {ws.get(), ws.bytes()}, out.as<std::int64_t>(), nullptr, path);
+    REQUIRE(download<std::int64_t>(out, std::size_t(R * k)) == cpu.positions);
+  }
+}
+
+// ================================================================ GPU: compaction
+
+namespace {
+template <class T>
+void compare_compact(std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L, kvscore::CompactTail tail,
+                     bool adakv) {
+  INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " d " << d << " layout " << L.name << " tail "
+                << int(tail) << " adakv " << adakv);
+  const auto scores = random_scores(H, N, 23);
+  kvscore::SelectOptions o;
+  o.sinks = 2;
+  o.recent = 8;
+  if (adakv) o.alloc = kvscore::Alloc::adakv;
+  const kvscore::Budget b = adakv ? kvscore::Budget::per_layer(H * N / 3) : kvscore::Budget::per_head(N / 3);
+  const kvscore::Selection sel = kvscore::select(kvscore::ScoresView(const_cast<float*>(scores.data()), H, N), b, o);
+  std::vector<T> k = make_keys<T>(H, N, d, L, 1, false), v = make_keys<T>(H, N, d, L, 2, false);
+  const kc::DeviceBuffer dk = upload(k), dv = upload(v);
+  kvscore::CompactOptions co;
+  co.tail = tail;
+  kvscore::compact(kvscore::MutKeysView<T>(k.data(), H, N, d, L.hs, L.ts),
+                   kvscore::MutKeysView<T>(v.data(), H, N, d, L.hs, L.ts), sel, co);
+  // Host Selection on K and V, then a device selection (from select_into) on a fresh copy.
+  kc::DeviceBuffer ws(kc::compact_workspace_bytes(sel));
+  kc::compact(kc::DeviceMutKeysView<T>(dk.as<T>(), H, N, d, L.hs, L.ts),
+              kc::DeviceMutKeysView<T>(dv.as<T>(), H, N, d, L.hs, L.ts), sel, {ws.get(), ws.bytes()}, co);
+  kc::synchronize();
+  const auto gk = download<T>(dk, k.size()), gv = download<T>(dv, v.size());
+  REQUIRE(std::memcmp(gk.data(), k.data(), k.size() * sizeof(T)) == 0);
+  REQUIRE(std::memcmp(gv.data(), v.data(), v.size() * sizeof(T)) == 0);
+
+  const kc::DeviceBuffer dk2 = upload(make_keys<T>(H, N, d, L, 1, false)), ds = upload(scores);
+  const kc::DeviceScoresView sv(ds.as<float>(), H, N);
+  kc::DeviceBuffer sws(kc::select_workspace_bytes(sv, b, o));
+  kc::DeviceBuffer off(std::size_t(H + 1) * 8), pos(std::size_t(sel.total()) * 8);
+  kc::select_into(sv, b, o, {sws.get(), sws.bytes()}, off.as<std::int64_t>(), pos.as<std::int64_t>(),
+                  std::size_t(sel.total()));
+  kc::compact(kc::DeviceMutKeysView<T>(dk2.as<T>(), H, N, d, L.hs, L.ts),
+              kc::DeviceSelection{H, N, off.as<std::int64_t>(), pos.as<std::int64_t>()}, co);
+  const auto gk2 = download<T>(dk2, k.size());
+  REQUIRE(std::memcmp(gk2.data(), k.data(), k.size() * sizeof(T)) == 0);
+}
+}  // namespace
+
+TEST_CASE("cuda: in-place compaction equals the CPU compact()", "[cuda][gpu]") {
+  for (auto tail : {kvscore::CompactTail::keep, kvscore::CompactTail::zero})
+    for (bool adakv : {false, true}) {
+      compare_compact<half>(4, 3000, 128, hf(4, 3000, 128), tail, adakv);
+      compare_compact<float>(3, 1000, 40, token_major(3, 1000, 40), tail, adakv);
+      compare_compact<bfloat16>(2, 700, 24, padded(2, 700, 24), tail, adakv);
+      compare_compact<half>(2, 500, 7, hf(2, 500, 7), tail, adakv);  // 14-byte rows: 2-byte words
+    }
+}
+
+TEST_CASE("cuda: host memory and small workspaces are rejected", "[cuda][gpu]") {
+  std::vector<float> host(2 * 100 * 64, 1.f), out(200);
+  const kc::DeviceKeysView<float> hk(host.data(), 2, 100, 64, 6400, 64);  // host pointer in a device view
+  kc::DeviceBuffer dout(200 * sizeof(float));
+  REQUIRE_THROWS_WITH(kc::score(kvscore::KNorm{}, hk, kc::DeviceScoresView(dout.as<float>(), 2, 100)),
+                      Contains("keys is not device memory"));
+  const kc::DeviceBuffer dk = upload(host);
+  const kc::DeviceKeysView<float> keys(dk.as<float>(), 2, 100, 64, 6400, 64);
+  kvscore::ManifoldL2 l2;
+  kc::DeviceBuffer ws(kc::score_workspace_bytes(l2, keys) - 1);
+  REQUIRE_THROWS_WITH(kc::score(l2, keys, kc::DeviceScoresView(dout.as<float>(), 2, 100), {ws.get(), ws.bytes()}),
+                      Contains("smaller than the"));
+}
+
+int main(int argc, char** argv) {
+  Catch::Session session;
+  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
+  const int devices = kc::device_count();
+  if (devices == 0) {
+    std::printf("kvscore_cuda_tests: no CUDA device -- SKIPPING every [gpu] test (they compare the kernels with the "
+                "CPU path and need a GPU); running the host-side [host] tests only\n");
+    session.configData().testsOrTags.push_back("~[gpu]");
+  } else {
+    std::printf("kvscore_cuda_tests: running on %s\n", kc::device_description().c_str());
+  }
+  return session.run();
+}

@@ -1,0 +1,791 @@
+// kvscore/ojakv.hpp — OjaKV (ojakv.txt): an online low-rank projector per KV head plus a
+// hybrid cache that keeps the tokens with the largest query-weighted residual at full rank.
+//
+//   OjaBasis      one orthonormal basis U (d x r): seeded random start or calibration (SVD),
+//                 prefill update (average pooling over p tokens, then Oja's batch rule
+//                 U <- U + eta (C U - U U^T C U), C = X^T X / m, QR after every step), decode
+//                 buffer with an update every T tokens.
+//   OjaProjector  U_k and U_v of one KV head (two OjaBasis).
+//   OjaResidual   the full-rank score e_t = mean_{q in W_t} |q^T (k_t - U U^T k_t)| / sqrt(d)
+//                 [heads][tokens] (higher = keep full rank); pass it to kvscore::select.
+//   OjaHybridCache  codes K~ = K U_k, V~ = V U_v for most tokens, full rows for the selected
+//                 ones; reconstruction K^ = K~ U_k^T, reference attention, memory accounting.
+//   residual_energy_ratio / subspace_overlap: RER and SO of ojakv.txt §4.
+//
+// Decisions (docs/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
+// value works for keys of any magnitude; the prefill runs up to 32 steps at eta 1.5 and stops
+// early when the step is below 1e-7; decode runs one step at eta 0.1 every T = 128 tokens on
+// the pooled buffer. Invalid rows (fp32 squared norm not finite, the project-wide rule) are
+// left out of every covariance and pooled mean, score -inf, and are masked out of the
+// reference attention. Numerics: covariances, bases and updates in fp64; the stored bases
+// and codes are fp32.
+// Errors: std::invalid_argument naming the offending value.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Dense>
+
+#include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/selection.hpp"
+#include "kvscore/view.hpp"
+
+namespace kvscore {
+
+namespace oja {
+
+// ------------------------------------------------------------------ random numbers
+
+/// splitmix64 (Steele, Lea, Flood 2014): a fixed generator, so a seed gives the same
+/// sequence on every platform (std::normal_distribution is implementation-defined).
+struct SplitMix64 {
+  std::uint64_t state;
+  explicit SplitMix64(std::uint64_t seed) noexcept : state(seed) {}
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in (0, 1]: the top 53 bits, +1, times 2^-53 (never 0, so log() is finite).
+  double uniform() noexcept { return double((next() >> 11) + 1) * 0x1.0p-53; }
+  /// Standard normal by Box–Muller (both values of a pair are used).
+  double gaussian() noexcept {
+    if (has_spare_) {
+      has_spare_ = false;
+      return spare_;
+    }
+    const double u1 = uniform(), u2 = uniform();
+    const double rad = std::sqrt(-2.0 * std::log(u1)), ang = 6.283185307179586476925 * u2;
+    spare_ = rad * std::sin(ang);
+    has_spare_ = true;
+    return rad * std::cos(ang);
+  }
+
+ private:
+  double spare_ = 0;
+  bool has_spare_ = false;
+};
+
+using Mat = Eigen::MatrixXd;
+using RowMajorF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+inline std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+/// Thin Q of A (d x r, r <= d) by Householder QR, each column's sign chosen so that
+/// diag(R) >= 0: the factorisation is then unique, and an orthonormal A comes back as itself.
+inline Mat orthonormalize(const Mat& a) {
+  const Eigen::HouseholderQR<Mat> qr(a);
+  Mat q = qr.householderQ() * Mat::Identity(a.rows(), a.cols());
+  for (Eigen::Index j = 0; j < a.cols(); ++j)
+    if (qr.matrixQR()(j, j) < 0) q.col(j) = -q.col(j);
+  return q;
+}
+
+inline void check_rank(const char* who, std::int64_t d, std::int64_t r) {
+  if (d <= 0 || d > kMaxHeadDim)
+    detail::throw_invalid(std::string(who) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                          std::to_string(d) + ")");
+  if (r < 1 || r > d)
+    detail::throw_invalid(std::string(who) + ": rank must be in [1, head_dim = " + std::to_string(d) + "] (got " +
+                          std::to_string(r) + ")");
+}
+
+/// A seeded random orthonormal d x r matrix: QR of an i.i.d. N(0, 1) matrix (filled column
+/// by column from splitmix64 + Box–Muller), signs as in orthonormalize().
+inline Mat random_orthonormal(std::int64_t d, std::int64_t r, std::uint64_t seed) {
+  check_rank("kvscore::oja::random_orthonormal", d, r);
+  SplitMix64 g(seed);
+  Mat a(d, r);
+  for (Eigen::Index j = 0; j < a.cols(); ++j)
+    for (Eigen::Index i = 0; i < a.rows(); ++i) a(i, j) = g.gaussian();
+  return orthonormalize(a);
+}
+
+/// max |U^T U - I| (0 for an exactly orthonormal U).
+inline double orthonormality_error(const Mat& u) {
+  return (u.transpose() * u - Mat::Identity(u.cols(), u.cols())).cwiseAbs().maxCoeff();
+}
+
+/// Estimate of lambda1 of a symmetric PSD matrix: Rayleigh quotient after 32 power
+/// iterations from the column with the largest diagonal, never below max diag(C) (itself a
+/// lower bound of lambda1). 0 for C = 0.
+inline double top_eigenvalue(const Mat& c) {
+  Eigen::Index j = 0;
+  const double dmax = c.diagonal().maxCoeff(&j);
+  if (!(dmax > 0)) return 0.0;
+  Eigen::VectorXd v = c.col(j);
+  double lam = dmax;
+  for (int it = 0; it < 32; ++it) {
+    const double nv = v.norm();
+    if (!(nv > 0)) break;
+    v /= nv;
+    const Eigen::VectorXd w = c * v;
+    lam = std::max(lam, v.dot(w));
+    v = w;
+  }
+  return lam;
+}
+
+/// Oja's batch rule, `iterations` times: U <- orth(U + (eta/lambda1(C)) (C U - U U^T C U)).
+/// Stops early when max |step| <= tol. Returns the steps taken. C = 0 leaves U unchanged.
+inline int oja_steps(Mat& u, const Mat& c, double eta, int iterations, double tol) {
+  const double lam = top_eigenvalue(c);
+  if (!(lam > 0) || !std::isfinite(lam)) return 0;
+  const double step = eta / lam;
+  int done = 0;
+  for (; done < iterations; ++done) {
+    const Mat cu = c * u;
+    const Mat g = cu - u * (u.transpose() * cu);  // (I - U U^T) C U: the part of C U outside U
+    const double gmax = g.cwiseAbs().maxCoeff() * step;
+    if (gmax <= tol) break;
+    u = orthonormalize(u + step * g);
+  }
+  return done;
+}
+
+/// Which rank a calibration keeps: a fixed r, or the smallest r whose top-r singular values
+/// hold at least a fraction `energy` of the squared Frobenius norm (ojakv.txt A.3).
+struct RankRule {
+  std::int64_t rank = 0;  ///< > 0: fixed rank
+  double energy = 0;      ///< used when rank == 0: threshold in (0, 1]
+  static RankRule fixed(std::int64_t r) noexcept { return {r, 0.0}; }
+  static RankRule energy_fraction(double eps) noexcept { return {0, eps}; }
+};
+
+/// Rank chosen by `rule` from squared singular values s2 (descending).
+inline std::int64_t rank_from_energy(const Eigen::VectorXd& s2, double eps) {
+  const double total = s2.sum();
+  if (!(total > 0)) return 1;
+  double acc = 0;
+  for (Eigen::Index i = 0; i < s2.size(); ++i) {
+    acc += s2(i);
+    // Relative slack of 1e-12: an exact threshold (e.g. 13/14 asked as 13.0/14) is reached.
+    if (acc >= eps * total * (1.0 - 1e-12)) return std::int64_t(i + 1);
+  }
+  return std::int64_t(s2.size());
+}
+
+/// Top right singular vectors of the stacked sample rows (each block [n_i][d] row-major fp32),
+/// rank chosen by `rule`. Non-finite samples throw.
+inline Mat calibrate(const std::vector<std::pair<const float*, std::int64_t>>& blocks, std::int64_t d,
+                     RankRule rule, const char* who) {
+  if (d <= 0 || d > kMaxHeadDim)
+    detail::throw_invalid(std::string(who) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                          std::to_string(d) + ")");
+  if (rule.rank == 0 && !(rule.energy > 0.0 && rule.energy <= 1.0))
+    detail::throw_invalid(std::string(who) + ": energy threshold must be in (0, 1] (got " + num(rule.energy) + ")");
+  if (rule.rank != 0) check_rank(who, d, rule.rank);
+  std::int64_t n = 0;
+  for (const auto& b : blocks) {
+    if (b.second < 0) detail::throw_invalid(std::string(who) + ": negative sample count " + std::to_string(b.second));
+    if (b.second > 0 && b.first == nullptr) detail::throw_invalid(std::string(who) + ": sample data is null");
+    n += b.second;
+  }
+  if (n == 0) detail::throw_invalid(std::string(who) + ": no calibration samples (0 rows)");
+  Mat x(n, d);
+  Eigen::Index row = 0;
+  for (const auto& b : blocks)
+    for (std::int64_t i = 0; i < b.second; ++i, ++row)
+      for (std::int64_t j = 0; j < d; ++j) {
+        const float v = b.first[i * d + j];
+        if (!std::isfinite(v))
+          detail::throw_invalid(std::string(who) + ": calibration value " + num(v) + " at [row " + std::to_string(i) +
+                                ", dim " + std::to_string(j) + "] is not finite");
+        x(row, j) = double(v);
+      }
+  const Eigen::BDCSVD<Mat> svd(x, Eigen::ComputeThinV);
+  const Eigen::VectorXd s2 = svd.singularValues().array().square();
+  const std::int64_t r = rule.rank != 0 ? rule.rank : rank_from_energy(s2, rule.energy);
+  if (r > std::int64_t(svd.matrixV().cols()))
+    detail::throw_invalid(std::string(who) + ": rank " + std::to_string(r) + " exceeds the " +
+                          std::to_string(svd.matrixV().cols()) + " singular vectors of " + std::to_string(n) +
+                          " samples");
+  return orthonormalize(svd.matrixV().leftCols(Eigen::Index(r)));
+}
+
+/// True when the fp32 squared norm of the row is finite (the project-wide validity rule),
+/// computed in fp64 and compared with FLT_MAX.
+template <class T>
+inline bool widen_row(const T* row, std::int64_t d, double* out) noexcept {
+  double s = 0;
+  for (std::int64_t j = 0; j < d; ++j) {
+    out[j] = double(to_float(row[j]));
+    s += out[j] * out[j];
+  }
+  return std::isfinite(s) && s <= double(std::numeric_limits<float>::max());
+}
+
+/// Accumulates rows into the pooled covariance: rows of the same window of p consecutive
+/// tokens are averaged (invalid rows left out), then C += x x^T per pooled row.
+struct PooledCovariance {
+  std::int64_t d, p;
+  Mat c;
+  Eigen::VectorXd acc;
+  std::int64_t window = -1, in_window = 0, pooled = 0, valid = 0;
+  PooledCovariance(std::int64_t d_, std::int64_t p_) : d(d_), p(p_), c(Mat::Zero(d_, d_)), acc(Eigen::VectorXd::Zero(d_)) {}
+  void flush() {
+    if (in_window > 0) {
+      const Eigen::VectorXd x = acc / double(in_window);
+      c.selfadjointView<Eigen::Lower>().rankUpdate(x);
+      ++pooled;
+    }
+    acc.setZero();
+    in_window = 0;
+  }
+  /// Row of token t (tokens arrive in increasing order).
+  void add(std::int64_t t, const double* row, bool ok) {
+    if (t / p != window) {
+      flush();
+      window = t / p;
+    }
+    if (!ok) return;
+    ++valid;
+    ++in_window;
+    acc += Eigen::Map<const Eigen::VectorXd>(row, d);
+  }
+  /// C = X^T X / m over the pooled rows (full symmetric); zero when no row was valid.
+  Mat finish() {
+    flush();
+    Mat full = c.selfadjointView<Eigen::Lower>();
+    if (pooled > 0) full /= double(pooled);
+    return full;
+  }
+};
+
+}  // namespace oja
+
+// ------------------------------------------------------------------ metrics
+
+/// RER = ||X - X U U^T||_F^2 / ||X||_F^2 (ojakv.txt §4). X: n x d rows, U: d x r orthonormal.
+inline double residual_energy_ratio(const Eigen::MatrixXd& x, const Eigen::MatrixXd& u) {
+  const char* who = "kvscore::residual_energy_ratio";
+  if (x.cols() != u.rows())
+    detail::throw_invalid(std::string(who) + ": data has " + std::to_string(x.cols()) + " columns but the basis has " +
+                          std::to_string(u.rows()) + " rows");
+  if (x.rows() == 0) detail::throw_invalid(std::string(who) + ": no data rows");
+  if (!x.allFinite()) detail::throw_invalid(std::string(who) + ": data holds a NaN or Inf");
+  if (!u.allFinite()) detail::throw_invalid(std::string(who) + ": basis holds a NaN or Inf");
+  const double total = x.squaredNorm();
+  if (!(total > 0)) detail::throw_invalid(std::string(who) + ": data has zero energy (every row is zero)");
+  return (x - (x * u) * u.transpose()).squaredNorm() / total;
+}
+
+/// SO(U1, U2) = tr(U1^T U2 U2^T U1) / r, r = columns of U1 (ojakv.txt §4); 1 = same subspace.
+inline double subspace_overlap(const Eigen::MatrixXd& u1, const Eigen::MatrixXd& u2) {
+  const char* who = "kvscore::subspace_overlap";
+  if (u1.rows() != u2.rows())
+    detail::throw_invalid(std::string(who) + ": bases have " + std::to_string(u1.rows()) + " and " +
+                          std::to_string(u2.rows()) + " rows (head_dim differs)");
+  if (u1.cols() == 0) detail::throw_invalid(std::string(who) + ": U1 has rank 0");
+  if (!u1.allFinite() || !u2.allFinite()) detail::throw_invalid(std::string(who) + ": basis holds a NaN or Inf");
+  return (u2.transpose() * u1).squaredNorm() / double(u1.cols());
+}
+
+// ------------------------------------------------------------------ one basis
+
+/// Parameters of the online updates (docs/ojakv.md lists the source of every default).
+struct OjaOptions {
+  double eta_prefill = 1.5;     ///< prefill step, relative to lambda1 of the pooled covariance
+  int prefill_iterations = 32;  ///< most prefill steps (each followed by QR)
+  double tolerance = 1e-7;      ///< prefill stops once max |step| <= tolerance
+  double eta_decode = 0.1;      ///< decode step, relative to lambda1 of the buffer's covariance
+  int decode_iterations = 1;    ///< steps per decode update
+  std::int64_t pool = 4;        ///< p: average pooling window (tokens), prefill and decode buffer
+  std::int64_t period = 128;    ///< T: decode tokens per update
+
+  void validate(const char* who) const {
+    auto bad = [&](const std::string& what) { detail::throw_invalid(std::string(who) + ": " + what); };
+    if (!(eta_prefill > 0 && std::isfinite(eta_prefill))) bad("eta_prefill must be > 0 and finite (got " + oja::num(eta_prefill) + ")");
+    if (!(eta_decode > 0 && std::isfinite(eta_decode))) bad("eta_decode must be > 0 and finite (got " + oja::num(eta_decode) + ")");
+    if (prefill_iterations < 1) bad("prefill_iterations must be >= 1 (got " + std::to_string(prefill_iterations) + ")");
+    if (decode_iterations < 1) bad("decode_iterations must be >= 1 (got " + std::to_string(decode_iterations) + ")");
+    if (!(tolerance >= 0)) bad("tolerance must be >= 0 (got " + oja::num(tolerance) + ")");
+    if (pool < 1) bad("pool must be >= 1 (got " + std::to_string(pool) + ")");
+    if (period < 1) bad("period must be >= 1 (got " + std::to_string(period) + ")");
+  }
+};
+
+/// One orthonormal basis U (d x r) tracked with Oja's rule.
+class OjaBasis {
+ public:
+  /// From a given d x r basis (e.g. offline PCA); must be finite and orthonormal to 1e-6.
+  explicit OjaBasis(Eigen::MatrixXd u, OjaOptions opt = {}) : u_(std::move(u)), opt_(opt) {
+    const char* who = "kvscore::OjaBasis";
+    opt_.validate(who);
+    oja::check_rank(who, u_.rows(), u_.cols());
+    if (!u_.allFinite()) detail::throw_invalid(std::string(who) + ": basis holds a NaN or Inf");
+    const double e = oja::orthonormality_error(u_);
+    if (!(e <= 1e-6))
+      detail::throw_invalid(std::string(who) + ": basis is not orthonormal (max |U^T U - I| = " + oja::num(e) + " > 1e-6)");
+    buffer_.reserve(std::size_t(opt_.period * u_.rows()));
+  }
+
+  /// Seeded random start (ojakv.txt leaves the start open when no calibration data exists).
+  static OjaBasis random(std::int64_t d, std::int64_t r, std::uint64_t seed, OjaOptions opt = {}) {
+    return OjaBasis(oja::random_orthonormal(d, r, seed), opt);
+  }
+
+  /// Calibration (ojakv.txt A.3): top right singular vectors of the stacked sample rows
+  /// `blocks` (each {pointer to [n][d] row-major fp32, n}); for keys pass {queries, keys}.
+  static OjaBasis calibrate(const std::vector<std::pair<const float*, std::int64_t>>& blocks, std::int64_t d,
+                            oja::RankRule rule, OjaOptions opt = {}) {
+    return OjaBasis(oja::calibrate(blocks, d, rule, "kvscore::OjaBasis::calibrate"), opt);
+  }
+
+  std::int64_t head_dim() const noexcept { return std::int64_t(u_.rows()); }
+  std::int64_t rank() const noexcept { return std::int64_t(u_.cols()); }
+  const Eigen::MatrixXd& basis() const noexcept { return u_; }
+  Eigen::MatrixXf basis_f32() const { return u_.cast<float>(); }
+  const OjaOptions& options() const noexcept { return opt_; }
+  /// Decode tokens waiting in the buffer (< period).
+  std::int64_t buffered() const noexcept { return buffered_; }
+  /// Decode updates done so far.
+  std::int64_t decode_updates() const noexcept { return updates_; }
+
+  /// Prefill update from head h of `rows` (a KeysView over keys or values, any layout and
+  /// element type): pool over p tokens, C = X^T X / m, Oja steps at eta_prefill, QR.
+  /// Returns the number of valid rows used; with none (all rows invalid) U is unchanged.
+  /// An empty view (0 tokens) throws: there is nothing to learn from.
+  template <KeyCacheView View>
+  std::int64_t prefill(const View& rows, std::int64_t h) {
+    const char* who = "kvscore::OjaBasis::prefill";
+    check_view(rows, h, who);
+    oja::PooledCovariance pc(head_dim(), opt_.pool);
+    std::vector<double> tmp(static_cast<std::size_t>(head_dim()));
+    rows.for_each_run(h, [&](const typename View::value_type* first, std::int64_t t0, std::int64_t n,
+                             std::int64_t stride) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        const bool ok = oja::widen_row(first + i * stride, head_dim(), tmp.data());
+        pc.add(t0 + i, tmp.data(), ok);
+      }
+    });
+    const Eigen::MatrixXd c = pc.finish();
+    last_steps_ = oja::oja_steps(u_, c, opt_.eta_prefill, opt_.prefill_iterations, opt_.tolerance);
+    return pc.valid;
+  }
+
+  /// Decode: append one row (d elements) to the buffer; every `period` calls the buffer is
+  /// pooled, one update at eta_decode runs, and the buffer clears. Returns true when this
+  /// call updated U. Invalid rows count towards the period but are left out of the update.
+  template <class T>
+  bool push(const T* row) {
+    static_assert(is_element_type_v<T>, "OjaBasis::push: T must be float, half or bfloat16");
+    if (row == nullptr) detail::throw_invalid("kvscore::OjaBasis::push: row is null");
+    const std::size_t at = buffer_.size();
+    buffer_.resize(at + std::size_t(head_dim()));
+    valid_.push_back(oja::widen_row(row, head_dim(), buffer_.data() + at) ? 1 : 0);
+    ++buffered_;
+    if (buffered_ < opt_.period) return false;
+    update_from_buffer();
+    return true;
+  }
+
+  /// Runs the decode update on what is buffered now (fewer than `period` rows) and clears
+  /// the buffer. Throws when the buffer is empty.
+  void flush() {
+    if (buffered_ == 0) detail::throw_invalid("kvscore::OjaBasis::flush: the decode buffer is empty (0 rows)");
+    update_from_buffer();
+  }
+
+  /// Steps taken by the last update (prefill: early stop may make it < prefill_iterations).
+  int last_steps() const noexcept { return last_steps_; }
+
+ private:
+  template <class View>
+  void check_view(const View& rows, std::int64_t h, const char* who) const {
+    if (rows.head_dim() != head_dim())
+      detail::throw_invalid(std::string(who) + ": rows have head_dim " + std::to_string(rows.head_dim()) +
+                            " but the basis has head_dim " + std::to_string(head_dim()));
+    if (h < 0 || h >= rows.heads())
+      detail::throw_invalid(std::string(who) + ": head " + std::to_string(h) + " out of range [0, " +
+                            std::to_string(rows.heads()) + ")");
+    if (rows.tokens() == 0) detail::throw_invalid(std::string(who) + ": no rows (0 tokens)");
+  }
+
+  void update_from_buffer() {
+    oja::PooledCovariance pc(head_dim(), opt_.pool);
+    for (std::int64_t i = 0; i < buffered_; ++i)
+      pc.add(i, buffer_.data() + i * head_dim(), valid_[std::size_t(i)] != 0);
+    const Eigen::MatrixXd c = pc.finish();
+    last_steps_ = oja::oja_steps(u_, c, opt_.eta_decode, opt_.decode_iterations, 0.0);
+    buffer_.clear();
+    valid_.clear();
+    buffered_ = 0;
+    ++updates_;
+  }
+
+  Eigen::MatrixXd u_;
+  OjaOptions opt_;
+  std::vector<double> buffer_;
+  std::vector<unsigned char> valid_;
+  std::int64_t buffered_ = 0, updates_ = 0;
+  int last_steps_ = 0;
+};
+
+/// U_k and U_v of one KV head.
+class OjaProjector {
+ public:
+  OjaProjector(OjaBasis key, OjaBasis value) : k_(std::move(key)), v_(std::move(value)) {
+    if (k_.head_dim() != v_.head_dim())
+      detail::throw_invalid("kvscore::OjaProjector: key basis has head_dim " + std::to_string(k_.head_dim()) +
+                            " but value basis has " + std::to_string(v_.head_dim()));
+  }
+  /// Seeded random starts (the value basis uses seed + 1).
+  static OjaProjector random(std::int64_t d, std::int64_t rk, std::int64_t rv, std::uint64_t seed, OjaOptions opt = {}) {
+    return OjaProjector(OjaBasis::random(d, rk, seed, opt), OjaBasis::random(d, rv, seed + 1, opt));
+  }
+  /// Calibration (ojakv.txt A.3): U_k from the stacked query and key rows, U_v from the value rows.
+  static OjaProjector calibrate(const float* queries, std::int64_t nq, const float* keys, std::int64_t nk,
+                                const float* values, std::int64_t nv, std::int64_t d, oja::RankRule key_rank,
+                                oja::RankRule value_rank, OjaOptions opt = {}) {
+    return OjaProjector(OjaBasis::calibrate({{queries, nq}, {keys, nk}}, d, key_rank, opt),
+                        OjaBasis::calibrate({{values, nv}}, d, value_rank, opt));
+  }
+
+  OjaBasis& key() noexcept { return k_; }
+  OjaBasis& value() noexcept { return v_; }
+  const OjaBasis& key() const noexcept { return k_; }
+  const OjaBasis& value() const noexcept { return v_; }
+  std::int64_t head_dim() const noexcept { return k_.head_dim(); }
+
+  /// Prefill update of both bases from head h of the keys and values.
+  template <KeyCacheView KView, KeyCacheView VView>
+  void prefill(const KView& keys, const VView& values, std::int64_t h) {
+    k_.prefill(keys, h);
+    v_.prefill(values, h);
+  }
+  /// Decode: one new (k, v); true when the bases were updated.
+  template <class T>
+  bool push(const T* k, const T* v) {
+    const bool a = k_.push(k);
+    const bool b = v_.push(v);
+    return a || b;
+  }
+
+ private:
+  OjaBasis k_, v_;
+};
+
+// ------------------------------------------------------------------ full-rank score
+
+/// e_t = 1/|W_t| Σ_{(g,i) ∈ W_t} |q_{g,i}^T (k_t − U_k U_k^T k_t)| / √d (ojakv.txt §5.1), higher =
+/// keep at full rank. W_t: the group's window queries that see t (query i of w sits at position
+/// N − w + i, causal). Invalid keys score −inf. Feed it to kvscore::select (sinks, recent,
+/// budgets, AdaKV work as for any scorer).
+class OjaResidual : public ScorerOptions {
+ public:
+  static constexpr const char* name = "ojakv-residual";
+
+  /// queries: [q_heads][window][head_dim] row-major fp32 (copied); bases: U_k per KV head
+  /// (d x r, orthonormal). GQA group = q_heads / kv_heads (contiguous, HF repeat_kv order).
+  OjaResidual(const float* queries, std::int64_t q_heads, std::int64_t window, std::int64_t head_dim,
+              std::vector<Eigen::MatrixXd> bases)
+      : bases_(std::move(bases)), q_heads_(q_heads), window_(window), dim_(head_dim) {
+    const std::string who = "kvscore::OjaResidual: ";
+    if (head_dim <= 0 || head_dim > kMaxHeadDim)
+      detail::throw_invalid(who + "head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                            std::to_string(head_dim) + ")");
+    if (q_heads <= 0) detail::throw_invalid(who + "q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
+    if (window <= 0) detail::throw_invalid(who + "window must be > 0 (got " + std::to_string(window) + ")");
+    if (queries == nullptr) detail::throw_invalid(who + "queries is null");
+    const std::int64_t kv = std::int64_t(bases_.size());
+    if (kv == 0 || q_heads % kv != 0)
+      detail::throw_invalid(who + "q_heads " + std::to_string(q_heads) + " is not a multiple of the " +
+                            std::to_string(kv) + " bases (one per KV head)");
+    for (std::size_t h = 0; h < bases_.size(); ++h) {
+      const auto& u = bases_[h];
+      if (u.rows() != head_dim || u.cols() < 1 || u.cols() > head_dim)
+        detail::throw_invalid(who + "basis " + std::to_string(h) + " is " + std::to_string(u.rows()) + " x " +
+                              std::to_string(u.cols()) + ", expected head_dim " + std::to_string(head_dim) +
+                              " x rank in [1, head_dim]");
+      if (!u.allFinite()) detail::throw_invalid(who + "basis " + std::to_string(h) + " holds a NaN or Inf");
+    }
+    const std::int64_t total = detail::checked_mul(detail::checked_mul(q_heads, window, name), head_dim, name);
+    q_.resize(Eigen::Index(q_heads * window), Eigen::Index(head_dim));
+    for (std::int64_t k = 0; k < total; ++k) {
+      const float x = queries[k];
+      if (!std::isfinite(x))
+        detail::throw_invalid(who + "query value " + oja::num(x) + " at [head " + std::to_string(k / (window * head_dim)) +
+                              ", query " + std::to_string((k / head_dim) % window) + ", dim " +
+                              std::to_string(k % head_dim) + "] is not finite");
+      q_(Eigen::Index(k / head_dim), Eigen::Index(k % head_dim)) = double(x);
+    }
+  }
+
+  std::int64_t window() const noexcept { return window_; }
+
+  template <KeyCacheView View>
+  void check(const View& keys) const {
+    const std::string who = "kvscore::OjaResidual: ";
+    if (keys.heads() != std::int64_t(bases_.size()))
+      detail::throw_invalid(who + "keys have " + std::to_string(keys.heads()) + " heads but there are " +
+                            std::to_string(bases_.size()) + " bases");
+    if (keys.head_dim() != dim_)
+      detail::throw_invalid(who + "keys have head_dim " + std::to_string(keys.head_dim()) + ", queries " +
+                            std::to_string(dim_));
+    if (window_ > keys.tokens())
+      detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " + std::to_string(keys.tokens()) +
+                            " (the window's queries sit at the last positions of the cache)");
+  }
+
+  template <KeyCacheView View>
+  void score(const View& keys, ScoresView out) const {
+    detail::check_scores_shape(keys, out, name);
+    check(keys);
+    if (keys.heads() == 0 || keys.tokens() == 0) return;
+    detail::for_each_head(keys.heads(), num_threads, [&](std::int64_t h) { score_head(keys, h, out.head(h)); });
+  }
+
+  template <KeyCacheView View>
+  Scores score(const View& keys) const {
+    Scores s(keys.heads(), keys.tokens());
+    score(keys, s.view());
+    return s;
+  }
+
+ private:
+  static constexpr std::int64_t kChunk = 256;
+
+  template <class View>
+  void score_head(const View& keys, std::int64_t h, float* out) const noexcept {
+    using T = typename View::value_type;
+    const std::int64_t d = dim_, n = keys.tokens(), w = window_;
+    const std::int64_t G = q_heads_ / std::int64_t(bases_.size()), P = n - w;
+    const Eigen::MatrixXd& u = bases_[std::size_t(h)];
+    const auto qh = q_.middleRows(Eigen::Index(h * G * w), Eigen::Index(G * w));  // rows g*w + i
+    const double inv_sqrt_d = 1.0 / std::sqrt(double(d));
+    Eigen::MatrixXd k(kChunk, d);
+    std::vector<unsigned char> ok(kChunk);
+    keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t len, std::int64_t stride) {
+      for (std::int64_t c0 = 0; c0 < len; c0 += kChunk) {
+        const std::int64_t m = std::min(kChunk, len - c0);
+        std::vector<double> row(static_cast<std::size_t>(d));
+        for (std::int64_t i = 0; i < m; ++i) {
+          ok[std::size_t(i)] = oja::widen_row(first + (c0 + i) * stride, d, row.data()) ? 1 : 0;
+          for (std::int64_t j = 0; j < d; ++j) k(i, j) = ok[std::size_t(i)] ? row[std::size_t(j)] : 0.0;
+        }
+        const auto kb = k.topRows(m);
+        const Eigen::MatrixXd res = kb - (kb * u) * u.transpose();  // r_t = k_t - U U^T k_t
+        const Eigen::MatrixXd s = res * qh.transpose();            // [m][G*w]
+        for (std::int64_t i = 0; i < m; ++i) {
+          const std::int64_t t = t0 + c0 + i;
+          if (!ok[std::size_t(i)]) {
+            out[t] = kInvalidScore;
+            continue;
+          }
+          const std::int64_t first_q = std::max<std::int64_t>(0, t - P);  // query i sees t iff P + i >= t
+          double acc = 0;
+          for (std::int64_t g = 0; g < G; ++g)
+            for (std::int64_t qi = first_q; qi < w; ++qi) acc += std::abs(s(i, g * w + qi));
+          out[t] = float(acc / double(G * (w - first_q)) * inv_sqrt_d);
+        }
+      }
+    });
+  }
+
+  std::vector<Eigen::MatrixXd> bases_;
+  Eigen::MatrixXd q_;
+  std::int64_t q_heads_, window_, dim_;
+};
+
+// ------------------------------------------------------------------ hybrid cache
+
+/// Bytes of one KV head under OjaKV vs full rank (ojakv.txt A.4.2, extended to the hybrid
+/// store): low-rank tokens (r_k + r_v)·b, full-rank tokens 2d·b + a 4-byte position, plus the
+/// two bases d·(r_k + r_v)·b. Full rank: 2d·b per token.
+struct OjaMemory {
+  std::int64_t full_bytes = 0;    ///< tokens · 2d · b
+  std::int64_t hybrid_bytes = 0;  ///< as above
+  double ratio = 0;               ///< hybrid / full (0 when the cache is empty)
+};
+
+inline OjaMemory ojakv_memory(std::int64_t tokens, std::int64_t full_rank_tokens, std::int64_t head_dim,
+                              std::int64_t rank_k, std::int64_t rank_v, std::int64_t bytes_per_scalar) {
+  const char* who = "kvscore::ojakv_memory";
+  if (tokens < 0) detail::throw_invalid(std::string(who) + ": tokens must be >= 0 (got " + std::to_string(tokens) + ")");
+  if (full_rank_tokens < 0 || full_rank_tokens > tokens)
+    detail::throw_invalid(std::string(who) + ": full-rank tokens " + std::to_string(full_rank_tokens) +
+                          " out of range [0, " + std::to_string(tokens) + "]");
+  oja::check_rank(who, head_dim, rank_k);
+  oja::check_rank(who, head_dim, rank_v);
+  if (bytes_per_scalar < 1)
+    detail::throw_invalid(std::string(who) + ": bytes_per_scalar must be >= 1 (got " + std::to_string(bytes_per_scalar) + ")");
+  OjaMemory m;
+  const std::int64_t b = bytes_per_scalar;
+  m.full_bytes = tokens * 2 * head_dim * b;
+  m.hybrid_bytes = (tokens - full_rank_tokens) * (rank_k + rank_v) * b + full_rank_tokens * (2 * head_dim * b + 4) +
+                   head_dim * (rank_k + rank_v) * b;
+  m.ratio = m.full_bytes > 0 ? double(m.hybrid_bytes) / double(m.full_bytes) : 0.0;
+  return m;
+}
+
+/// The OjaKV store of one layer: per head, fp32 codes K~ = K U_k, V~ = V U_v of the low-rank
+/// tokens and the full rows of the selected tokens (`full_rank`, e.g. select() on OjaResidual
+/// scores). The bases are copied (fp32) at build time.
+class OjaHybridCache {
+ public:
+  struct Head {
+    Eigen::MatrixXf uk, uv;                 ///< d x r_k, d x r_v
+    oja::RowMajorF codes_k, codes_v;        ///< [low-rank tokens][r]
+    oja::RowMajorF full_k, full_v;          ///< [full-rank tokens][d]
+    std::vector<std::int64_t> full_pos;     ///< ascending positions stored at full rank
+    std::vector<unsigned char> is_full;     ///< per token
+    std::vector<unsigned char> valid;       ///< per token: key and value rows valid
+  };
+
+  template <KeyCacheView KView, KeyCacheView VView>
+  static OjaHybridCache build(const std::vector<OjaProjector>& proj, const KView& keys, const VView& values,
+                              const Selection& full_rank) {
+    const std::string who = "kvscore::OjaHybridCache::build: ";
+    const std::int64_t H = keys.heads(), N = keys.tokens(), d = keys.head_dim();
+    if (values.heads() != H || values.tokens() != N || values.head_dim() != d)
+      detail::throw_invalid(who + "values (" + std::to_string(values.heads()) + ", " + std::to_string(values.tokens()) +
+                            ", " + std::to_string(values.head_dim()) + ") do not match keys (" + std::to_string(H) +
+                            ", " + std::to_string(N) + ", " + std::to_string(d) + ")");
+    if (std::int64_t(proj.size()) != H)
+      detail::throw_invalid(who + std::to_string(proj.size()) + " projectors for " + std::to_string(H) + " heads");
+    if (N == 0) detail::throw_invalid(who + "empty cache (0 tokens)");
+    if (full_rank.heads != H || full_rank.tokens != N || std::int64_t(full_rank.offsets.size()) != H + 1)
+      detail::throw_invalid(who + "selection is for (" + std::to_string(full_rank.heads) + " heads, " +
+                            std::to_string(full_rank.tokens) + " tokens), the cache is (" + std::to_string(H) + ", " +
+                            std::to_string(N) + ")");
+    OjaHybridCache c;
+    c.tokens_ = N;
+    c.dim_ = d;
+    c.heads_.resize(std::size_t(H));
+    for (std::int64_t h = 0; h < H; ++h) {
+      const OjaProjector& p = proj[std::size_t(h)];
+      if (p.head_dim() != d)
+        detail::throw_invalid(who + "projector " + std::to_string(h) + " has head_dim " + std::to_string(p.head_dim()) +
+                              ", keys " + std::to_string(d));
+      Head& hd = c.heads_[std::size_t(h)];
+      hd.uk = p.key().basis_f32();
+      hd.uv = p.value().basis_f32();
+      hd.is_full.assign(std::size_t(N), 0);
+      std::int64_t prev = -1;
+      for (std::int64_t t : full_rank.head(h)) {
+        if (t <= prev || t >= N)
+          detail::throw_invalid(who + "head " + std::to_string(h) + ": full-rank position " + std::to_string(t) +
+                                " is out of range or not ascending");
+        hd.is_full[std::size_t(t)] = 1;
+        hd.full_pos.push_back(t);
+        prev = t;
+      }
+      const std::int64_t nf = std::int64_t(hd.full_pos.size());
+      oja::RowMajorF k = rows_f32(keys, h, N, d), v = rows_f32(values, h, N, d);
+      hd.valid.assign(std::size_t(N), 1);
+      for (std::int64_t t = 0; t < N; ++t) {
+        double sk = 0, sv = 0;
+        for (std::int64_t j = 0; j < d; ++j) {
+          sk += double(k(t, j)) * k(t, j);
+          sv += double(v(t, j)) * v(t, j);
+        }
+        const double fmax = double(std::numeric_limits<float>::max());
+        hd.valid[std::size_t(t)] = (std::isfinite(sk) && sk <= fmax && std::isfinite(sv) && sv <= fmax) ? 1 : 0;
+      }
+      oja::RowMajorF lk(N - nf, d), lv(N - nf, d);
+      hd.full_k.resize(nf, d);
+      hd.full_v.resize(nf, d);
+      for (std::int64_t t = 0, a = 0, b = 0; t < N; ++t) {
+        if (hd.is_full[std::size_t(t)]) {
+          hd.full_k.row(a) = k.row(t);
+          hd.full_v.row(a++) = v.row(t);
+        } else {
+          lk.row(b) = k.row(t);
+          lv.row(b++) = v.row(t);
+        }
+      }
+      hd.codes_k = lk * hd.uk;  // fp32 GEMM, fp32 accumulation
+      hd.codes_v = lv * hd.uv;
+    }
+    return c;
+  }
+
+  std::int64_t heads() const noexcept { return std::int64_t(heads_.size()); }
+  std::int64_t tokens() const noexcept { return tokens_; }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  const Head& head(std::int64_t h) const { return heads_.at(std::size_t(h)); }
+
+  /// K^ of head h [tokens][d]: full rows for full-rank tokens, K~ U_k^T for the others.
+  oja::RowMajorF reconstruct_keys(std::int64_t h) const { return reconstruct(h, true); }
+  oja::RowMajorF reconstruct_values(std::int64_t h) const { return reconstruct(h, false); }
+
+  /// Reference attention of one query over head h: softmax(q K^^T / √d) V^ (d outputs),
+  /// logits and sums in fp64, invalid tokens masked out. q: d floats, finite.
+  std::vector<double> attention(std::int64_t h, const float* q) const {
+    const std::string who = "kvscore::OjaHybridCache::attention: ";
+    if (h < 0 || h >= heads())
+      detail::throw_invalid(who + "head " + std::to_string(h) + " out of range [0, " + std::to_string(heads()) + ")");
+    if (q == nullptr) detail::throw_invalid(who + "query is null");
+    for (std::int64_t j = 0; j < dim_; ++j)
+      if (!std::isfinite(q[j])) detail::throw_invalid(who + "query value " + oja::num(q[j]) + " at dim " + std::to_string(j) + " is not finite");
+    const oja::RowMajorF k = reconstruct_keys(h), v = reconstruct_values(h);
+    const Head& hd = heads_[std::size_t(h)];
+    std::vector<double> logit(std::size_t(tokens_), -std::numeric_limits<double>::infinity());
+    double mx = -std::numeric_limits<double>::infinity();
+    const double s = 1.0 / std::sqrt(double(dim_));
+    for (std::int64_t t = 0; t < tokens_; ++t) {
+      if (!hd.valid[std::size_t(t)]) continue;
+      double z = 0;
+      for (std::int64_t j = 0; j < dim_; ++j) z += double(q[j]) * double(k(t, j));
+      logit[std::size_t(t)] = z * s;
+      mx = std::max(mx, z * s);
+    }
+    std::vector<double> o(std::size_t(dim_), 0.0);
+    if (mx == -std::numeric_limits<double>::infinity()) return o;  // no valid token
+    double sum = 0;
+    for (std::int64_t t = 0; t < tokens_; ++t) {
+      if (!hd.valid[std::size_t(t)]) continue;
+      const double e = std::exp(logit[std::size_t(t)] - mx);
+      sum += e;
+      for (std::int64_t j = 0; j < dim_; ++j) o[std::size_t(j)] += e * double(v(t, j));
+    }
+    for (double& x : o) x /= sum;
+    return o;
+  }
+
+  /// Memory of head h under this store (ojakv_memory with its ranks and full-rank count).
+  OjaMemory memory(std::int64_t h, std::int64_t bytes_per_scalar) const {
+    const Head& hd = head(h);
+    return ojakv_memory(tokens_, std::int64_t(hd.full_pos.size()), dim_, hd.uk.cols(), hd.uv.cols(), bytes_per_scalar);
+  }
+
+ private:
+  template <class View>
+  static oja::RowMajorF rows_f32(const View& x, std::int64_t h, std::int64_t n, std::int64_t d) {
+    oja::RowMajorF m(n, d);
+    x.for_each_run(h, [&](const typename View::value_type* first, std::int64_t t0, std::int64_t len, std::int64_t stride) {
+      for (std::int64_t i = 0; i < len; ++i)
+        for (std::int64_t j = 0; j < d; ++j) m(t0 + i, j) = to_float(first[i * stride + j]);
+    });
+    return m;
+  }
+
+  oja::RowMajorF reconstruct(std::int64_t h, bool keys) const {
+    const Head& hd = head(h);
+    const oja::RowMajorF low = keys ? oja::RowMajorF(hd.codes_k * hd.uk.transpose())
+                                    : oja::RowMajorF(hd.codes_v * hd.uv.transpose());
+    const oja::RowMajorF& full = keys ? hd.full_k : hd.full_v;
+    oja::RowMajorF out(tokens_, dim_);
+    for (std::int64_t t = 0, a = 0, b = 0; t < tokens_; ++t)
+      out.row(t) = hd.is_full[std::size_t(t)] ? full.row(a++) : low.row(b++);
+    return out;
+  }
+
+  std::vector<Head> heads_;
+  std::int64_t tokens_ = 0, dim_ = 0;
+};
+
+}  // namespace kvscore

@@ -254,6 +254,13 @@ enum class Kernels { best, avx512, portable };
 namespace detail {
 
 #if defined(KVSCORE_PARISKV_X86)
+// GCC's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their _mm512_undefined_*
+// self-initialisations) when inlined into target-attribute functions.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #define KVSCORE_PARISKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,popcnt,bmi,bmi2")))
 #define KVSCORE_PARISKV_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,popcnt,bmi,bmi2")))
 inline bool cpu_has_vbmi() noexcept {
@@ -466,6 +473,10 @@ inline void rsq_ip(const RerankPlan& p, const std::int64_t* cand, std::int64_t n
   for (std::int64_t c = 0; c < n; ++c) out[c] = rsq_ip_portable_one(p, cand != nullptr ? cand[c] : c);
 }
 
+#if defined(KVSCORE_PARISKV_X86) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 [[noreturn]] inline void fail(const std::string& what) { throw std::invalid_argument(what); }
 
 }  // namespace detail
@@ -476,6 +487,11 @@ struct ParisKVConfig {
   std::int64_t m = 8;                          ///< subspace dimension: a power of two in [2, 16] dividing P
   std::uint64_t seed = pariskv::kDefaultSeed;  ///< rotation signs
   int codebook_iterations = 0;                 ///< Lloyd steps; 0 = converged optimum (default), 100 = public table
+  /// Subtract a fixed key mean μ before encoding (μ = mean of the first non-empty append, i.e.
+  /// the prefill, frozen; or set_center()). Rankings by ⟨k − μ, q⟩ and ⟨k, q⟩ are identical for
+  /// any fixed μ, so this cannot make the index stale; it stops a shared key mean from packing
+  /// every key into the same sign patterns. false = the paper's encoding of raw keys.
+  bool center = true;
 };
 
 /// Options of one search.
@@ -566,7 +582,7 @@ class ParisKV {
   /// part (cluster populations, rotation, tables).
   std::size_t memory_bytes() const noexcept {
     return ids8_.size() + 2 * ids16_.size() + codes_.size() + 4 * w_.size() + 8 * pop_.size() +
-           4 * rot_.scaled_signs().size() + 4 * (widx_.size() + wfirst_.size()) + sizeof(*this);
+           4 * rot_.scaled_signs().size() + 4 * (widx_.size() + wfirst_.size()) + 4 * mu_.size() + sizeof(*this);
   }
 
   // ---- read access to the encoding (tests, tools)
@@ -584,6 +600,18 @@ class ParisKV {
   /// Value of a 4-bit code (±a[t]).
   float code_value(std::uint8_t c) const noexcept { return value_[c & 15]; }
 
+  /// The key mean μ subtracted before encoding (empty: none yet / centering off).
+  const std::vector<float>& center() const noexcept { return mu_; }
+  /// Fixes μ (head_dim finite values) before the first append; needs config().center.
+  void set_center(const float* mu) {
+    const std::string who = "kvscore::ParisKV::set_center";
+    if (!cfg_.center) pariskv::detail::fail(who + ": centering is off in this index's config");
+    if (n_ > 0) pariskv::detail::fail(who + ": the index already holds " + std::to_string(n_) + " keys");
+    if (mu == nullptr) pariskv::detail::fail(who + ": mu is null");
+    check_row(mu, "center", 0, who);
+    mu_.assign(mu, mu + d_);
+  }
+
   // ---- building
 
   /// Appends n keys; key i is rows[i*row_stride .. +head_dim). Positions continue from size().
@@ -599,6 +627,12 @@ class ParisKV {
       pariskv::detail::fail(who + ": row_stride " + std::to_string(row_stride) + " < head_dim " + std::to_string(d_) +
                             " makes rows overlap");
     for (std::int64_t i = 0; i < n; ++i) check_row(rows + i * row_stride, "key", n_ + i, who);
+    if (cfg_.center && mu_.empty()) {
+      std::vector<double> acc(static_cast<std::size_t>(d_), 0.0);
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j < d_; ++j) acc[std::size_t(j)] += double(to_float(rows[i * row_stride + j]));
+      set_mean(acc, n);
+    }
     reserve_more(n);
     std::vector<float> x(static_cast<std::size_t>(d_)), y(static_cast<std::size_t>(p_));
     for (std::int64_t i = 0; i < n; ++i) encode(rows + i * row_stride, x.data(), y.data());
@@ -618,6 +652,14 @@ class ParisKV {
     keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
       for (std::int64_t i = 0; i < n; ++i) check_row(first + i * stride, "key", base + t0 + i, "kvscore::ParisKV::append");
     });
+    if (cfg_.center && mu_.empty() && keys.tokens() > 0) {
+      std::vector<double> acc(static_cast<std::size_t>(d_), 0.0);
+      keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t, std::int64_t n, std::int64_t stride) {
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t j = 0; j < d_; ++j) acc[std::size_t(j)] += double(to_float(first[i * stride + j]));
+      });
+      set_mean(acc, keys.tokens());
+    }
     reserve_more(keys.tokens());
     std::vector<float> x(static_cast<std::size_t>(d_)), y(static_cast<std::size_t>(p_));
     keys.for_each_run(h, [&](const typename View::value_type* first, std::int64_t, std::int64_t n, std::int64_t stride) {
@@ -722,6 +764,10 @@ class ParisKV {
       return;
     }
     pariskv::detail::rsq_ip(plan(ws, qn), nullptr, n_, out, use_avx512(kernels, "kvscore::ParisKV::estimate"));
+    if (!mu_.empty()) {
+      const float c = float(center_dot(q));
+      for (std::int64_t i = 0; i < n_; ++i) out[i] += c;
+    }
   }
 
   /// Stage I collision scores S_i of every key for a query and collision ratio ρ (tests, tools).
@@ -760,6 +806,18 @@ class ParisKV {
                             " has a squared norm that overflows fp32 (magnitude above ~1.8e19)");
   }
 
+  void set_mean(const std::vector<double>& acc, std::int64_t n) {
+    mu_.resize(std::size_t(d_));
+    for (std::int64_t j = 0; j < d_; ++j) mu_[std::size_t(j)] = float(acc[std::size_t(j)] / double(n));
+  }
+
+  /// ⟨μ, q⟩ in fp64 (0 without centering): added to estimates of ⟨k − μ, q⟩.
+  double center_dot(const float* q) const noexcept {
+    double c = 0;
+    for (std::size_t j = 0; j < mu_.size(); ++j) c += double(mu_[j]) * double(q[j]);
+    return c;
+  }
+
   void reserve_more(std::int64_t n) {
     const std::int64_t total = n_ + n;
     const std::int64_t blocks = (total + 63) / 64;
@@ -773,11 +831,14 @@ class ParisKV {
   void encode(const T* r, float* x, float* y) {
     double sq = 0;
     for (std::int64_t j = 0; j < d_; ++j) {
-      const double v = double(to_float(r[j]));
+      const double v = double(to_float(r[j])) - (mu_.empty() ? 0.0 : double(mu_[std::size_t(j)]));
       sq += v * v;
     }
     const double norm = std::sqrt(sq);
-    for (std::int64_t j = 0; j < d_; ++j) x[j] = norm > 0 ? float(double(to_float(r[j])) / norm) : 0.f;
+    for (std::int64_t j = 0; j < d_; ++j) {
+      const double v = double(to_float(r[j])) - (mu_.empty() ? 0.0 : double(mu_[std::size_t(j)]));
+      x[j] = norm > 0 ? float(v / norm) : 0.f;
+    }
     rot_.apply(x, y);
     const std::int64_t i = n_;
     const std::size_t id_base = std::size_t((i / 64) * B_ * 64 + i % 64);
@@ -967,11 +1028,13 @@ class ParisKV {
     pariskv::detail::rsq_ip(plan(ws, qn), ws.cand.data(), C, ws.est.data(), vec);
     top_of(ws.est.data(), C, kk, ws);
     if (opt.rerank_exact == 0) {
+      // ranked on the estimates of ⟨k − μ, q⟩; the reported scores add the constant ⟨μ, q⟩
+      const double c = center_dot(q);
       out.positions.resize(std::size_t(k));
       out.scores.resize(std::size_t(k));
       for (std::int64_t i = 0; i < k; ++i) {
         out.positions[std::size_t(i)] = ws.cand[std::size_t(ws.top[std::size_t(i)])];
-        out.scores[std::size_t(i)] = ws.est[std::size_t(ws.top[std::size_t(i)])];
+        out.scores[std::size_t(i)] = float(double(ws.est[std::size_t(ws.top[std::size_t(i)])]) + c);
       }
       return;
     }
@@ -1005,6 +1068,7 @@ class ParisKV {
   std::vector<float> w_;               ///< [N][B] + kWPad
   std::vector<std::int64_t> pop_;      ///< [B][2^m] keys per cluster
   std::vector<std::int32_t> widx_, wfirst_;
+  std::vector<float> mu_;              ///< key mean subtracted before encoding (empty: none)
 };
 
 /// Retrieval for a whole layer: one index per KV head of `keys` (built in parallel over heads),

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -96,6 +97,27 @@ TEST_CASE("reduce_f32 (bandwidth baseline) sums correctly on every table", "[sim
   double ref = 0;
   for (float f : x) ref += f;
   for (const auto* t : simd::available_tables()) REQUIRE(t->reduce_f32(x.data(), std::int64_t(x.size())) == Approx(ref));
+}
+
+TEST_CASE("exp_shifted matches std::exp on every table; a value does not depend on its offset", "[simd]") {
+  std::vector<float> x(203);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = -87.f + 0.43f * float(i);  // exp range incl. underflow
+  x[5] = -std::numeric_limits<float>::infinity();                              // an excluded logit -> 0
+  const float shift = 3.25f;
+  for (const auto* t : simd::available_tables()) {
+    INFO("isa " << t->name);
+    std::vector<float> e(x.size(), -1.f), e2(x.size(), -1.f);
+    t->exp_shifted(x.data(), shift, std::int64_t(x.size()), e.data());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double want = std::exp(double(x[i] - shift));  // the fp32 difference, as the kernel forms it
+      INFO("i " << i << " x " << x[i]);
+      CHECK(std::abs(double(e[i]) - want) <= 1e-6 * want + 1e-37);
+    }
+    CHECK(e[5] == 0.f);
+    // The same element computed in a call that starts 7 elements later (a different tail).
+    t->exp_shifted(x.data() + 7, shift, std::int64_t(x.size()) - 7, e2.data());
+    for (std::size_t i = 7; i < x.size(); ++i) CHECK(e2[i - 7] == e[i]);
+  }
 }
 
 TEST_CASE("set_active_isa pins a table; unknown names throw with the list", "[simd][errors]") {

@@ -24,7 +24,7 @@
 // contributes nothing (its share 1/(G·w) is not redistributed).
 //
 // Cost per KV head: 2 passes over the keys (softmax statistics, then probabilities),
-// each 2·G·w·N·d flops of dots (kernel table) and G·w·N exps (xsimd, vectorised); the
+// each 2·G·w·N·d flops of dots and G·w·N exps (both from the kernel table, vectorised); the
 // rows of a chunk are read from memory once and stay in L1 for the G·w queries.
 #pragma once
 
@@ -35,41 +35,10 @@
 #include <string>
 #include <vector>
 
-#include <xsimd/xsimd.hpp>
-
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
 
-namespace detail {
-
-/// e[j] = exp(x[j] - shift) for j < n. Every element goes through the same function —
-/// xsimd's exp on the consumer's default arch, the tail padded to a full batch — so a
-/// token's value does not depend on where a chunk starts. std::exp where xsimd has no arch.
-template <class Arch = xsimd::default_arch>
-struct ShiftedExp {
-  static void run(const float* x, float shift, std::int64_t n, float* e) noexcept {
-    using B = xsimd::batch<float, Arch>;
-    constexpr std::int64_t W = std::int64_t(B::size);
-    const B s(shift);
-    std::int64_t j = 0;
-    for (; j + W <= n; j += W) xsimd::exp(B::load_unaligned(x + j) - s).store_unaligned(e + j);
-    if (j < n) {
-      alignas(64) float t[W];
-      for (std::int64_t k = 0; k < W; ++k) t[k] = j + k < n ? x[j + k] : shift;
-      xsimd::exp(B::load_aligned(t) - s).store_aligned(t);
-      for (std::int64_t k = 0; j + k < n; ++k) e[j + k] = t[k];
-    }
-  }
-};
-template <>
-struct ShiftedExp<xsimd::unavailable> {
-  static void run(const float* x, float shift, std::int64_t n, float* e) noexcept {
-    for (std::int64_t j = 0; j < n; ++j) e[j] = std::exp(x[j] - shift);
-  }
-};
-
-}  // namespace detail
 
 class SnapKV : public ScorerOptions {
  public:
@@ -239,7 +208,7 @@ class SnapKV : public ScorerOptions {
           sum[q] *= std::exp(double(mx[q]) - double(cm));  // exp(-inf) = 0 on the first finite chunk
           mx[q] = cm;
         }
-        detail::ShiftedExp<>::run(l, mx[q], ms, e);
+        table.exp_shifted(l, mx[q], ms, e);
         double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains: fp64 adds are latency-bound
         std::int64_t j = 0;
         for (; j + 4 <= ms; j += 4) {
@@ -259,7 +228,7 @@ class SnapKV : public ScorerOptions {
         const std::int64_t ms = seen(q, t0, m);
         if (ms == 0 || !(sum[q] > 0)) continue;
         logits(ops, first, ms, stride, qh + q * dim_, valid + t0, l);
-        detail::ShiftedExp<>::run(l, mx[q], ms, e);
+        table.exp_shifted(l, mx[q], ms, e);
         const double inv = 1.0 / sum[q];
         for (std::int64_t j = 0; j < ms; ++j) acc[t0 + j] += double(e[j]) * inv;
       }

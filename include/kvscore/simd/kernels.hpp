@@ -39,6 +39,7 @@ struct ScalarPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return a * b + c; }
   static float hsum(V a) noexcept { return a; }
+  static V exp(V a) noexcept { return std::exp(a); }
 };
 
 template <class Arch>
@@ -96,6 +97,7 @@ struct XsimdPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return xsimd::fma(a, b, c); }
   static float hsum(V a) noexcept { return xsimd::hadd(a); }
+  static V exp(V a) noexcept { return xsimd::exp(a); }
 };
 
 template <class P>
@@ -303,6 +305,20 @@ struct RowKernels {
     return s;
   }
 
+  /// e[j] = exp(x[j] - shift), j < n. Every element goes through the same vector code (the
+  /// tail is padded to a full vector), so a value does not depend on where a chunk starts.
+  static void exp_shifted(const float* x, float shift, std::int64_t n, float* e) noexcept {
+    const V s = P::splat(shift);
+    std::int64_t j = 0;
+    for (; j + W <= n; j += W) P::store(e + j, P::exp(P::sub(P::loadf(x + j), s)));
+    if (j < n) {
+      alignas(64) float t[W];
+      for (std::int64_t k = 0; k < W; ++k) t[k] = j + k < n ? x[j + k] : shift;
+      P::store(t, P::exp(P::sub(P::loadf(t), s)));
+      for (std::int64_t k = 0; j + k < n; ++k) e[j + k] = t[k];
+    }
+  }
+
   template <class T>
   static constexpr RowOps<T> ops() noexcept {
     return RowOps<T>{&sqnorm<T>, &dot<T>, &dot_sqnorm<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>};
@@ -317,7 +333,8 @@ const KernelTable& make_table(const char* name) noexcept {
                                  RowKernels<P>::template ops<float>(),
                                  RowKernels<P>::template ops<half>(),
                                  RowKernels<P>::template ops<bfloat16>(),
-                                 &RowKernels<P>::reduce_f32};
+                                 &RowKernels<P>::reduce_f32,
+                                 &RowKernels<P>::exp_shifted};
   return table;
 }
 

@@ -42,6 +42,9 @@ struct KernelTable {
   RowOps<bfloat16> bf16;
   /// Σ p[i] — the read-bandwidth baseline the benchmarks compare against.
   double (*reduce_f32)(const float* p, std::int64_t n);
+  /// e[j] = exp(x[j] - shift) for j < n (SnapKV's softmax). std::exp on the scalar table,
+  /// xsimd::exp (within 2 ulp of std::exp on finite input) on the vector tables.
+  void (*exp_shifted)(const float* x, float shift, std::int64_t n, float* e);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

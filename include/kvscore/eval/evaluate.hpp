@@ -161,18 +161,19 @@ inline Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions&
 
   for (Job& job : jobs) {
     for (const LayerInput& in : layers) {
+      Compressed c;
       try {
         const auto t0 = std::chrono::steady_clock::now();
-        Compressed c = job.method->run(in, job.n, opt.method);
+        c = job.method->run(in, job.n, opt.method);
         const auto t1 = std::chrono::steady_clock::now();
         job.ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
-        detail::check_compressed(c, in, job.method->name);
-        job.per_layer.push_back(std::move(c));
       } catch (const std::invalid_argument& e) {
         rep.skipped.push_back({job.method->name, job.keep, e.what()});
         job.skipped = true;
         break;
       }
+      detail::check_compressed(c, in, job.method->name);  // a bad result is an error, not a skip
+      job.per_layer.push_back(std::move(c));
     }
   }
 

@@ -1,0 +1,286 @@
+// The evaluator (include/kvscore/eval/evaluate.hpp, methods.hpp, report.hpp; docs/eval.md):
+// budgets, GQA mapping, averaging, multi-layer input, the three method kinds (selection,
+// retrieval, hybrid), skipped budgets, input errors, determinism across threads, and the
+// JSON / SVG / table writers.
+#include <catch2/catch.hpp>
+
+#include <kvscore/eval/evaluate.hpp>
+#include <kvscore/eval/report.hpp>
+#include <kvscore/synth.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace eval = kvscore::eval;
+namespace synth = kvscore::synth;
+using Catch::Matchers::Contains;
+
+/// A small synthetic layer set (mixed kind), fp32.
+struct EvalFixture {
+  synth::Data D;
+  std::vector<eval::LayerInput> layers;
+  explicit EvalFixture(std::int64_t n_layers = 1, std::int64_t tokens = 256, std::int64_t group = 2) {
+    synth::Spec s;
+    s.layers = n_layers;
+    s.kv_heads = 2;
+    s.group = group;
+    s.tokens = tokens;
+    s.head_dim = 32;
+    s.queries = 4;
+    s.segment = 64;
+    D = synth::generate(s);
+    for (std::int64_t l = 0; l < n_layers; ++l) {
+      eval::LayerInput in;
+      in.keys = D.keys.data() + l * 2 * tokens * 32;
+      in.values = D.values.data() + l * 2 * tokens * 32;
+      in.queries = D.queries.data() + l * 2 * group * 4 * 32;
+      in.kv_heads = 2;
+      in.tokens = tokens;
+      in.head_dim = 32;
+      in.value_dim = 32;
+      in.q_heads = 2 * group;
+      in.n_queries = 4;
+      layers.push_back(in);
+    }
+  }
+};
+
+eval::EvalOptions eval_opts(const std::string& methods, std::vector<double> keep) {
+  eval::EvalOptions o;
+  o.methods = eval::resolve_methods(methods);
+  o.keep = std::move(keep);
+  return o;
+}
+
+/// Registers a test method once (the registry is process-wide).
+void eval_register_once(const std::string& name, eval::MethodFn fn) {
+  for (const auto& m : eval::registry())
+    if (m.name == name) return;
+  eval::register_method({name, "test", std::move(fn)});
+}
+
+}  // namespace
+
+TEST_CASE("eval: registry names, 'all', unknown and repeated methods", "[eval]") {
+  const auto all = eval::resolve_methods("all");
+  for (const char* m : {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm", "pariskv", "oracle"})
+    CHECK(std::find(all.begin(), all.end(), m) != all.end());
+  CHECK(eval::resolve_methods("l2,knorm") == std::vector<std::string>{"l2", "knorm"});
+  CHECK_THROWS_WITH(eval::resolve_methods("l2,foo"), Contains("unknown method 'foo'") && Contains("knorm"));
+  CHECK_THROWS_WITH(eval::resolve_methods("l2,l2"), Contains("'l2' is listed twice"));
+  CHECK_THROWS_WITH(eval::resolve_methods(""), Contains("unknown method ''"));
+  CHECK_THROWS_WITH(eval::register_method({"l2", "dup", eval::oracle_method}), Contains("'l2' is already registered"));
+  CHECK_THROWS_WITH(eval::register_method({"a,b", "bad", eval::oracle_method}), Contains("'a,b'"));
+}
+
+TEST_CASE("eval: budgets, ordering, averaging and keep = 1", "[eval]") {
+  const EvalFixture F;
+  const eval::Report r = eval::evaluate(F.layers, eval_opts("knorm,l2,streaming_llm", {0.1, 1.0}));
+  REQUIRE(r.results.size() == 6);
+  CHECK(r.results[0].method == "knorm");
+  CHECK(r.results[1].method == "knorm");
+  CHECK(r.results[2].method == "l2");
+  CHECK(r.results[0].keep == 0.1);
+  CHECK(r.results[0].budget == 26);  // llround(25.6)
+  CHECK(r.results[1].budget == 256);
+  for (const auto& x : r.results) {
+    REQUIRE(x.per_head.size() == 2);
+    double s = 0;
+    for (const auto& h : x.per_head) {
+      CHECK(h.kept == x.budget);
+      s += h.attention_mass_recall;
+    }
+    CHECK(x.attention_mass_recall == Approx(s / 2).epsilon(1e-15));
+    CHECK(x.attention_mass_recall >= 0.0);
+    CHECK(x.attention_mass_recall <= 1.0);
+    CHECK(x.topk_overlap >= 0.0);
+    CHECK(x.topk_overlap <= 1.0);
+    if (x.keep == 1.0) {  // every token kept: exact
+      CHECK(x.attention_mass_recall == Approx(1.0).margin(1e-12));
+      CHECK(x.output_rel_error < 1e-12);
+      CHECK(x.topk_overlap == 1.0);
+    } else {
+      CHECK(x.attention_mass_recall < 0.99);
+    }
+  }
+  CHECK(r.skipped.empty());
+}
+
+TEST_CASE("eval: query head hq is measured against KV head hq / G", "[eval]") {
+  // 2 KV heads, G = 2, d = 4, N = 16. KV head 0 has one big key at token 3 along e0,
+  // KV head 1 at token 11 along e1; query heads 0,1 look along e0, 2,3 along e1. With the
+  // contiguous mapping the oracle at budget 1 recovers almost all mass; with hq % H it would not.
+  const std::int64_t N = 16, d = 4;
+  std::vector<float> K(2 * N * d, 0.f), V(2 * N * d, 1.f), Q(4 * 1 * d, 0.f);
+  for (std::int64_t h = 0; h < 2; ++h)
+    for (std::int64_t t = 0; t < N; ++t) K[std::size_t((h * N + t) * d + 2)] = 0.1f * float(t % 3);
+  K[std::size_t((0 * N + 3) * d + 0)] = 20.f;
+  K[std::size_t((1 * N + 11) * d + 1)] = 20.f;
+  for (std::int64_t hq = 0; hq < 4; ++hq) Q[std::size_t(hq * d + (hq < 2 ? 0 : 1))] = 2.f;
+  eval::LayerInput in{K.data(), V.data(), Q.data(), 2, N, d, d, 4, 1};
+  const eval::Report r = eval::evaluate({in}, eval_opts("oracle", {1.0 / 16}));
+  REQUIRE(r.results.size() == 1);
+  CHECK(r.results[0].budget == 1);
+  CHECK(r.results[0].attention_mass_recall > 0.99);
+  CHECK(r.results[0].topk_overlap == 1.0);
+}
+
+TEST_CASE("eval: multi-layer input averages layers; per_head names them", "[eval]") {
+  const EvalFixture F2(2);
+  const eval::Report r = eval::evaluate(F2.layers, eval_opts("l2", {0.25}));
+  REQUIRE(r.results[0].per_head.size() == 4);
+  CHECK(r.results[0].per_head[0].layer == 0);
+  CHECK(r.results[0].per_head[3].layer == 1);
+  CHECK(r.results[0].per_head[3].head == 1);
+  // each layer alone gives the per-head values of the two-layer run
+  const eval::Report r1 = eval::evaluate({F2.layers[1]}, eval_opts("l2", {0.25}));
+  CHECK(r1.results[0].per_head[1].attention_mass_recall == r.results[0].per_head[3].attention_mass_recall);
+  double s = 0;
+  for (const auto& h : r.results[0].per_head) s += h.output_rel_error;
+  CHECK(r.results[0].output_rel_error == Approx(s / 4).epsilon(1e-15));
+}
+
+TEST_CASE("eval: same numbers for any thread count", "[eval]") {
+  const EvalFixture F(2);
+  auto o = eval_opts("knorm,keydiff,l2,windowed-l2,qfilter,snapkv,streaming_llm,oracle", {0.1, 0.5});
+  o.method.window = 64;
+  o.threads = 1;
+  o.method.threads = 1;
+  const eval::Report a = eval::evaluate(F.layers, o);
+  o.threads = 3;
+  o.method.threads = 2;
+  const eval::Report b = eval::evaluate(F.layers, o);
+  REQUIRE(a.results.size() == b.results.size());
+  for (std::size_t i = 0; i < a.results.size(); ++i) {
+    INFO(a.results[i].method << " " << a.results[i].keep);
+    CHECK(a.results[i].attention_mass_recall == b.results[i].attention_mass_recall);
+    CHECK(a.results[i].output_rel_error == b.results[i].output_rel_error);
+    CHECK(a.results[i].topk_overlap == b.results[i].topk_overlap);
+  }
+}
+
+TEST_CASE("eval: retrieval and hybrid methods", "[eval]") {
+  // retrieval: the exact top-n of each query → overlap 1; hybrid: the exact full output with
+  // nothing kept → recall 0, error 0.
+  eval_register_once("test-exact-topn", [](const eval::LayerInput& in, std::int64_t n, const eval::MethodOptions&) {
+    eval::Compressed c;
+    for (std::int64_t hq = 0; hq < in.q_heads; ++hq)
+      for (std::int64_t i = 0; i < in.n_queries; ++i) {
+        const std::int64_t h = hq / in.group();
+        const eval::HeadReference ref(in.keys + h * in.tokens * in.head_dim, in.head_dim,
+                                      in.values + h * in.tokens * in.value_dim, in.value_dim, in.query(hq, i),
+                                      in.head_dim, 1, in.tokens, in.head_dim, in.value_dim);
+        std::vector<std::int64_t> s;
+        for (std::int64_t t = 0; t < in.tokens; ++t)
+          if (ref.ranks(0)[t] < n) s.push_back(t);
+        c.per_query.push_back(s);
+      }
+    return c;
+  });
+  eval_register_once("test-exact-output", [](const eval::LayerInput& in, std::int64_t, const eval::MethodOptions&) {
+    eval::Compressed c;
+    c.kept.heads = in.kv_heads;
+    c.kept.tokens = in.tokens;
+    c.kept.offsets.assign(std::size_t(in.kv_heads + 1), 0);
+    c.output = [in](std::int64_t hq, std::int64_t i, double* out) {
+      const std::int64_t h = hq / in.group();
+      const eval::HeadReference ref(in.keys + h * in.tokens * in.head_dim, in.head_dim,
+                                    in.values + h * in.tokens * in.value_dim, in.value_dim, in.query(hq, i),
+                                    in.head_dim, 1, in.tokens, in.head_dim, in.value_dim);
+      std::copy(ref.full_output(0), ref.full_output(0) + in.value_dim, out);
+    };
+    return c;
+  });
+  const EvalFixture F;
+  const eval::Report r = eval::evaluate(F.layers, eval_opts("test-exact-topn,test-exact-output", {0.1}));
+  REQUIRE(r.results.size() == 2);
+  CHECK(r.results[0].topk_overlap == 1.0);
+  CHECK(r.results[0].per_head[0].kept == 26);
+  CHECK(r.results[1].attention_mass_recall == 0.0);
+  CHECK(r.results[1].output_rel_error < 1e-12);
+}
+
+TEST_CASE("eval: a method's bad selection is an error naming the method", "[eval]") {
+  eval_register_once("test-unsorted", [](const eval::LayerInput& in, std::int64_t, const eval::MethodOptions&) {
+    eval::Compressed c;
+    c.kept.heads = in.kv_heads;
+    c.kept.tokens = in.tokens;
+    c.kept.offsets = {0, 2, 4};
+    c.kept.positions = {5, 1, 0, 1};
+    return c;
+  });
+  const EvalFixture F;
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("test-unsorted", {0.1})),
+                    Contains("'test-unsorted'") && Contains("1 after 5"));
+}
+
+TEST_CASE("eval: budgets a method rejects are skipped with the reason", "[eval]") {
+  const EvalFixture F;
+  auto o = eval_opts("l2,knorm", {0.05, 0.5});
+  o.method.select.sinks = 4;
+  o.method.select.recent = 20;  // 24 protected > 13 = budget at 5 %
+  const eval::Report r = eval::evaluate(F.layers, o);
+  REQUIRE(r.results.size() == 2);
+  CHECK(r.results[0].keep == 0.5);
+  REQUIRE(r.skipped.size() == 2);
+  CHECK(r.skipped[0].method == "l2");
+  CHECK(r.skipped[0].keep == 0.05);
+  CHECK_THAT(r.skipped[0].reason, Contains("protect 24 tokens"));
+}
+
+TEST_CASE("eval: bad input is rejected with the offending value", "[eval]") {
+  EvalFixture F;
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {0.0})), Contains("keep fraction 0 must be in (0, 1]"));
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {1.5})), Contains("keep fraction 1.5"));
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {std::nan("")})), Contains("keep fraction nan"));
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {})), Contains("no keep fractions"));
+  CHECK_THROWS_WITH(eval::evaluate({}, eval_opts("l2", {0.5})), Contains("no layers"));
+  auto bad = F.layers;
+  bad[0].q_heads = 3;
+  CHECK_THROWS_WITH(eval::evaluate(bad, eval_opts("l2", {0.5})), Contains("q_heads 3") && Contains("kv_heads 2"));
+  F.D.keys[70] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {0.5})),
+                    Contains("layer 0 keys") && Contains("flat index 70") && Contains("not finite"));
+  F.D.keys[70] = 0.f;
+  F.D.queries[3] = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_WITH(eval::evaluate(F.layers, eval_opts("l2", {0.5})), Contains("layer 0 queries") && Contains("index 3"));
+  const EvalFixture G2(2);
+  auto mixed = G2.layers;
+  mixed[1].tokens = 128;
+  CHECK_THROWS_WITH(eval::evaluate(mixed, eval_opts("l2", {0.5})), Contains("layer 1 has a different shape"));
+}
+
+TEST_CASE("eval: JSON, table and SVG carry every result", "[eval]") {
+  const EvalFixture F;
+  auto o = eval_opts("l2,streaming_llm", {0.1, 0.25});
+  o.method.select.sinks = 2;
+  const eval::Report r = eval::evaluate(F.layers, o);
+  const std::string j = eval::to_json(r);
+  CHECK_THAT(j, Contains("\"results\": ["));
+  CHECK_THAT(j, Contains("{\"method\": \"l2\", \"keep\": 0.10000000000000001, \"budget\": 26, \"attention_mass_recall\": "));
+  CHECK_THAT(j, Contains("\"per_head\": [{\"layer\": 0, \"head\": 0, \"kept\": 26, "));
+  CHECK_THAT(j, Contains("\"sinks\": 2"));
+  CHECK_THAT(j, Contains("\"alloc\": \"per-head\""));
+  CHECK(std::count(j.begin(), j.end(), '{') == std::count(j.begin(), j.end(), '}'));
+  CHECK(std::count(j.begin(), j.end(), '[') == std::count(j.begin(), j.end(), ']'));
+  CHECK(j.find("nan") == std::string::npos);
+  const std::string t = eval::to_table(r);
+  CHECK(std::count(t.begin(), t.end(), '\n') == 2 + 4);
+  CHECK_THAT(t, Contains("streaming_llm"));
+  const std::string s = eval::to_svg(r);
+  CHECK(s.rfind("<svg", 0) == 0);
+  CHECK_THAT(s, Contains("</svg>"));
+  // 3 panels x 2 methods
+  std::size_t lines = 0;
+  for (std::size_t p = s.find("<polyline"); p != std::string::npos; p = s.find("<polyline", p + 1)) ++lines;
+  CHECK(lines == 6);
+  CHECK_THAT(s, Contains("data-method=\"streaming_llm\""));
+  CHECK(eval::detail::json_str("a\"b\\c\n") == "\"a\\\"b\\\\c\\n\"");
+}

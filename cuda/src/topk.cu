@@ -327,6 +327,7 @@ void topk(const Src& src, const Out& out, long long rows, long long n, long long
   const int sms = sm_count();
   if (path == TopkPath::automatic)
     path = (rows >= sms || n < 65536) ? TopkPath::one_cta_per_row : TopkPath::multi_cta_per_row;
+  if (rows > 65535) path = TopkPath::one_cta_per_row;  // grid.y of the multi-CTA kernels
   if (path == TopkPath::one_cta_per_row) {
     topk_one_cta<<<grid_dim(rows), kBlock, 0, st>>>(src, out, n, m, w.th);
     KVSCORE_CUDA_LAUNCHED();

@@ -228,17 +228,26 @@ inline bool widen_row(const T* row, std::int64_t d, double* out) noexcept {
 }
 
 /// Accumulates rows into the pooled covariance: rows of the same window of p consecutive
-/// tokens are averaged (invalid rows left out), then C += x x^T per pooled row.
+/// tokens are averaged (invalid rows left out), then C += X_b^T X_b per block of 128 pooled
+/// rows (a rank-128 update is a GEMM; rank-1 updates would be memory-bound).
 struct PooledCovariance {
+  static constexpr Eigen::Index kBlock = 128;
   std::int64_t d, p;
   Mat c;
+  Mat block;  // [kBlock][d] pooled rows waiting for the rank-k update
   Eigen::VectorXd acc;
+  Eigen::Index in_block = 0;
   std::int64_t window = -1, in_window = 0, pooled = 0, valid = 0;
-  PooledCovariance(std::int64_t d_, std::int64_t p_) : d(d_), p(p_), c(Mat::Zero(d_, d_)), acc(Eigen::VectorXd::Zero(d_)) {}
+  PooledCovariance(std::int64_t d_, std::int64_t p_)
+      : d(d_), p(p_), c(Mat::Zero(d_, d_)), block(kBlock, d_), acc(Eigen::VectorXd::Zero(d_)) {}
+  void flush_block() {
+    if (in_block > 0) c.selfadjointView<Eigen::Lower>().rankUpdate(block.topRows(in_block).transpose());
+    in_block = 0;
+  }
   void flush() {
     if (in_window > 0) {
-      const Eigen::VectorXd x = acc / double(in_window);
-      c.selfadjointView<Eigen::Lower>().rankUpdate(x);
+      block.row(in_block++) = (acc / double(in_window)).transpose();
+      if (in_block == kBlock) flush_block();
       ++pooled;
     }
     acc.setZero();
@@ -258,6 +267,7 @@ struct PooledCovariance {
   /// C = X^T X / m over the pooled rows (full symmetric); zero when no row was valid.
   Mat finish() {
     flush();
+    flush_block();
     Mat full = c.selfadjointView<Eigen::Lower>();
     if (pooled > 0) full /= double(pooled);
     return full;

@@ -1,0 +1,183 @@
+// Tests of `kvscore eval` (run as a process, KVSCORE_CLI_PATH) on data from `kvscore synth`:
+// the JSON numbers equal the library's kvscore::eval::evaluate, the table and the SVG carry
+// every result, multi-layer and float16 input work, and bad input gives exit code 2 and one
+// "kvscore: " line with no report left behind. (main() is in test_cli.cpp.)
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <kvscore/eval/evaluate.hpp>
+#include <kvscore/eval/report.hpp>
+#include <kvscore/npy.hpp>
+#include <kvscore/synth.hpp>
+
+#include "cli_harness.hpp"
+
+namespace {
+
+namespace npy = kvscore::npy;
+namespace eval = kvscore::eval;
+namespace synth = kvscore::synth;
+
+const cli_test::ScratchDir& eval_dir() {
+  static const cli_test::ScratchDir d("eval");
+  return d;
+}
+cli_test::Result eval_cli(const std::string& args) { return cli_test::run(eval_dir(), args); }
+
+std::size_t eval_count(const std::string& s, const std::string& needle) {
+  std::size_t n = 0;
+  for (std::size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + 1)) ++n;
+  return n;
+}
+
+/// `kvscore synth` data in eval_dir()/name (once per process).
+std::string eval_data(const std::string& name, const std::string& extra) {
+  const std::string out = eval_dir().file(name);
+  if (!std::filesystem::exists(out + "/K.npy")) {
+    const cli_test::Result r = eval_cli("synth --kind mixed --out " + out + " --kv-heads 2 --tokens 256 --head-dim 32 "
+                                        "--queries 4 --segment 64 " + extra);
+    INFO(r.err);
+    REQUIRE(r.rc == 0);
+  }
+  return out;
+}
+
+/// The number after "name": at or after position `at`.
+double eval_field(const std::string& json, std::size_t at, const std::string& name) {
+  const std::size_t p = json.find("\"" + name + "\": ", at);
+  REQUIRE(p != std::string::npos);
+  return std::strtod(json.c_str() + p + name.size() + 4, nullptr);
+}
+
+std::string eval_inputs(const std::string& d) {
+  return "--keys " + d + "/K.npy --values " + d + "/V.npy --queries " + d + "/Q.npy";
+}
+
+}  // namespace
+
+TEST_CASE("cli eval: report equals the library's, table and SVG carry every result", "[cli][eval]") {
+  const std::string d = eval_data("one", "");
+  const std::string rep = eval_dir().file("r.json"), svg = eval_dir().file("r.svg");
+  const cli_test::Result r = eval_cli("eval " + eval_inputs(d) + " --methods l2,knorm,windowed-l2,streaming_llm "
+                                      "--keep 0.1,0.5 --window 64 --sinks 2 --out " + rep + " --svg " + svg);
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  CHECK(r.err.empty());
+  // the library on the same data
+  synth::Spec s;
+  s.kv_heads = 2;
+  s.tokens = 256;
+  s.head_dim = 32;
+  s.queries = 4;
+  s.segment = 64;
+  const synth::Data D = synth::generate(s);
+  const eval::LayerInput in{D.keys.data(), D.values.data(), D.queries.data(), 2, 256, 32, 32, 4, 4};
+  eval::EvalOptions o;
+  o.methods = {"l2", "knorm", "windowed-l2", "streaming_llm"};
+  o.keep = {0.1, 0.5};
+  o.method.window = 64;
+  o.method.select.sinks = 2;
+  const eval::Report lib = eval::evaluate({in}, o);
+  const std::string json = cli_test::slurp(rep);
+  REQUIRE(lib.results.size() == 8);
+  CHECK(eval_count(json, "{\"method\": ") == 8);
+  // Same numbers up to rounding (the tool and this test may be compiled with other flags,
+  // e.g. FMA contraction, so the last bits of fp64 sums may differ).
+  for (const auto& x : lib.results) {
+    INFO(x.method << " " << x.keep);
+    const std::string head = "{\"method\": \"" + x.method + "\", \"keep\": " + eval::detail::num17(x.keep) +
+                             ", \"budget\": " + std::to_string(x.budget) + ", ";
+    const std::size_t at = json.find(head);
+    REQUIRE(at != std::string::npos);
+    CHECK(eval_field(json, at, "attention_mass_recall") == Approx(x.attention_mass_recall).epsilon(1e-12).margin(1e-14));
+    CHECK(eval_field(json, at, "output_rel_error") == Approx(x.output_rel_error).epsilon(1e-12).margin(1e-14));
+    CHECK(eval_field(json, at, "topk_overlap") == Approx(x.topk_overlap).epsilon(1e-12).margin(1e-14));
+    CHECK(eval_field(json, at, "time_ms") >= 0.0);
+  }
+  CHECK(eval_count(json, "{\"layer\": ") == 16);
+  CHECK(eval_count(r.out, "\n") == 2 + 8);
+  CHECK(r.out.find("windowed-l2") != std::string::npos);
+  const std::string s_svg = cli_test::slurp(svg);
+  CHECK(s_svg.rfind("<svg", 0) == 0);
+  CHECK(eval_count(s_svg, "<polyline") == 12);
+  cli_test::check_no_temporaries(eval_dir());
+}
+
+TEST_CASE("cli eval: multi-layer and float16 input; --methods all; adakv", "[cli][eval]") {
+  const std::string d = eval_data("ml16", "--layers 2 --dtype f16");
+  const std::string rep = eval_dir().file("ml.json");
+  const cli_test::Result r =
+      eval_cli("eval " + eval_inputs(d) + " --keep 0.25 --alloc adakv --group 2 --out " + rep);
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  const std::string json = cli_test::slurp(rep);
+  CHECK(json.find("\"layers\": 2") != std::string::npos);
+  CHECK(json.find("\"alloc\": \"adakv\"") != std::string::npos);
+  for (const auto& m : eval::resolve_methods("all"))
+    CHECK(json.find("{\"method\": \"" + m + "\"") != std::string::npos);
+  CHECK(eval_count(json, "{\"layer\": 1, ") == 2 * eval::resolve_methods("all").size());
+}
+
+TEST_CASE("cli eval: budgets a method cannot meet are listed, not fatal", "[cli][eval]") {
+  const std::string d = eval_data("one", "");
+  const std::string rep = eval_dir().file("skip.json");
+  const cli_test::Result r = eval_cli("eval " + eval_inputs(d) + " --methods l2 --keep 0.05,0.5 --recent 20 --out " + rep);
+  REQUIRE(r.rc == 0);
+  const std::string json = cli_test::slurp(rep);
+  CHECK(eval_count(json, "{\"method\": ") == 2);  // one result + one skipped entry
+  CHECK(json.find("\"skipped\": [{\"method\": \"l2\", \"keep\": 0.050000000000000003") != std::string::npos);
+  CHECK(r.out.find("skipped l2 at keep 0.05") != std::string::npos);
+  // every budget skipped: an error
+  cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --methods l2 --keep 0.05 --recent 20 --out " + rep + "2"),
+                        "every method x keep was skipped");
+  CHECK(!std::filesystem::exists(rep + "2"));
+}
+
+TEST_CASE("cli eval: bad input", "[cli][eval]") {
+  const std::string d = eval_data("one", "");
+  const std::string in = eval_inputs(d), rep = eval_dir().file("bad.json");
+  const std::string ok = "eval " + in + " --out " + rep;
+  cli_test::check_error(eval_cli("eval " + in), "--out");
+  cli_test::check_error(eval_cli(ok + " --keep 0"), "--keep: 0 is not in (0, 1]");
+  cli_test::check_error(eval_cli(ok + " --keep 0.1,x"), "--keep: 'x' is not a number");
+  cli_test::check_error(eval_cli(ok + " --methods l2,foo"), "unknown method 'foo'");
+  cli_test::check_error(eval_cli(ok + " --alloc greedy"), "'greedy'");
+  cli_test::check_error(eval_cli(ok + " --group 3"), "--group 3 does not match q_heads / kv_heads = 4 / 2 = 2");
+  const std::vector<float> q3(3 * 4 * 32, 0.f);
+  npy::save<float>(eval_dir().file("q3.npy"), {3, 4, 32}, q3.data());
+  cli_test::check_error(eval_cli("eval --keys " + d + "/K.npy --values " + d + "/V.npy --queries " +
+                                 eval_dir().file("q3.npy") + " --out " + rep),
+                        "q_heads 3 is not a multiple of the 2 kv_heads");
+  // wrong ranks, dtypes, shapes, non-finite values
+  const std::vector<float> k2(2 * 256, 0.f);
+  npy::save<float>(eval_dir().file("k2d.npy"), {2, 256}, k2.data());
+  cli_test::check_error(eval_cli("eval --keys " + eval_dir().file("k2d.npy") + " --values " + d + "/V.npy --queries " +
+                                 d + "/Q.npy --out " + rep),
+                        "keys must be [kv_heads, tokens, d]");
+  const std::vector<std::int64_t> ki(2 * 256 * 32, 1);
+  npy::save<std::int64_t>(eval_dir().file("ki.npy"), {2, 256, 32}, ki.data());
+  cli_test::check_error(eval_cli("eval --keys " + eval_dir().file("ki.npy") + " --values " + d + "/V.npy --queries " +
+                                 d + "/Q.npy --out " + rep),
+                        "'<i8' not supported");
+  const std::vector<float> v(2 * 100 * 32, 0.f);
+  npy::save<float>(eval_dir().file("v100.npy"), {2, 100, 32}, v.data());
+  cli_test::check_error(eval_cli("eval --keys " + d + "/K.npy --values " + eval_dir().file("v100.npy") + " --queries " +
+                                 d + "/Q.npy --out " + rep),
+                        "do not match keys [2, 256, 32]");
+  npy::Array K = npy::load(d + "/K.npy");
+  std::vector<float> kn(K.as<float>(), K.as<float>() + 2 * 256 * 32);
+  kn[1000] = std::numeric_limits<float>::quiet_NaN();
+  npy::save<float>(eval_dir().file("knan.npy"), {2, 256, 32}, kn.data());
+  cli_test::check_error(eval_cli("eval --keys " + eval_dir().file("knan.npy") + " --values " + d + "/V.npy --queries " +
+                                 d + "/Q.npy --out " + rep),
+                        "flat index 1000 is not finite");
+  CHECK(!std::filesystem::exists(rep));
+  cli_test::check_no_temporaries(eval_dir());
+}

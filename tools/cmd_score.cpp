@@ -12,13 +12,18 @@
 
 namespace kvscore::cli {
 
-const char* const kScoreUsage =
+// The protokv lines come from tools/score_protokv.cpp (constant-initialised, so safe here).
+extern const char* const kProtoKVScoreUsage;
+extern const std::vector<FlagSpec> kProtoKVScoreFlags;
+void run_score_protokv(const Args& args);
+
+const std::string kScoreUsageText = std::string(
     "usage: kvscore score --method METHOD --keys K.npy --out S.npy [options]\n"
     "\n"
     "Scores every token of one layer's key cache; writes float32 scores [heads, tokens].\n"
     "Higher score = more worth keeping.\n"
     "\n"
-    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter | snapkv\n"
+    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter | snapkv | protokv\n"
     "  --keys K.npy      keys [heads, tokens, head_dim]: '<f4' float32, '<f2' float16,\n"
     "                    or '<u2' (bfloat16 bit patterns); little-endian, C order\n"
     "  --out S.npy       output scores [heads, tokens], '<f4'\n"
@@ -33,11 +38,15 @@ const char* const kScoreUsage =
     "  --isa NAME        pin the SIMD kernel table (scalar, sse2, avx2, avx512, ...;\n"
     "                    see 'kvscore version'); default: the best this CPU supports\n"
     "  --threads N       threads over heads (default 0 = OpenMP default); results do not depend on it\n"
-    "  -h, --help        this help\n";
+    "  -h, --help        this help\n") + kProtoKVScoreUsage;
+const char* const kScoreUsage = kScoreUsageText.c_str();
 
 const std::vector<FlagSpec> kScoreFlags = {
     {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
     {"--layer", true},  {"--isa", true},   {"--threads", true}, {"--queries", true}, {"--group", true},
+    // --method protokv only (the same list as kProtoKVScoreFlags, which is not usable during static init)
+    {"--seed", true},   {"--kappa", true}, {"--sat-candidates", true}, {"--lsh-bits", true}, {"--chunks", true},
+    {"--bandwidth", true}, {"--psi", true},
 };
 
 namespace {
@@ -51,7 +60,8 @@ Method parse_method(const std::string& s) {
   if (s == "windowed-l2") return Method::windowed_l2;
   if (s == "qfilter") return Method::qfilter;
   if (s == "snapkv") return Method::snapkv;
-  throw UsageError("score: unknown method '" + s + "' (expected knorm, keydiff, l2, windowed-l2, qfilter or snapkv)");
+  throw UsageError("score: unknown method '" + s +
+                   "' (expected knorm, keydiff, l2, windowed-l2, qfilter, snapkv or protokv)");
 }
 
 struct Options {
@@ -80,7 +90,7 @@ Options parse_options(const Args& args) {
                      " applies only to --method qfilter");
   if ((args.has("--queries") || args.has("--group")) && o.method != Method::snapkv)
     throw UsageError(std::string("score: ") + (args.has("--queries") ? "--queries" : "--group") +
-                     " applies only to --method snapkv");
+                     " applies only to --method snapkv or protokv");
   o.window = args.get_int("--window", 4096, 1, INT64_MAX);
   o.window_given = args.has("--window");
   o.group = args.get_int("--group", 0, 1, INT64_MAX);
@@ -189,6 +199,12 @@ Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::o
 }  // namespace
 
 int cmd_score(const Args& args) {
+  if (args.required("--method") == "protokv") {
+    run_score_protokv(args);
+    return kExitOk;
+  }
+  for (const FlagSpec& f : kProtoKVScoreFlags)
+    if (args.has(f.name)) throw UsageError(std::string("score: ") + f.name + " applies only to --method protokv");
   const Options o = parse_options(args);
   if (args.has("--isa")) {
     try {

@@ -7,6 +7,8 @@
 //
 // Encoding of a key k (data independent, so keys appended late are coded exactly as if they
 // had been there from the start — no stale centroids):
+//   centring (default on): k ← k − μ with μ the mean of the first append (the prefill), frozen;
+//   ⟨k − μ, q⟩ ranks keys exactly like ⟨k, q⟩ for any fixed μ, and reported scores add ⟨μ, q⟩;
 //   k̂ = k/‖k‖, k̃ = R k̂ with R = H·D/√P (D: seeded ±1 signs, H: Walsh–Hadamard, P = the next
 //   power of two ≥ head_dim; k̂ is zero-padded to P, which keeps R orthonormal on R^d);
 //   k̃ splits into B = P/m subspaces of m dims; per subspace b: r_b = ‖k̃_b‖, u_b = k̃_b/r_b,
@@ -14,7 +16,8 @@
 //   negative) + 3-bit magnitude bin t_j of |u_j| (Lloyd–Max thresholds τ), v_j = ±a[t_j],
 //   α_b = ⟨v_b, u_b⟩ = Σ_j a[t_j]|u_j|, w_b = ‖k‖·r_b/α_b (r_b = 0 → w_b = 0).
 // Search for a query q (pariskv.txt App. B.2):
-//   Stage I  per subspace, rank the 2^m sign patterns s by ⟨q̃_b, s⟩ (ties: lower pattern id);
+//   Stage I  per subspace, rank the 2^m sign patterns s by ⟨q̃_b, s⟩ (best-first enumeration of
+//            flip sets of sign(q̃_b) by cost Σ 2|q̃_j|, fp32 in sorted order; ties: lower id);
 //            with R = ⌈ρN⌉ and tiers r = 5/15/30/50/75/100 %, a pattern whose better-ranked
 //            patterns hold `before` keys gets weight #{t : before < ⌈R·r_t⌉} ∈ 0..6; the
 //            collision score S_i = Σ_b weight_b(id_{i,b}) ∈ [0, 6B]. The C = ⌈βN⌉ keys with the
@@ -400,6 +403,15 @@ KVSCORE_PARISKV_VBMI inline std::int64_t bucket_collect_avx512(const std::uint8_
 // 16-byte load widened to 16 int32 gives the codes of 16 coordinates (low nibbles; vpermps
 // reads only the low 4 index bits) and a shift by 4 gives the next 16.
 
+/// A flip set in the best-first enumeration of sign patterns (Stage I); ordered by cost, then id.
+struct PatternNode {
+  float cost, prefix;  ///< Σ of the set's sorted costs, and the same without its last element
+  std::uint32_t id, last;
+  friend bool operator>(const PatternNode& a, const PatternNode& b) noexcept {
+    return a.cost > b.cost || (a.cost == b.cost && a.id > b.id);
+  }
+};
+
 struct RerankPlan {
   const std::uint8_t* codes;  ///< [N][cb]
   std::int64_t cb;            ///< code bytes per key
@@ -526,7 +538,7 @@ class ParisKV {
     std::vector<std::uint16_t> s16;
     std::vector<std::int64_t> hist, cand, top, offsets, sel;
     std::vector<unsigned char> select_ws;
-    std::vector<std::uint64_t> order;
+    std::vector<pariskv::detail::PatternNode> heap;
   };
 
   explicit ParisKV(std::int64_t head_dim, const ParisKVConfig& cfg = {}) : cfg_(cfg) {
@@ -911,41 +923,52 @@ class ParisKV {
     std::int64_t limit[pariskv::kTiers];
     for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;
     ws.tbl.assign(std::size_t(B_ * nc_), 0);
-    ws.order.resize(std::size_t(nc_));
-    std::vector<float>& sc = ws.est;  // reused as pattern scores
-    sc.resize(std::size_t(nc_));
     for (std::int64_t b = 0; b < B_; ++b) {
       const float* qb = ws.qrot.data() + b * m_;
-      // ⟨q̃_b, s⟩ for s ∈ {±1}^m, bit j of the pattern = (s_j = +1), by doubling: the patterns
-      // with top bit j are those below 2^j plus 2·q̃_j (a fixed order of fp32 operations)
-      float s0 = 0.f;
-      for (std::int64_t j = 0; j < m_; ++j) s0 -= qb[j];
-      sc[0] = s0;
+      // ⟨q̃_b, s⟩ = Σ|q̃_j| − Σ_{j∈F} 2|q̃_j| for the pattern that flips the set F of the best
+      // pattern sign(q̃_b) (q̃_j = 0 counts as +, like the keys). So the patterns in descending
+      // score are the flip sets in ascending cost: enumerated best-first with a small heap
+      // (successors of a set whose largest sorted index is i: add i+1, or replace i by i+1),
+      // only until ⌈ρN⌉ keys are covered. A set's cost is its costs summed in sorted order (a
+      // fixed fp32 value per set); equal costs go by the lower pattern id.
+      std::int64_t ord[16];
+      float cost[16];
+      std::uint32_t best = 0;
       for (std::int64_t j = 0; j < m_; ++j) {
-        const std::int64_t half = std::int64_t(1) << j;
-        const float step = 2.f * qb[j];
-        for (std::int64_t p = 0; p < half; ++p) sc[std::size_t(half + p)] = sc[std::size_t(p)] + step;
+        cost[j] = 2.f * std::fabs(qb[j]);
+        if (qb[j] >= 0.f) best |= std::uint32_t(1) << j;
+        ord[j] = j;
       }
-      for (std::int64_t p = 0; p < nc_; ++p) {
-        std::uint32_t bits;
-        std::memcpy(&bits, &sc[std::size_t(p)], 4);
-        const std::uint32_t key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // order-preserving
-        ws.order[std::size_t(p)] = (std::uint64_t(~key) << 32) | std::uint64_t(p);  // ascending = best first, ties by id
-      }
-      // a min-heap popped only until ⌈ρN⌉ keys are covered (typically a fraction of the 2^m
-      // patterns); the keys are distinct, so the order is the total order of a full sort
-      std::make_heap(ws.order.begin(), ws.order.end(), std::greater<>());
+      std::sort(ord, ord + m_, [&](std::int64_t x, std::int64_t y) { return cost[x] < cost[y] || (cost[x] == cost[y] && x < y); });
+      auto& heap = ws.heap;
+      heap.clear();
       std::int64_t before = 0;
       std::uint8_t* tb = ws.tbl.data() + b * nc_;
-      auto end = ws.order.end();
-      while (end != ws.order.begin() && before < limit[pariskv::kTiers - 1]) {
-        std::pop_heap(ws.order.begin(), end, std::greater<>());
-        --end;
-        const std::uint32_t p = std::uint32_t(*end & 0xffffffffu);
+      auto emit = [&](std::uint32_t id) {
         int wgt = 0;
         for (int t = 0; t < pariskv::kTiers; ++t) wgt += before < limit[t];
-        tb[p] = std::uint8_t(wgt);
-        before += pop_[std::size_t(b * nc_ + p)];
+        tb[id] = std::uint8_t(wgt);
+        before += pop_[std::size_t(b * nc_ + id)];
+      };
+      emit(best);
+      if (before < limit[pariskv::kTiers - 1])
+        heap.push_back({0.f + cost[ord[0]], 0.f, best ^ (std::uint32_t(1) << ord[0]), 0});
+      while (!heap.empty() && before < limit[pariskv::kTiers - 1]) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+        const pariskv::detail::PatternNode nd = heap.back();
+        heap.pop_back();
+        emit(nd.id);
+        if (std::int64_t(nd.last) + 1 < m_) {
+          // cost = prefix (the set without its last element) + the last cost: the same fp32
+          // value as summing the set from scratch in sorted order
+          const std::uint32_t l = nd.last + 1;
+          const float c = cost[ord[l]];
+          const std::uint32_t bit = std::uint32_t(1) << ord[l];
+          heap.push_back({nd.cost + c, nd.cost, nd.id ^ bit, l});
+          std::push_heap(heap.begin(), heap.end(), std::greater<>());
+          heap.push_back({nd.prefix + c, nd.prefix, nd.id ^ bit ^ (std::uint32_t(1) << ord[nd.last]), l});
+          std::push_heap(heap.begin(), heap.end(), std::greater<>());
+        }
       }
     }
     const std::int64_t blocks = (n_ + 63) / 64;

@@ -180,7 +180,6 @@ inline Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions&
   // Per (layer, head): the full-attention reference once, then every job's metrics.
   const std::int64_t cells = rep.layers * H;
   std::vector<std::vector<HeadResult>> per(jobs.size(), std::vector<HeadResult>(std::size_t(cells)));
-  const int threads = opt.threads > 0 ? opt.threads : 0;
   auto work = [&](std::int64_t cell) {
     const std::int64_t l = cell / H, h = cell % H;
     const LayerInput& in = layers[std::size_t(l)];
@@ -215,6 +214,7 @@ inline Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions&
     }
   };
 #if defined(_OPENMP)
+  const int threads = opt.threads > 0 ? opt.threads : 0;
   if (threads == 1 || cells == 1) {
     for (std::int64_t c = 0; c < cells; ++c) work(c);
   } else {

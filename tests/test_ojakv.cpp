@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/ojakv.hpp>
+#include <kvscore/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include <algorithm>
@@ -606,4 +607,48 @@ TEST_CASE("ojakv: error paths", "[ojakv]") {
   CHECK_THROWS_WITH(kvscore::OjaHybridCache::build(proj, one_head(rows, 4, d), one_head(rows, 3, d), sel),
                     Contains("do not match keys"));
   CHECK_THROWS_WITH(OjaProjector(OjaBasis::random(d, 2, 1), OjaBasis::random(d + 1, 2, 1)), Contains("head_dim 8"));
+}
+
+TEST_CASE("ojakv: numpy goldens (one pooled Oja step, residual scores, RER, SO)", "[ojakv]") {
+  // tests/data/ojakv/ from tools/gen_ojakv_fixtures.py (see its docstring for the definitions).
+  namespace npy = kvscore::npy;
+  const std::string dir = std::string(KVSCORE_TEST_DATA_DIR) + "/ojakv/";
+  const npy::Array keys = npy::load(dir + "keys.npy"), u0 = npy::load(dir + "u0.npy"), u1 = npy::load(dir + "u1.npy");
+  const npy::Array q = npy::load(dir + "queries.npy"), sc = npy::load(dir + "scores.npy");
+  const npy::Array rer = npy::load(dir + "rer.npy"), so = npy::load(dir + "so.npy");
+  const std::int64_t H = 2, N = 48, d = 16, r = 4, Hq = 4, w = 6;  // params.json
+  REQUIRE(keys.shape == std::vector<std::int64_t>{H, N, d});
+  REQUIRE(u0.shape == std::vector<std::int64_t>{H, d, r});
+  REQUIRE(q.shape == std::vector<std::int64_t>{Hq, w, d});
+  const KeysView<float> view(keys.as<float>(), H, N, d, N * d, d);
+  auto basis = [&](const npy::Array& a, std::int64_t h) {
+    return Mat(Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+        a.as<double>() + h * d * r, d, r));
+  };
+  OjaOptions o;
+  o.pool = 2;
+  o.eta_prefill = 0.7;
+  o.prefill_iterations = 1;
+  std::vector<Mat> start;
+  for (std::int64_t h = 0; h < H; ++h) {
+    start.push_back(basis(u0, h));
+    OjaBasis b(start.back(), o);
+    CHECK(b.prefill(view, h) == (h == 1 ? N - 1 : N));  // one NaN row in head 1
+    CHECK((b.basis() - basis(u1, h)).cwiseAbs().maxCoeff() < 1e-9);
+    Mat x(0, d);
+    for (std::int64_t t = 0; t < N; ++t) {
+      if (h == 1 && t == 5) continue;
+      x.conservativeResize(x.rows() + 1, d);
+      for (std::int64_t j = 0; j < d; ++j) x(x.rows() - 1, j) = keys.as<float>()[(h * N + t) * d + j];
+    }
+    CHECK(kvscore::residual_energy_ratio(x, basis(u1, h)) == Approx(rer.as<double>()[h]).epsilon(1e-12));
+    CHECK(kvscore::subspace_overlap(basis(u1, h), basis(u0, h)) == Approx(so.as<double>()[h]).epsilon(1e-12));
+  }
+  const kvscore::Scores s = kvscore::OjaResidual(q.as<float>(), Hq, w, d, start).score(view);
+  for (std::int64_t i = 0; i < H * N; ++i) {
+    const double e = sc.as<double>()[i];
+    INFO("flat index " << i);
+    if (std::isinf(e)) CHECK(s.data()[i] == kvscore::kInvalidScore);
+    else CHECK(double(s.data()[i]) == Approx(e).epsilon(2e-7));
+  }
 }

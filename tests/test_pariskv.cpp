@@ -728,6 +728,19 @@ TEST_CASE("pariskv: deterministic across runs, threads and repeated workspaces",
     p.kernels = pk::Kernels::portable;
     const auto x = idx1.search(Q.data(), a), y = idx1.search(Q.data(), p);
     CHECK(recall(x.positions, y.positions) >= 0.98);
+    // identical Stage I candidates: rescoring every candidate exactly (k' = C = 600) makes the
+    // results equal exactly when the candidate sets are equal
+    for (double beta : {0.1, 0.37}) {
+      a.beta = p.beta = beta;
+      a.rerank_exact = p.rerank_exact = kvscore::pariskv::ratio_count(beta, N);
+      ParisKVResult ra, rp;
+      for (int qi = 0; qi < 4; ++qi) {
+        idx1.search(Q.data() + qi * d, a, K.data() + N * d, d, ws, ra);
+        idx1.search(Q.data() + qi * d, p, K.data() + N * d, d, ws, rp);
+        CHECK(ra.positions == rp.positions);
+        CHECK(ra.candidates == rp.candidates);
+      }
+    }
   }
 }
 

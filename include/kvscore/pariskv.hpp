@@ -366,6 +366,32 @@ std::int64_t bucket_collect_portable(const S* s, std::int64_t n, std::int64_t T,
 }
 
 #if defined(KVSCORE_PARISKV_X86)
+/// #{i < n : s[i] >= t}, 64 bytes per step (masked tail).
+KVSCORE_PARISKV_VBMI inline std::int64_t count_ge_avx512(const std::uint8_t* s, std::int64_t n, std::uint8_t t) noexcept {
+  const __m512i tv = _mm512_set1_epi8(char(t));
+  std::int64_t c = 0, i = 0;
+  for (; i + 64 <= n; i += 64) c += __builtin_popcountll(_mm512_cmpge_epu8_mask(_mm512_loadu_si512(s + i), tv));
+  if (i < n) {
+    const __mmask64 m = (~std::uint64_t(0)) >> (64 - (n - i));
+    c += __builtin_popcountll(_mm512_mask_cmpge_epu8_mask(m, _mm512_maskz_loadu_epi8(m, s + i), tv));
+  }
+  return c;
+}
+
+/// The same threshold as bucket_threshold by bisection on counts (about log2(6B) passes of
+/// compare + popcount instead of a scalar histogram).
+KVSCORE_PARISKV_VBMI inline void bucket_threshold_avx512(const std::uint8_t* s, std::int64_t n, std::int64_t c,
+                                                         std::int64_t max_score, std::int64_t* T,
+                                                         std::int64_t* need_eq) noexcept {
+  std::int64_t lo = 0, hi = max_score + 1;  // count_ge(lo) = n >= c > count_ge(hi) = 0
+  while (hi - lo > 1) {
+    const std::int64_t mid = (lo + hi) / 2;
+    (count_ge_avx512(s, n, std::uint8_t(mid)) >= c ? lo : hi) = mid;
+  }
+  *T = lo;
+  *need_eq = c - (lo + 1 > max_score ? 0 : count_ge_avx512(s, n, std::uint8_t(lo + 1)));
+}
+
 KVSCORE_PARISKV_VBMI inline std::int64_t bucket_collect_avx512(const std::uint8_t* s, std::int64_t n, std::int64_t T,
                                                                std::int64_t need_eq, std::int64_t* out) noexcept {
   const __m512i t = _mm512_set1_epi8(char(T));
@@ -1033,12 +1059,16 @@ class ParisKV {
     ws.cand.resize(std::size_t(C));
     std::int64_t thr = 0, need_eq = 0, got = 0;
     if (s8) {
-      pariskv::detail::bucket_threshold(ws.s8.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
 #if defined(KVSCORE_PARISKV_X86)
-      if (vec) got = pariskv::detail::bucket_collect_avx512(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
-      else
+      if (vec) {
+        pariskv::detail::bucket_threshold_avx512(ws.s8.data(), n_, C, 6 * B_, &thr, &need_eq);
+        got = pariskv::detail::bucket_collect_avx512(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
+      } else
 #endif
+      {
+        pariskv::detail::bucket_threshold(ws.s8.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
         got = pariskv::detail::bucket_collect_portable(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
+      }
     } else {
       pariskv::detail::bucket_threshold(ws.s16.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
       got = pariskv::detail::bucket_collect_portable(ws.s16.data(), n_, thr, need_eq, ws.cand.data());
@@ -1065,6 +1095,11 @@ class ParisKV {
     const simd::RowOps<T>& ops = simd::active_table().template ops<T>();
     ws.sel.resize(std::size_t(kk));
     ws.exact.resize(std::size_t(kk));
+    // the kk rows are scattered over the cache: request them all first so the misses overlap
+    for (std::int64_t i = 0; i < kk; ++i) {
+      const char* row = reinterpret_cast<const char*>(rows + ws.cand[std::size_t(ws.top[std::size_t(i)])] * row_stride);
+      for (std::int64_t b = 0; b < d_ * std::int64_t(sizeof(T)); b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
     for (std::int64_t i = 0; i < kk; ++i) {
       const std::int64_t pos = ws.cand[std::size_t(ws.top[std::size_t(i)])];
       ws.sel[std::size_t(i)] = pos;

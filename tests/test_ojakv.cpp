@@ -652,3 +652,38 @@ TEST_CASE("ojakv: numpy goldens (one pooled Oja step, residual scores, RER, SO)"
     else CHECK(double(s.data()[i]) == Approx(e).epsilon(2e-7));
   }
 }
+
+TEST_CASE("ojakv: rebase re-expresses the codes in an updated basis", "[ojakv]") {
+  const std::int64_t n = 120, d = 24, r = 6;
+  const std::vector<float> k = to_f32(gaussian(n, d, 111)), v = to_f32(gaussian(n, d, 112));
+  const OjaProjector p0 = OjaProjector::random(d, r, r, 113);
+  kvscore::Selection sel;
+  sel.heads = 1;
+  sel.tokens = n;
+  sel.offsets = {0, 2};
+  sel.positions = {3, 50};
+  auto cache = kvscore::OjaHybridCache::build(std::vector<OjaProjector>{p0}, one_head(k, n, d), one_head(v, n, d), sel);
+  const kvscore::oja::RowMajorF k0 = cache.reconstruct_keys(0), v0 = cache.reconstruct_values(0);
+  // A basis that contains the old subspace (old columns + 2 new ones): nothing is lost.
+  const Mat extra = gram_schmidt((Mat::Identity(d, d) - p0.key().basis() * p0.key().basis().transpose()) * gaussian(d, 2, 114));
+  Mat wider(d, r + 2);
+  wider << p0.key().basis(), extra;
+  OjaProjector p1(OjaBasis(wider), p0.value());
+  cache.rebase(0, p1);
+  CHECK(cache.head(0).codes_k.cols() == r + 2);
+  const kvscore::oja::RowMajorF k1 = cache.reconstruct_keys(0);
+  CHECK((k1 - k0).cwiseAbs().maxCoeff() < 1e-5f);
+  CHECK((cache.reconstruct_values(0) - v0).cwiseAbs().maxCoeff() < 1e-5f);
+  // An unrelated basis: the reconstruction becomes the projection of the old one onto it.
+  const OjaProjector p2 = OjaProjector::random(d, r, r, 115);
+  cache.rebase(0, p2);
+  const kvscore::oja::RowMajorF k2 = cache.reconstruct_keys(0);
+  const Eigen::MatrixXd u2 = p2.key().basis();
+  for (std::int64_t t = 0; t < n; ++t) {
+    Eigen::VectorXd expect = k0.row(t).transpose().cast<double>();
+    if (t != 3 && t != 50) expect = u2 * (u2.transpose() * expect);  // anchors stay exact
+    for (std::int64_t j = 0; j < d; ++j) CHECK(double(k2(t, j)) == Approx(expect(j)).margin(1e-5));
+  }
+  CHECK_THROWS_WITH(cache.rebase(1, p2), Contains("head 1 out of range"));
+  CHECK_THROWS_WITH(cache.rebase(0, OjaProjector::random(d + 1, r, r, 1)), Contains("head_dim 25"));
+}

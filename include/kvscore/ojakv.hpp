@@ -766,6 +766,27 @@ class OjaHybridCache {
     return o;
   }
 
+  /// After a basis update (OjaProjector::push / flush), re-expresses head h's codes in the
+  /// projector's current bases: K~ <- K~ (U_k_old^T U_k_new), the same for V. The new
+  /// reconstruction is the projection of the old one onto the new subspace (information outside
+  /// the old subspace is gone already); full-rank rows are untouched. Cost O(n r r') per head.
+  void rebase(std::int64_t h, const OjaProjector& p) {
+    const std::string who = "kvscore::OjaHybridCache::rebase: ";
+    if (h < 0 || h >= heads())
+      detail::throw_invalid(who + "head " + std::to_string(h) + " out of range [0, " + std::to_string(heads()) + ")");
+    if (p.head_dim() != dim_)
+      detail::throw_invalid(who + "projector has head_dim " + std::to_string(p.head_dim()) + ", cache " +
+                            std::to_string(dim_));
+    Head& hd = heads_[std::size_t(h)];
+    const Eigen::MatrixXd uk = p.key().basis(), uv = p.value().basis();
+    const Eigen::MatrixXf mk = (hd.uk.cast<double>().transpose() * uk).cast<float>();  // r x r', fp64 then rounded
+    const Eigen::MatrixXf mv = (hd.uv.cast<double>().transpose() * uv).cast<float>();
+    hd.codes_k = oja::RowMajorF(hd.codes_k * mk);
+    hd.codes_v = oja::RowMajorF(hd.codes_v * mv);
+    hd.uk = uk.cast<float>();
+    hd.uv = uv.cast<float>();
+  }
+
   /// Memory of head h under this store (ojakv_memory with its ranks and full-rank count).
   OjaMemory memory(std::int64_t h, std::int64_t bytes_per_scalar) const {
     const Head& hd = head(h);

@@ -87,14 +87,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     check_view(v, H, N, d, HS, TS);
     // Slices: either rejected or inside the view.
     const i64 t0 = pick(fdp), t1 = pick(fdp);
-    i64 off;
-    // Known finding F1 (docs/robustness.md): tokens_slice computes t0 * token_stride unchecked;
-    // with heads == 0 (strides never checked) or t0 == tokens it can overflow int64 (UB).
-    // Skipped here until view.hpp checks it; define KVSCORE_FUZZ_NO_SKIP to reproduce.
+    // Known finding F1 (docs/robustness.md): tokens_slice computes data + t0 * token_stride
+    // unchecked. For a view with 0 heads (strides never checked) or an empty slice at t0 ==
+    // tokens (one extent more than the checked span), the offset or the pointer can overflow
+    // (UB). Skipped until view.hpp guards it; define KVSCORE_FUZZ_NO_SKIP to reproduce.
 #ifndef KVSCORE_FUZZ_NO_SKIP
-    if (t0 > 0 && __builtin_mul_overflow(t0, TS, &off)) return 0;
+    if (t0 > 0 && (H == 0 || t0 >= N)) return 0;
 #endif
-    (void)off;
     try {
       const auto s = v.tokens_slice(t0, t1);
       FZ_CHECK(t0 >= 0 && t0 <= t1 && t1 <= N && s.tokens() == t1 - t0, "bad slice accepted");

@@ -27,7 +27,7 @@ wait
 wait
 "$CXX" -fsanitize=thread -fopenmp "$B"/*.o -o "$B/kvscore_tsan_tests"
 echo "tsan.sh: built in $(( $(date +%s) - t0 )) s"
-export TSAN_OPTIONS="suppressions=$PWD/scripts/tsan.supp halt_on_error=1 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
+export TSAN_OPTIONS="suppressions=$PWD/scripts/tsan.supp ignore_noninstrumented_modules=1 halt_on_error=1 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
 export OMP_TOOL_LIBRARIES="$ARCHER" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 "$B/kvscore_tsan_tests" "${TSAN_FILTER:-[threads]}"
 echo "tsan.sh: total $(( $(date +%s) - t0 )) s"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dump a Hugging Face causal LM's KV cache and queries for `kvscore eval` (docs/eval.md).
+"""Dump a Hugging Face causal LM's KV cache and queries for `kvscore eval` (docs/evaluate.md).
 
     python3 tools/dump_kv.py --model MODEL --text prompt.txt --window 32 --out DIR [--layers 0,4,8]
     python3 tools/dump_kv.py --self-test      # tiny random Llama from a config, no download

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kvscore/pariskv.hpp"
+#include "kvscore/scorers/protokv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
@@ -176,6 +177,12 @@ inline std::vector<Method> builtin_methods() {
                  Compressed c;
                  c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
                  return c;
+               }});
+  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (window protected)",
+               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+                 ProtoKV p(in.queries, in.q_heads, in.n_queries, in.head_dim);
+                 p.num_threads = o.threads;
+                 return select_scores(p.score(in.key_view()), n, o, in.n_queries);
                }});
   m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
   m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});

@@ -41,7 +41,7 @@ run 0 score --method snapkv --queries "$R/syn/Q.npy" --keys "$R/syn/K.npy" --out
 run 0 score --method protokv --queries "$R/syn/Q.npy" --keys "$R/syn/K.npy" --out "$R/s5.npy"
 run 0 select --scores "$R/s.npy" --keep 100 --recent 16 --out "$R/kept.npy"
 run 0 retrieve --keys "$R/syn/K.npy" --queries "$R/syn/Q.npy" --topk 20 --out "$R/idx.npy"
-run 0 oja --keys "$R/syn/K.npy" --rank 8
+run 0 oja --keys "$R/syn/K.npy" --rank 8 --out-basis "$R/U.npy"
 KVSCORE_ISA=scalar run 0 score --method knorm --keys "$R/syn/K.npy" --out "$R/s6.npy"
 # bad inputs: exit 2 with one line, no memory error
 head -c 100 "$R/syn/K.npy" > "$R/trunc.npy"

@@ -81,12 +81,15 @@ void run(FuzzedDataProvider& fdp) {
   }
   FZ_CHECK(!opt_bad && !qbad, "bad search options / query accepted");
   FZ_CHECK(i64(r.positions.size()) == opt.k && r.scores.size() == r.positions.size(), "result size != k");
-  FZ_CHECK(N == 0 || (r.candidates >= std::min(N, std::max(opt.k, opt.rerank_exact)) && r.candidates <= N),
+  bool qzero = true;  // k = 0 or a zero query: no Stage I (candidates 0 / k)
+  for (float x : q) qzero &= x == 0.f;
+  FZ_CHECK(N == 0 || opt.k == 0 || qzero || (r.candidates >= std::min(N, std::max(opt.k, opt.rerank_exact)) && r.candidates <= N),
            "candidates " + std::to_string(r.candidates));
   for (std::size_t i = 0; i < r.positions.size(); ++i) {
     FZ_CHECK(r.positions[i] >= 0 && r.positions[i] < N, "position out of range");
     if (i > 0) FZ_CHECK(r.positions[i] > r.positions[i - 1], "positions not strictly ascending");
     FZ_CHECK(std::isfinite(r.scores[i]), "non-finite score");
+    if (qzero) FZ_CHECK(r.positions[i] == i64(i) && r.scores[i] == 0.f, "zero query: not the first k with score 0");
     if (opt.rerank_exact > 0) {
       double dot = 0, mag = 0;
       for (i64 j = 0; j < d; ++j) {

@@ -43,7 +43,7 @@ status=0
 summary=""
 for t in $TARGETS; do
   work="$B/corpus/$t"
-  rm -rf "$work" && mkdir -p "$work" "$B/artifacts/$t"
+  rm -rf "$work" "$B/artifacts/$t" && mkdir -p "$work" "$B/artifacts/$t"
   [ -d "fuzz/corpus/$t" ] && cp -r "fuzz/corpus/$t/." "$work/"
   log="$B/$t.log"
   if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then

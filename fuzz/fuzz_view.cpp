@@ -73,14 +73,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       TS = heads * d;  // only reached if no overflow was reported
     } else if (which == 2) {
       const i64 batch = std::max<i64>(1, hs % 4), bi = ts % 4, cap = fdp.ConsumeBool() ? -1 : pick(fdp);
-      // Known finding F3 (docs/robustness.md): hf() forms layer + batch_index*heads*capacity*d
-      // before the shape is validated and without bounding the byte offset, so negative
-      // heads/capacity or a huge offset overflow the pointer (UB). Skipped until view.hpp
-      // validates first; define KVSCORE_FUZZ_NO_SKIP to reproduce.
-#ifndef KVSCORE_FUZZ_NO_SKIP
+      // Finding F3 (docs/robustness.md, fixed in view.hpp): hf() formed the batch pointer
+      // before validating the shape. Negative shapes now reach hf() and must be rejected;
+      // only offsets far beyond this small buffer are skipped (the rows are read below).
       const double off = double(cap < 0 ? tokens : cap) * double(d) * double(heads) * double(bi);
-      if (off < 0 || off * 4 > 0x1p40) return 0;
-#endif
+      if (off * 4 > 0x1p40) return 0;
       v = kvscore::KeysView<float>::hf(buf.data(), bi, batch, heads, tokens, d, cap);
       HS = v.head_stride();
       TS = v.token_stride();
@@ -95,13 +92,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     check_view(v, H, N, d, HS, TS);
     // Slices: either rejected or inside the view.
     const i64 t0 = pick(fdp), t1 = pick(fdp);
-    // Known finding F1 (docs/robustness.md): tokens_slice computes data + t0 * token_stride
-    // unchecked. For a view with 0 heads (strides never checked), an empty slice at t0 ==
-    // tokens (one extent more than the checked span), or a span that fits int64 in elements
-    // but not in bytes, the offset or the pointer can overflow (UB). Skipped until view.hpp guards it; define KVSCORE_FUZZ_NO_SKIP to reproduce.
-#ifndef KVSCORE_FUZZ_NO_SKIP
-    if (t0 > 0 && (H == 0 || t0 >= N || double(t0) * double(TS) * 4 > 0x1p62)) return 0;
-#endif
+    // Finding F1 (docs/robustness.md, fixed in view.hpp): tokens_slice offset the pointer for
+    // views with 0 heads, for empty slices at t0 == tokens, and for spans that fit int64 in
+    // elements but not in bytes. No skip: UBSan's pointer-overflow check guards it now.
     try {
       const auto s = v.tokens_slice(t0, t1);
       FZ_CHECK(t0 >= 0 && t0 <= t1 && t1 <= N && s.tokens() == t1 - t0, "bad slice accepted");

@@ -62,3 +62,28 @@ TEST_CASE("degenerate but valid views", "[view]") {
   float one[8] = {};
   REQUIRE_NOTHROW(KeysView<float>(one, 1, 1, 8, 0, 0));
 }
+
+TEST_CASE("fuzz findings F1/F3: no pointer is formed from an unchecked offset", "[view][errors]") {
+  using Catch::Matchers::Contains;
+  std::vector<float> buf(16, 1.f);
+  const std::int64_t huge = std::int64_t(1) << 61;
+  // F1a: a view with 0 heads never checks its strides; slicing it must not offset the pointer.
+  const kvscore::KeysView<float> no_heads(buf.data(), 0, 10, 4, 0, huge);
+  const auto s0 = no_heads.tokens_slice(5, 10);
+  CHECK(s0.tokens() == 5);
+  CHECK(s0.data() == buf.data());
+  // F1b: an empty slice at t0 == tokens lies one extent past the checked span.
+  const kvscore::KeysView<float> v(buf.data(), 1, 4, 4, 16, 4);
+  const auto e = v.tokens_slice(4, 4);
+  CHECK(e.tokens() == 0);
+  CHECK(e.empty());
+  CHECK(v.tokens_slice(1, 3).data() == buf.data() + 4);
+  // F1c: a span that fits int64 in elements but not in bytes is rejected at construction.
+  CHECK_THROWS_WITH((kvscore::KeysView<float>(buf.data(), 1, 3, 1, 0, huge)), Contains("overflows int64"));
+  CHECK_NOTHROW(kvscore::KeysView<float>(buf.data(), 1, 3, 1, 0, huge / 8));  // 2^59 elements = 2^61 bytes: fits
+  // F3: hf() validates the shape before forming the batch pointer, and bounds the byte offset.
+  CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, -3, 4, 4), Contains("kv_heads must be >= 0 (got -3)"));
+  CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, -4, 4), Contains("seq must be >= 0 (got -4)"));
+  CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, 4, 0), Contains("head_dim must be in [1, 4096] (got 0)"));
+  CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, 4, 4, huge), Contains("overflows int64"));
+}

@@ -38,8 +38,10 @@ inline std::int64_t checked_add(std::int64_t a, std::int64_t b, const char* ctx)
 // sorted by stride (ignoring extents of 1), each stride covers the span of the
 // dimensions inside it. Interleaved-but-disjoint layouts are rejected too: no
 // engine uses them and accepting them would cost every kernel a check.
+// Also checks that the span of the rows, in bytes (elem_size), fits int64, so every
+// row pointer and every slice offset computed from the strides is free of overflow.
 inline void check_strides(const char* ctx, std::int64_t heads, std::int64_t tokens, std::int64_t d,
-                          std::int64_t hs, std::int64_t ts) {
+                          std::int64_t hs, std::int64_t ts, std::int64_t elem_size = 1) {
   if (hs < 0) throw_invalid(std::string(ctx) + ": head_stride must be >= 0 (got " + std::to_string(hs) + ")");
   if (ts < 0) throw_invalid(std::string(ctx) + ": token_stride must be >= 0 (got " + std::to_string(ts) + ")");
   if (heads == 0 || tokens == 0) return;  // no rows, nothing can overlap
@@ -54,6 +56,7 @@ inline void check_strides(const char* ctx, std::int64_t heads, std::int64_t toke
                     " makes rows overlap (needs >= " + std::to_string(span) + ")");
     span = checked_add(checked_mul(dim.stride, dim.extent - 1, ctx), span, ctx);
   }
+  checked_mul(span, elem_size, ctx);  // the span in bytes
 }
 
 }  // namespace detail
@@ -81,7 +84,7 @@ class KeysView {
     if (data == nullptr && heads > 0 && tokens > 0)
       detail::throw_invalid(std::string(ctx) + ": data is null but the view has " + std::to_string(heads) +
                             " heads x " + std::to_string(tokens) + " tokens");
-    detail::check_strides(ctx, heads, tokens, head_dim, head_stride, token_stride);
+    detail::check_strides(ctx, heads, tokens, head_dim, head_stride, token_stride, std::int64_t(sizeof(T)));
   }
 
   /// One batch row of a Hugging Face cache [batch, kv_heads, seq, head_dim] (C order).
@@ -96,9 +99,17 @@ class KeysView {
       detail::throw_invalid("kvscore::KeysView::hf: capacity " + std::to_string(capacity) + " < seq " +
                             std::to_string(seq));
     const char* ctx = "kvscore::KeysView::hf";
+    // The shape is validated before any pointer is formed from it.
+    if (kv_heads < 0) detail::throw_invalid(std::string(ctx) + ": kv_heads must be >= 0 (got " + std::to_string(kv_heads) + ")");
+    if (seq < 0) detail::throw_invalid(std::string(ctx) + ": seq must be >= 0 (got " + std::to_string(seq) + ")");
+    if (head_dim <= 0 || head_dim > kMaxHeadDim)
+      detail::throw_invalid(std::string(ctx) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                            std::to_string(head_dim) + ")");
     const std::int64_t hs = detail::checked_mul(capacity, head_dim, ctx);
     const std::int64_t bs = detail::checked_mul(hs, kv_heads, ctx);
-    const T* base = layer == nullptr ? nullptr : layer + detail::checked_mul(bs, batch_index, ctx);
+    const std::int64_t offset = detail::checked_mul(bs, batch_index, ctx);
+    detail::checked_mul(detail::checked_add(offset, bs, ctx), std::int64_t(sizeof(T)), ctx);  // end of the row, in bytes
+    const T* base = layer == nullptr ? nullptr : layer + offset;
     return KeysView(base, kv_heads, seq, head_dim, hs, head_dim);
   }
 
@@ -133,7 +144,8 @@ class KeysView {
       detail::throw_invalid("kvscore::KeysView::tokens_slice: [" + std::to_string(t0) + ", " + std::to_string(t1) +
                             ") out of range [0, " + std::to_string(tokens_) + "]");
     KeysView v = *this;
-    v.data_ = (data_ == nullptr || t0 == 0) ? data_ : data_ + t0 * ts_;
+    // t0 * ts_ is inside the checked span only for a non-empty slice of a non-empty view.
+    v.data_ = (data_ == nullptr || t0 == t1 || heads_ == 0) ? data_ : data_ + t0 * ts_;
     v.tokens_ = t1 - t0;
     return v;
   }

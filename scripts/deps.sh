@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs kvscore's build dependencies from Debian packages (idempotent; needs root).
 set -euo pipefail
-pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev)
+pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev python3)
+# CI's robustness steps (scripts/fuzz.sh, tsan.sh, valgrind.sh): clang + libFuzzer, LLVM's
+# OpenMP with the Archer TSan tool, valgrind.
+pkgs+=(clang libclang-rt-dev libomp-dev valgrind)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

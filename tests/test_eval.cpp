@@ -70,7 +70,7 @@ void eval_register_once(const std::string& name, eval::MethodFn fn) {
 
 TEST_CASE("eval: registry names, 'all', unknown and repeated methods", "[eval]") {
   const auto all = eval::resolve_methods("all");
-  for (const char* m : {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm", "protokv", "pariskv", "oracle"})
+  for (const char* m : {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm", "protokv", "pariskv", "ojakv", "oracle"})
     CHECK(std::find(all.begin(), all.end(), m) != all.end());
   CHECK(eval::resolve_methods("l2,knorm") == std::vector<std::string>{"l2", "knorm"});
   CHECK_THROWS_WITH(eval::resolve_methods("l2,foo"), Contains("unknown method 'foo'") && Contains("knorm"));

@@ -19,10 +19,12 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"
 #include "kvscore/scorers/protokv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
@@ -126,6 +128,43 @@ inline Compressed oracle_method(const LayerInput& in, std::int64_t n, const Meth
   return select_scores(s, n, o);
 }
 
+/// Ranks of OjaKV's bases in the evaluator: r = max(1, head_dim / 4) for keys and values
+/// (32 of 128), seeded random start + prefill (docs/ojakv.md defaults), so the low-rank part
+/// costs a quarter of the full cache and the budget n is the number of full-rank tokens.
+inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std::max<std::int64_t>(1, head_dim / 4); }
+
+/// OjaKV as hybrid attention: per KV head a projector (seeded random start, prefill on the
+/// layer's keys and values), the n tokens with the largest query-weighted residual (the
+/// evaluation queries as the window) kept full rank through the selector, every other token
+/// as low-rank codes; `output` is the hybrid cache's reference attention.
+inline Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+  const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
+  if (in.value_dim != d)
+    throw std::invalid_argument("ojakv: value_dim " + std::to_string(in.value_dim) + " must equal head_dim " +
+                                std::to_string(d) + " (one projector dimension for keys and values)");
+  const std::int64_t r = ojakv_eval_rank(d);
+  const KeysView<float> keys = in.key_view();
+  const KeysView<float> values(in.values, H, N, d, N * d, d);
+  std::vector<OjaProjector> proj;
+  std::vector<Eigen::MatrixXd> bases;
+  proj.reserve(std::size_t(H));
+  for (std::int64_t h = 0; h < H; ++h) {
+    proj.push_back(OjaProjector::random(d, r, r, std::uint64_t(h)));
+    proj.back().prefill(keys, values, h);
+    bases.push_back(proj.back().key().basis());
+  }
+  OjaResidual res(in.queries, in.q_heads, in.n_queries, d, std::move(bases));
+  res.num_threads = o.threads;
+  Compressed c = select_scores(res.score(keys), n, o);
+  auto cache = std::make_shared<const OjaHybridCache>(OjaHybridCache::build(proj, keys, values, c.kept));
+  const LayerInput layer = in;
+  c.output = [cache, layer, G, d](std::int64_t hq, std::int64_t i, double* out) {
+    const std::vector<double> a = cache->attention(hq / G, layer.query(hq, i));
+    std::copy(a.begin(), a.begin() + d, out);
+  };
+  return c;
+}
+
 /// ParisKV as retrieval: one index per KV head (built inside the timed call), one top-n search
 /// per (query head, query) with the paper's length-adaptive (beta, rho); no protection.
 inline Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
@@ -185,6 +224,8 @@ inline std::vector<Method> builtin_methods() {
                  return select_scores(p.score(in.key_view()), n, o, in.n_queries);
                }});
   m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
+  m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
+               ojakv_method});
   m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});
   return m;
 }

@@ -221,7 +221,7 @@ TEST_CASE("compact: empty selection, keep-all, empty caches", "[compact]") {
   REQUIRE(kvscore::compact(MutKeysView<float>(nullptr, 0, 5, 8, 0, 8), Selection{0, 5, {0}, {}}).empty());
 }
 
-TEST_CASE("compact: a single kept row at the end moves to the front; adjacent runs overlap", "[compact]") {
+TEST_CASE("compact: a single kept row at the end moves to the front - adjacent runs overlap", "[compact]") {
   // HF layout, one head: rows 2..8 move to 0..6 (overlapping memmove)
   const std::int64_t N = 10, D = 3;
   std::vector<float> c(std::size_t(N * D));
@@ -235,7 +235,7 @@ TEST_CASE("compact: a single kept row at the end moves to the front; adjacent ru
   REQUIRE(c[2] == 29.f);
 }
 
-TEST_CASE("compact: bad selections and views throw std::invalid_argument naming the value; nothing is written",
+TEST_CASE("compact: bad selections and views throw std::invalid_argument naming the value - nothing is written",
           "[compact][errors]") {
   const std::int64_t H = 4, N = 16, D = 8;
   std::mt19937_64 rng(16);

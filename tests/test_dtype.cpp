@@ -115,7 +115,7 @@ TEST_CASE("float -> half: random floats, subnormals, overflow against a referenc
   REQUIRE(kvscore::float_to_half_bits(-INFINITY) == 0xfc00);
 }
 
-TEST_CASE("bfloat16: all 65536 patterns widen exactly and round trip; midpoints round to even", "[dtype]") {
+TEST_CASE("bfloat16: all 65536 patterns widen exactly and round trip - midpoints round to even", "[dtype]") {
   for (std::uint32_t b = 0; b < 65536; ++b) {
     const float f = kvscore::bf16_bits_to_float(std::uint16_t(b));
     REQUIRE(std::bit_cast<std::uint32_t>(f) == (b << 16));

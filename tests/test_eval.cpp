@@ -132,7 +132,7 @@ TEST_CASE("eval: query head hq is measured against KV head hq / G", "[eval]") {
   CHECK(r.results[0].topk_overlap == 1.0);
 }
 
-TEST_CASE("eval: multi-layer input averages layers; per_head names them", "[eval]") {
+TEST_CASE("eval: multi-layer input averages layers - per_head names them", "[eval]") {
   const EvalFixture F2(2);
   const eval::Report r = eval::evaluate(F2.layers, eval_opts("l2", {0.25}));
   REQUIRE(r.results[0].per_head.size() == 4);

@@ -537,7 +537,7 @@ TEST_CASE("ProtoKV: sum psi favours a big lukewarm cluster, mean psi a small hot
   CHECK(std::fabs(m.psi[3] - 1.6) < 1e-5);
 }
 
-TEST_CASE("ProtoKV: invalid keys score -inf and join no cluster; zero keys are finite", "[protokv]") {
+TEST_CASE("ProtoKV: invalid keys score -inf and join no cluster - zero keys are finite", "[protokv]") {
   const std::int64_t N = 200, d = 16, w = 8;
   std::vector<float> k = pk_topics(N, d, 20, 61);
   const std::vector<float> q = pk_randn(std::size_t(w * d), 62);

@@ -560,7 +560,7 @@ TEMPLATE_TEST_CASE("A head whose rows are all invalid scores -inf everywhere, ne
   });
 }
 
-TEST_CASE("Random half bit patterns: never NaN; -inf exactly for rows with NaN/Inf", "[properties]") {
+TEST_CASE("Random half bit patterns: never NaN - -inf exactly for rows with NaN/Inf", "[properties]") {
   // Every 16-bit pattern is a possible half value; 1/32 of them are Inf/NaN.
   const std::int64_t H = 3, N = 200, d = 8;
   std::mt19937 rng(99);

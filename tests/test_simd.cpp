@@ -99,7 +99,7 @@ TEST_CASE("reduce_f32 (bandwidth baseline) sums correctly on every table", "[sim
   for (const auto* t : simd::available_tables()) REQUIRE(t->reduce_f32(x.data(), std::int64_t(x.size())) == Approx(ref));
 }
 
-TEST_CASE("exp_shifted matches std::exp on every table; a value does not depend on its offset", "[simd]") {
+TEST_CASE("exp_shifted matches std::exp on every table - a value does not depend on its offset", "[simd]") {
   std::vector<float> x(203);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = -87.f + 0.43f * float(i);  // exp range incl. underflow
   x[5] = -std::numeric_limits<float>::infinity();                              // an excluded logit -> 0
@@ -120,7 +120,7 @@ TEST_CASE("exp_shifted matches std::exp on every table; a value does not depend 
   }
 }
 
-TEST_CASE("set_active_isa pins a table; unknown names throw with the list", "[simd][errors]") {
+TEST_CASE("set_active_isa pins a table - unknown names throw with the list", "[simd][errors]") {
   const simd::KernelTable& before = simd::active_table();
   simd::set_active_isa("scalar");
   REQUIRE(&simd::active_table() == &simd::scalar_table());

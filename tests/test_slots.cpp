@@ -71,7 +71,7 @@ Selection selection_of(const std::vector<std::vector<std::int64_t>>& heads, std:
 
 }  // namespace
 
-TEST_CASE("evicted ranges: random keep lists vs brute force; empty, full, alternating", "[slots]") {
+TEST_CASE("evicted ranges: random keep lists vs brute force - empty, full, alternating", "[slots]") {
   std::mt19937_64 rng(31);
   for (int iter = 0; iter < 2000; ++iter) {
     const std::int64_t N = std::int64_t(rng() % 50);
@@ -95,7 +95,7 @@ TEST_CASE("evicted ranges: random keep lists vs brute force; empty, full, altern
           std::vector<PositionRange>{{0, 2}, {5, 9}});
 }
 
-TEST_CASE("evicted ranges of each head of a selection; union of heads and layers", "[slots]") {
+TEST_CASE("evicted ranges of each head of a selection - union of heads and layers", "[slots]") {
   std::mt19937_64 rng(32);
   for (int iter = 0; iter < 300; ++iter) {
     const std::int64_t N = std::int64_t(rng() % 40), H = 1 + std::int64_t(rng() % 5);

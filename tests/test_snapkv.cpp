@@ -438,7 +438,7 @@ TEST_CASE("SnapKV closed form: identical keys give uniform causal attention", "[
   for (std::int64_t t = 0; t < N; ++t) CHECK(z(0, t) == Approx(x[std::size_t(t)]).epsilon(1e-6));
 }
 
-TEST_CASE("SnapKV closed form: one key along every query takes the mass; pooling spreads it 1/5 over 5 tokens",
+TEST_CASE("SnapKV closed form: one key along every query takes the mass - pooling spreads it 1/5 over 5 tokens",
           "[snapkv]") {
   const std::int64_t N = 40, d = 16, w = 8, P = N - w, spike = 17;
   const std::vector<float> u = randn(std::size_t(d), 3);
@@ -625,7 +625,7 @@ TEST_CASE("SnapKV: a logit beyond fp32 is clamped (+inf takes the mass, NaN is d
   }
 }
 
-TEST_CASE("SnapKV: window = N scores every token as the window; N < window is an error", "[snapkv]") {
+TEST_CASE("SnapKV: window = N scores every token as the window - N < window is an error", "[snapkv]") {
   const std::int64_t N = 10, d = 8;
   const std::vector<float> keys = randn(std::size_t(N * d), 71);
   const std::vector<float> q = randn(std::size_t(N * d), 72);

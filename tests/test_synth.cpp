@@ -120,7 +120,7 @@ TEST_CASE("synth: uniform() stays in (0, 1] and below() in range", "[synth]") {
   CHECK(hi > 0.999);
 }
 
-TEST_CASE("synth: same spec, same bytes; heads do not depend on each other", "[synth]") {
+TEST_CASE("synth: same spec, same bytes - heads do not depend on each other", "[synth]") {
   synth::Spec s;
   s.tokens = 256;
   s.segment = 64;
@@ -327,7 +327,7 @@ TEST_CASE("synth claim: OjaKV decode updates track topic drift (lower RER than t
   }
 }
 
-TEST_CASE("eval: OjaKV as hybrid attention; more full-rank tokens, lower output error", "[synth][eval]") {
+TEST_CASE("eval: OjaKV as hybrid attention - more full-rank tokens, lower output error", "[synth][eval]") {
   const synth::Data D = synth_make(synth::Kind::drift, 0);
   eval::EvalOptions o;
   o.methods = {"ojakv"};
@@ -341,7 +341,7 @@ TEST_CASE("eval: OjaKV as hybrid attention; more full-rank tokens, lower output 
   CHECK(e_big < 0.8 * e_small);
 }
 
-TEST_CASE("synth claim: StreamingLLM keeps the sink mass; ParisKV recall@100 is high", "[synth][claims]") {
+TEST_CASE("synth claim: StreamingLLM keeps the sink mass - ParisKV recall@100 is high", "[synth][claims]") {
   const synth::Data S = synth_make(synth::Kind::sinks, 0);
   // 4 sinks + recent at 5 %: the sink alone holds > 20 % (above), the random bulk ~5 %
   CHECK(synth_recall(S, "streaming_llm", 0.05) > synth_recall(S, "knorm", 0.05) + 0.15);

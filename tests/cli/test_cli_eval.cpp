@@ -110,7 +110,7 @@ TEST_CASE("cli eval: report equals the library's, table and SVG carry every resu
   cli_test::check_no_temporaries(eval_dir());
 }
 
-TEST_CASE("cli eval: multi-layer and float16 input; --methods all; adakv", "[cli][eval]") {
+TEST_CASE("cli eval: multi-layer and float16 input - --methods all - adakv", "[cli][eval]") {
   const std::string d = eval_data("ml16", "--layers 2 --dtype f16");
   const std::string rep = eval_dir().file("ml.json");
   const cli_test::Result r =

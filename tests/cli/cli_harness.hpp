@@ -10,15 +10,22 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
+#include <random>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <kvscore/dtype.hpp>
+#include <kvscore/npy.hpp>
 
 #ifndef KVSCORE_CLI_PATH
 #error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"
@@ -88,6 +95,42 @@ inline void check_error(const Result& r, const std::string& needle) {
 inline void check_no_temporaries(const ScratchDir& dir) {
   for (const auto& e : fs::directory_iterator(dir.path))
     CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+}
+
+/// n normal(0, sigma) floats from a seeded mt19937 (test data only; not platform-pinned).
+inline std::vector<float> randn(std::size_t n, unsigned seed, float sigma = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, sigma);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+/// Keys [H, T, D] (one invalid row: a NaN in head 1, token 9) in fp32/fp16/bf16 and window
+/// queries [H*G, W, D], written to k32.npy, k16.npy, kbf.npy and q.npy in `dir` — the inputs
+/// of the query-based scorers' CLI tests.
+struct KeyQueryInputs {
+  std::vector<float> k32, q;
+  std::vector<kvscore::half> k16;
+  std::vector<kvscore::bfloat16> kbf;
+};
+
+inline KeyQueryInputs write_key_query_inputs(const ScratchDir& dir, std::int64_t H, std::int64_t T, std::int64_t D,
+                                             std::int64_t G, std::int64_t W, unsigned key_seed, unsigned query_seed) {
+  namespace npy = kvscore::npy;
+  KeyQueryInputs x;
+  x.k32 = randn(std::size_t(H * T * D), key_seed);
+  x.k32[std::size_t((1 * T + 9) * D + 2)] = std::numeric_limits<float>::quiet_NaN();  // an invalid row
+  x.q = randn(std::size_t(H * G * W * D), query_seed, 1.5f);
+  x.k16.resize(x.k32.size());
+  x.kbf.resize(x.k32.size());
+  kvscore::convert(x.k32.data(), x.k16.data(), x.k32.size());
+  kvscore::convert(x.k32.data(), x.kbf.data(), x.k32.size());
+  npy::save<float>(dir.file("k32.npy"), {H, T, D}, x.k32.data());
+  npy::save<kvscore::half>(dir.file("k16.npy"), {H, T, D}, x.k16.data());
+  npy::save<kvscore::bfloat16>(dir.file("kbf.npy"), {H, T, D}, x.kbf.data());
+  npy::save<float>(dir.file("q.npy"), {H * G, W, D}, x.q.data());
+  return x;
 }
 
 }  // namespace cli_test

@@ -39,13 +39,7 @@ std::string path(const std::string& name) { return dir().file(name); }
 std::string slurp(const std::string& p) { return cli_test::slurp(p); }
 cli_test::Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
-std::vector<float> randn(std::size_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using cli_test::randn;
 
 constexpr std::int64_t H = 3, T = 37, D = 16, LAYERS = 2;
 

@@ -30,38 +30,14 @@ const cli_test::ScratchDir& dir() {
 std::string path(const std::string& name) { return dir().file(name); }
 Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
-std::vector<float> randn(std::size_t n, unsigned seed, float sigma = 1.f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, sigma);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using cli_test::randn;
 
 constexpr std::int64_t H = 2, T = 120, D = 16, G = 2, W = 8;
 
-struct Inputs {
-  std::vector<float> k32, q;
-  std::vector<kvscore::half> k16;
-  std::vector<kvscore::bfloat16> kbf;
-};
+using Inputs = cli_test::KeyQueryInputs;
 
 const Inputs& inputs() {
-  static const Inputs in = [] {
-    Inputs x;
-    x.k32 = randn(std::size_t(H * T * D), 31);
-    x.k32[std::size_t((1 * T + 9) * D + 2)] = std::numeric_limits<float>::quiet_NaN();  // an invalid row
-    x.q = randn(std::size_t(H * G * W * D), 32, 1.5f);
-    x.k16.resize(x.k32.size());
-    x.kbf.resize(x.k32.size());
-    kvscore::convert(x.k32.data(), x.k16.data(), x.k32.size());
-    kvscore::convert(x.k32.data(), x.kbf.data(), x.k32.size());
-    npy::save<float>(path("k32.npy"), {H, T, D}, x.k32.data());
-    npy::save<kvscore::half>(path("k16.npy"), {H, T, D}, x.k16.data());
-    npy::save<kvscore::bfloat16>(path("kbf.npy"), {H, T, D}, x.kbf.data());
-    npy::save<float>(path("q.npy"), {H * G, W, D}, x.q.data());
-    return x;
-  }();
+  static const Inputs in = cli_test::write_key_query_inputs(dir(), H, T, D, G, W, 31, 32);
   return in;
 }
 

@@ -33,7 +33,6 @@ const cli_test::ScratchDir& dir() {
   static const cli_test::ScratchDir d("select");
   return d;
 }
-const std::filesystem::path& tmp() { return dir().path; }
 std::string path(const std::string& name) { return dir().file(name); }
 std::string slurp(const std::string& p) { return cli_test::slurp(p); }
 Result cli(const std::string& args) { return cli_test::run(dir(), args); }

@@ -6,8 +6,7 @@
 // order); scores must agree to 1e-5 relative (see check_scores for the one documented floor),
 // SnapKV to its derived bound (test_snapkv.cpp's). Without a device, main() says so and runs
 // only the host-side tests: type rules, argument checks, and CUDA errors as exceptions.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "cuda_harness.hpp"
 
 #include <kvscore/compact.hpp>
 #include <kvscore/cuda/compact.hpp>
@@ -29,7 +28,6 @@
 
 namespace {
 
-namespace kc = kvscore::cuda;
 using kvscore::bfloat16;
 using kvscore::half;
 using Catch::Matchers::Contains;
@@ -46,19 +44,6 @@ static_assert(!std::is_convertible_v<kvscore::ScoresView, kc::DeviceScoresView>)
 static_assert(!std::is_convertible_v<kvscore::KeysView<float>, kc::DeviceKeysView<float>>);
 static_assert(!kvscore::MutableCacheView<kc::DeviceMutKeysView<float>>);
 static_assert(kc::DeviceKeysView<float>::space == kc::MemorySpace::device);
-
-template <class T>
-kc::DeviceBuffer upload(const std::vector<T>& v) {
-  kc::DeviceBuffer b(std::max<std::size_t>(v.size() * sizeof(T), 1));
-  kc::copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
-  return b;
-}
-template <class T>
-std::vector<T> download(const kc::DeviceBuffer& b, std::size_t n) {
-  std::vector<T> v(n);
-  kc::copy_to_host(v.data(), b.get(), n * sizeof(T));
-  return v;
-}
 
 /// A layer of keys in one of the engine layouts, as host data and the same bytes on the device.
 struct Layout {
@@ -455,18 +440,4 @@ TEST_CASE("cuda: host memory and small workspaces are rejected", "[cuda][gpu]") 
   kc::DeviceBuffer ws(kc::score_workspace_bytes(l2, keys) - 1);
   REQUIRE_THROWS_WITH(kc::score(l2, keys, kc::DeviceScoresView(dout.as<float>(), 2, 100), {ws.get(), ws.bytes()}),
                       Contains("smaller than the"));
-}
-
-int main(int argc, char** argv) {
-  Catch::Session session;
-  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
-  const int devices = kc::device_count();
-  if (devices == 0) {
-    std::printf("kvscore_cuda_tests: no CUDA device -- SKIPPING every [gpu] test (they compare the kernels with the "
-                "CPU path and need a GPU); running the host-side [host] tests only\n");
-    session.configData().testsOrTags.push_back("~[gpu]");
-  } else {
-    std::printf("kvscore_cuda_tests: running on %s\n", kc::device_description().c_str());
-  }
-  return session.run();
 }

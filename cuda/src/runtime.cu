@@ -73,6 +73,9 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes) {
 void copy_to_device_async(void* dst, const void* src, std::size_t bytes, stream_t stream) {
   if (bytes > 0) KVSCORE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
 }
+void copy_device_to_device(void* dst, const void* src, std::size_t bytes, stream_t stream) {
+  if (bytes > 0) KVSCORE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+}
 void zero_async(void* p, std::size_t bytes, stream_t stream) {
   if (bytes > 0) KVSCORE_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
 }

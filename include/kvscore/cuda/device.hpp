@@ -88,6 +88,8 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes);
 /// cudaMemcpyAsync host -> device on `stream`. From pageable memory the call returns once `src` has
 /// been staged, so `src` may be freed right after (CUDA's documented behaviour).
 void copy_to_device_async(void* dst, const void* src, std::size_t bytes, stream_t stream = nullptr);
+/// cudaMemcpyAsync device -> device on `stream`.
+void copy_device_to_device(void* dst, const void* src, std::size_t bytes, stream_t stream = nullptr);
 /// cudaMemsetAsync(p, 0, bytes, stream).
 void zero_async(void* p, std::size_t bytes, stream_t stream = nullptr);
 

@@ -235,7 +235,8 @@ TEST_CASE("cuda protokv: random keys with the default parameters, fraction of id
 TEST_CASE("cuda protokv: arguments are checked before anything is launched", "[cuda][host][protokv]") {
   float* fake = reinterpret_cast<float*>(std::uintptr_t(4096));  // never dereferenced
   const std::vector<float> q(4 * 2 * 8, 0.5f);
-  const kvscore::ProtoKV p(q.data(), 4, 2, 8);
+  kvscore::ProtoKV p(q.data(), 4, 2, 8);
+  p.sat_candidates = 4;  // the default 32 exceeds these 10 tokens
   const kc::DeviceKeysView<float> keys(fake, 2, 10, 8, 80, 8);
   REQUIRE_THROWS_WITH(kc::score(p, keys, kc::DeviceScoresView(fake, 2, 9)),
                       Contains("scores shape (2, 9) does not match keys (2, 10)"));
@@ -253,7 +254,8 @@ TEST_CASE("cuda protokv: arguments are checked before anything is launched", "[c
   REQUIRE_THROWS_WITH(kc::score_workspace_bytes(bad, keys), Contains("sat_candidates 11"));
   REQUIRE_THROWS_WITH(kc::analyze(p, keys, 2), Contains("head 2 out of range"));
   const std::vector<float> q512(2 * 2 * 512, 0.5f);
-  const kvscore::ProtoKV wide(q512.data(), 2, 2, 512);
+  kvscore::ProtoKV wide(q512.data(), 2, 2, 512);
+  wide.sat_candidates = 4;
   const kc::DeviceKeysView<float> k512(fake, 2, 10, 512, 5120, 512);
   REQUIRE_THROWS_WITH(kc::score(wide, k512, kc::DeviceScoresView(fake, 2, 10)), Contains("head_dim 512 > 256"));
 }

@@ -13,6 +13,7 @@
 #include <kvscore/cuda/pariskv.hpp>
 #include <kvscore/pariskv.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -303,4 +304,79 @@ TEST_CASE("cuda pariskv: set_center fixes mu before the first append", "[cuda][g
   mu[3] = std::numeric_limits<float>::quiet_NaN();
   kc::ParisKV g2(H, d);
   REQUIRE_THROWS_WITH(g2.set_center(mu.data()), Contains("mu value nan of head 0 at element 3 is not finite"));
+}
+
+// The tier table of the GPU path (tier_table in cuda/src/pariskv.cu) ranks the patterns of a
+// subspace by sorting (cost, id) with the best pattern first, where the CPU enumerates flip sets
+// best-first with a heap. This replays the GPU rule on the host, on the CPU index's own ids,
+// populations and rotation, and requires the CPU's collision scores: the two orders agree
+// (runs without a device, so the algorithm is checked even where the kernel cannot run).
+TEST_CASE("cuda pariskv: the sorted tier-table rule reproduces the CPU's collision scores", "[cuda][host][pariskv]") {
+  for (std::int64_t m : {2, 4, 8}) {
+    const std::int64_t N = 2000, d = 64;
+    kvscore::ParisKVConfig cfg;
+    cfg.m = m;
+    kvscore::ParisKV idx(d, cfg);
+    const Shape L = hf_shape(1, N, d);
+    const std::vector<float> keys = make_keys<float>(1, N, d, L, unsigned(m));
+    idx.append(keys.data(), N, d);
+    const std::int64_t P = idx.padded_dim(), B = idx.subspaces(), nc = std::int64_t(1) << m;
+    const std::vector<float> qs = make_queries(6, d, unsigned(40 + m));
+    for (std::int64_t qi = 0; qi < 6; ++qi)
+      for (double rho : {0.02, 0.2, 0.7}) {
+        const float* q = qs.data() + qi * d;
+        // prepare: ‖q‖ in fp64, unit query rounded to fp32, rotated in fp32
+        double sq = 0;
+        for (std::int64_t j = 0; j < d; ++j) sq += double(q[j]) * double(q[j]);
+        const double qn = std::sqrt(sq);
+        std::vector<float> x(static_cast<std::size_t>(d)), y(static_cast<std::size_t>(P));
+        for (std::int64_t j = 0; j < d; ++j) x[std::size_t(j)] = float(double(q[j]) / qn);
+        idx.rotation().apply(x.data(), y.data());
+        const std::int64_t collided = kvscore::pariskv::ratio_count(rho, N);
+        std::int64_t limit[6];
+        const int pct[6] = {5, 15, 30, 50, 75, 100};
+        for (int t = 0; t < 6; ++t) limit[t] = (collided * pct[t] + 99) / 100;
+        std::vector<int> table(std::size_t(B * nc), 0);
+        for (std::int64_t b = 0; b < B; ++b) {
+          float cost[16];
+          int ord[16];
+          unsigned best = 0;
+          for (std::int64_t j = 0; j < m; ++j) {
+            cost[j] = 2.f * std::fabs(y[std::size_t(b * m + j)]);
+            if (y[std::size_t(b * m + j)] >= 0.f) best |= 1u << j;
+          }
+          for (std::int64_t j = 0; j < m; ++j) {
+            int rk = 0;
+            for (std::int64_t i = 0; i < m; ++i) rk += cost[i] < cost[j] || (cost[i] == cost[j] && i < j);
+            ord[rk] = int(j);
+          }
+          std::vector<unsigned long long> key(static_cast<std::size_t>(nc));
+          for (std::int64_t id = 0; id < nc; ++id) {
+            const unsigned flip = unsigned(id) ^ best;
+            float s = 0.f;
+            for (std::int64_t r = 0; r < m; ++r)
+              if (flip & (1u << ord[r])) s = s + cost[ord[r]];
+            std::uint32_t bits;
+            std::memcpy(&bits, &s, 4);
+            key[std::size_t(id)] = unsigned(id) == best ? 0ull : (std::uint64_t(bits) << 32) | std::uint64_t(id + 1);
+          }
+          std::sort(key.begin(), key.end());
+          std::int64_t before = 0;
+          for (const unsigned long long k : key) {
+            const unsigned id = k == 0 ? best : unsigned(k & 0xFFFFFFFFull) - 1u;
+            int w = 0;
+            for (int t = 0; t < 6; ++t) w += before < limit[t];
+            table[std::size_t(b * nc + id)] = w;
+            before += idx.population(b, id);
+          }
+        }
+        const std::vector<std::int32_t> cpu = idx.collision_scores(q, rho, kvscore::pariskv::Kernels::portable);
+        for (std::int64_t i = 0; i < N; ++i) {
+          std::int32_t s = 0;
+          for (std::int64_t b = 0; b < B; ++b) s += table[std::size_t(b * nc + idx.centroid_id(i, b))];
+          INFO("m " << m << " query " << qi << " rho " << rho << " key " << i);
+          REQUIRE(s == cpu[std::size_t(i)]);
+        }
+      }
+  }
 }

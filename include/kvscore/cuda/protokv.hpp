@@ -80,23 +80,13 @@ namespace kvscore::cuda {
 
 namespace detail {
 
-/// q̄ of every KV head as the CPU rounds it. ProtoKV keeps its query sums private, so they are read
-/// back through the CPU path itself: keys e_0..e_{d-1} (one-hot rows) give q̄·e_j = q̄_j exactly.
+/// q̄ of every KV head, [kv_heads][head_dim], exactly as the CPU scorer rounds it.
 inline std::vector<float> protokv_qbar(const ProtoKV& s, std::int64_t kv_heads) {
-  const std::int64_t d = s.head_dim(), n = std::max(d, s.window());
-  std::vector<float> probe(std::size_t(kv_heads * n * d), 0.f);
-  for (std::int64_t h = 0; h < kv_heads; ++h)
-    for (std::int64_t j = 0; j < d; ++j) probe[std::size_t((h * n + j) * d + j)] = 1.f;
-  ProtoKV q = s;  // same queries; cheap settings (the probe only reads qk)
-  q.sat_candidates = 0;
-  q.chunks = 1;
-  q.lsh_bits = 0;
-  q.num_threads = 1;
-  const KeysView<float> keys(probe.data(), kv_heads, n, d, n * d, d);
-  std::vector<float> qbar(std::size_t(kv_heads * d));
+  std::vector<float> qbar;
+  qbar.reserve(std::size_t(kv_heads * s.head_dim()));
   for (std::int64_t h = 0; h < kv_heads; ++h) {
-    const ProtoKVHead a = q.analyze(keys, h);
-    for (std::int64_t j = 0; j < d; ++j) qbar[std::size_t(h * d + j)] = a.qk[std::size_t(j)];
+    const std::vector<float> one = s.query_sum(h, kv_heads);
+    qbar.insert(qbar.end(), one.begin(), one.end());
   }
   return qbar;
 }

@@ -161,6 +161,19 @@ class ProtoKV : public ScorerOptions {
         }
   }
 
+  /// q̄ of KV head h of a cache with kv_heads heads (kv_heads divides q_heads()): the sum over
+  /// the group's query heads and the window, in fp64, rounded once to fp32 — the vector every
+  /// q̄·k and ψ uses (the CUDA path reads it from here).
+  std::vector<float> query_sum(std::int64_t h, std::int64_t kv_heads) const {
+    const std::int64_t d = dim_, G = q_heads_ / kv_heads;
+    std::vector<float> qbar(static_cast<std::size_t>(d));
+    for (std::int64_t j = 0; j < d; ++j) {
+      double s = 0;
+      for (std::int64_t g = 0; g < G; ++g) s += qsum_[std::size_t((h * G + g) * d + j)];
+      qbar[std::size_t(j)] = float(s);
+    }
+    return qbar;
+  }
   std::int64_t q_heads() const noexcept { return q_heads_; }
   std::int64_t window() const noexcept { return window_; }
   std::int64_t head_dim() const noexcept { return dim_; }
@@ -267,16 +280,10 @@ class ProtoKV : public ScorerOptions {
                 ProtoKVHead* a) const {
     using T = typename View::value_type;
     const simd::RowOps<T>& ops = table.ops<T>();
-    const std::int64_t N = keys.tokens(), d = dim_, G = q_heads_ / keys.heads();
+    const std::int64_t N = keys.tokens(), d = dim_;
     const std::size_t Nz = std::size_t(N);
 
-    // q̄ = Σ over the group's query heads and the window, in double, rounded once.
-    std::vector<float> qbar(static_cast<std::size_t>(d));
-    for (std::int64_t j = 0; j < d; ++j) {
-      double s = 0;
-      for (std::int64_t g = 0; g < G; ++g) s += qsum_[std::size_t((h * G + g) * d + j)];
-      qbar[std::size_t(j)] = float(s);
-    }
+    const std::vector<float> qbar = query_sum(h, keys.heads());
 
     // Pass over the keys: q̄·k, ‖k‖², and the fp32 unit rows U (zero rows for zero and invalid keys).
     std::vector<float> U(Nz * std::size_t(d)), qk(Nz), sq(Nz), norm(Nz);

@@ -464,6 +464,51 @@ TEST_CASE("pariskv: collision scores follow the tier definition (brute force)", 
   }
 }
 
+TEST_CASE("pariskv: exact ties in <q_b, s> go to the lower pattern id (one-hot queries)", "[pariskv]") {
+  // A one-hot query rotates to coordinates of equal magnitude 1/sqrt(P) (exact in fp32), so all
+  // flip sets of the same size tie exactly. The definition orders them by id; the brute force is
+  // exact here (sums of +-1/sqrt(P) in fp64), so every key must match.
+  for (std::int64_t m : {2, 4, 8}) {
+    ParisKVConfig cfg;
+    cfg.m = m;
+    ParisKV idx(64, cfg);
+    Structured st(11, 1.0, 64);
+    std::vector<float> K;
+    st.keys(1500, K);
+    idx.append(K.data(), 1500, 64);
+    for (int axis : {0, 5, 63})
+      for (double rho : {0.03, 0.2, 0.6}) {
+        INFO("m = " << m << ", axis = " << axis << ", rho = " << rho);
+        std::vector<float> q(64, 0.f), x(64, 0.f), y(static_cast<std::size_t>(idx.padded_dim()));
+        q[std::size_t(axis)] = 2.5f;
+        x[std::size_t(axis)] = 1.f;
+        idx.rotation().apply(x.data(), y.data());
+        const std::int64_t N = 1500, R = pk::ratio_count(rho, N), B = idx.subspaces(), nc = std::int64_t(1) << m;
+        std::vector<std::int32_t> want(static_cast<std::size_t>(N), 0);
+        for (std::int64_t b = 0; b < B; ++b) {
+          std::vector<std::pair<double, std::int64_t>> pat;
+          for (std::int64_t p = 0; p < nc; ++p) {
+            double sc = 0;
+            for (std::int64_t j = 0; j < m; ++j) sc += ((p >> j) & 1 ? 1.0 : -1.0) * y[std::size_t(b * m + j)];
+            pat.emplace_back(-sc, p);
+          }
+          std::sort(pat.begin(), pat.end());
+          std::vector<int> wgt(static_cast<std::size_t>(nc), 0);
+          std::int64_t before = 0;
+          for (const auto& [negs, p] : pat) {
+            int w = 0;
+            for (int t = 0; t < 6; ++t) w += before < (R * pk::kTierPercent[t] + 99) / 100;
+            wgt[std::size_t(p)] = w;
+            before += idx.population(b, std::uint32_t(p));
+          }
+          for (std::int64_t i = 0; i < N; ++i) want[std::size_t(i)] += wgt[idx.centroid_id(i, b)];
+        }
+        CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::portable) == want);
+        if (avx512() && m == 8) CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::avx512) == want);
+      }
+  }
+}
+
 TEST_CASE("pariskv: candidate selection keeps exactly C keys, ties by position", "[pariskv]") {
   // With beta = rho = 1 every key is a candidate; with tiny beta the candidate count is
   // max(ceil(beta N), k). Check the reported count and that results are valid positions.

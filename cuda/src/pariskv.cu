@@ -62,11 +62,8 @@ __global__ void validate_rows(const typename Storage<D>::type* x, long long per_
 /// y[0..P) = H·D/√P · pad(x): signs then the unnormalised butterflies, fp32, the CPU's order.
 template <int P>
 __device__ __forceinline__ void fwht(float (&y)[P]) {
-#pragma unroll
   for (int h = 1; h < P; h *= 2)
-#pragma unroll
     for (int i = 0; i < P; i += 2 * h)
-#pragma unroll
       for (int j = i; j < i + h; ++j) {
         const float a = y[j], b = y[j + h];
         y[j] = a + b;
@@ -116,7 +113,6 @@ __global__ void __launch_bounds__(128) encode(EncodeArgs a, const typename Stora
   }
   const double norm = sqrt(sq);
   float y[P];
-#pragma unroll
   for (int j = 0; j < P; ++j) {
     if (j < a.d) {
       const double v = double(widen<D>(r[j])) - (a.has_mu ? double(mu[j]) : 0.0);
@@ -128,7 +124,6 @@ __global__ void __launch_bounds__(128) encode(EncodeArgs a, const typename Stora
   }
   fwht<P>(y);
   std::uint8_t code[CB];
-#pragma unroll
   for (int c = 0; c < CB; ++c) code[c] = 0;
   const long long pos = a.n0 + i;
   for (long long b = 0; b < a.B; ++b) {
@@ -179,15 +174,16 @@ __global__ void prepare(PrepareArgs a, const float* q, long long rows, float* qr
   double sq = 0;
   for (long long j = 0; j < a.d; ++j) sq += double(x[j]) * double(x[j]);
   const double qn = sqrt(sq);
+  // a zero query (the CPU's rule), and a non-finite one, which throws at the end of the
+  // search: all-zero tables, so nothing downstream reads a NaN-derived index
+  const bool ok = qn != 0 && isfinite(qn);
   float y[P];
-#pragma unroll
-  for (int j = 0; j < P; ++j) y[j] = (j < a.d && qn != 0) ? float(double(x[j]) / qn) * a.signs[j] : 0.f;
-  if (qn != 0) fwht<P>(y);
+  for (int j = 0; j < P; ++j) y[j] = (j < a.d && ok) ? float(double(x[j]) / qn) * a.signs[j] : 0.f;
+  if (ok) fwht<P>(y);
   float* out = qrot + r * a.pc;
-#pragma unroll
   for (int j = 0; j < P; ++j) out[j] = y[j];
   for (long long j = P; j < a.pc; ++j) out[j] = 0.f;
-  qnorm[r] = float(qn);
+  qnorm[r] = ok ? float(qn) : 0.f;
   double c = 0;
   if (a.has_mu) {
     const float* mu = a.mu + (r / a.rows_per_kv) * a.d;
@@ -208,7 +204,8 @@ using LongScan = cub::BlockScan<long long, kBlock>;
 /// Block (b, r): the weight of each of the 2^m sign patterns of subspace b for query row r.
 /// Patterns in descending ⟨q̃_b, s⟩ = the flip sets of sign(q̃_b) in ascending cost (the costs
 /// 2|q̃_j| of the set summed in sorted order, fp32, as the CPU's enumeration); the best pattern
-/// first, then by (cost, id). weight = #{tiers t : keys in better-ranked patterns < limit_t}.
+/// first, then by (cost, id) — the CPU's order, exact ties included.
+/// weight = #{tiers t : keys in better-ranked patterns < limit_t}.
 __global__ void __launch_bounds__(kBlock) tier_table(const float* qrot, const float* qnorm, const std::int32_t* pop,
                                                      long long pc, int m, long long B, long long rows_per_kv, Limits lim,
                                                      std::uint8_t* tbl) {
@@ -231,6 +228,7 @@ __global__ void __launch_bounds__(kBlock) tier_table(const float* qrot, const fl
     cost[j] = 2.f * fabsf(qb[j]);
     if (qb[j] >= 0.f) best |= 1u << j;
   }
+  for (int j = 0; j < m; ++j) ord[j] = j;
   for (int j = 0; j < m; ++j) {  // rank by (cost, index), as the CPU's std::sort comparator
     int rk = 0;
     for (int i = 0; i < m; ++i) rk += cost[i] < cost[j] || (cost[i] == cost[j] && i < j);
@@ -631,7 +629,7 @@ std::size_t pariskv_append_workspace_bytes(const ParisKVState&, std::int64_t) no
   return c.bytes();
 }
 
-void pariskv_append(ParisKVState& s, const KeysArg& k, Workspace ws, stream_t stream) {
+void pariskv_validate(const ParisKVState& s, const KeysArg& k, Workspace ws, stream_t stream) {
   const char* who = "kvscore::cuda::ParisKV::append";
   require_workspace(ws, pariskv_append_workspace_bytes(s, k.tokens), who);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
@@ -645,6 +643,11 @@ void pariskv_append(ParisKVState& s, const KeysArg& k, Workspace ws, stream_t st
   const std::string msg =
       bad_row_message(code, k.data, k.type, n, k.head_stride, k.token_stride, k.head_dim, "key", s.n, "head");
   if (!msg.empty()) throw std::invalid_argument(std::string(who) + ": " + msg);
+}
+
+void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const long long n = k.tokens;
   if (s.center && !s.has_mu) {
     switch (k.type) {
       case dtype::f32: launch_mean<dtype::f32>(k, s.mu, st); break;

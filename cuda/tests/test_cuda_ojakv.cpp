@@ -380,7 +380,7 @@ TEST_CASE("cuda ojakv: residual scores match OjaResidual and select the same tok
   compare_residual<half>(2, 4, 32, 900, 128, {32}, hf(2, 900, 128));
   compare_residual<bfloat16>(3, 1, 8, 600, 128, {32, 4, 128}, token_major(3, 600, 128));
   compare_residual<half>(2, 2, 16, 500, 40, {10, 40}, hf(2, 500, 40));
-  compare_residual<float>(1, 8, 64, 300, 256, {64}, hf(1, 300, 256));  // tile of 8 tokens (shared-memory budget)
+  compare_residual<float>(1, 8, 64, 300, 256, {64}, hf(1, 300, 256));  // d = 256: 32-token tiles in 82 KB of shared memory (opt-in above 48 KB)
   compare_residual<float>(2, 1, 40, 40, 32, {8}, hf(2, 40, 32));       // window = tokens: every query partial
 }
 

@@ -136,6 +136,8 @@ void compare_search(std::int64_t H, std::int64_t G, std::int64_t nq, std::int64_
   const std::int64_t QH = H * G, R = QH * nq, k = opt.k;
   std::vector<float> q = make_queries(R, d, unsigned(N + 1));
   for (std::int64_t j = 0; j < d; ++j) q[std::size_t(1 * d + j)] = 0.f;  // row 1: a zero query
+  if (R > 2)  // row 2: one-hot, so sign patterns tie exactly in every subspace
+    for (std::int64_t j = 0; j < d; ++j) q[std::size_t(2 * d + j)] = j == 1 ? 3.f : 0.f;
   const kc::DeviceBuffer dq = upload(q);
   kc::DeviceBuffer ws(g.search_workspace_bytes(QH, nq, opt));
   kc::DeviceBuffer pos(std::size_t(std::max<std::int64_t>(1, R * k)) * sizeof(std::int64_t));
@@ -175,7 +177,8 @@ TEST_CASE("cuda pariskv: configurations the GPU path does not take are rejected 
   cfg.m = 16;
   REQUIRE_THROWS_WITH(kc::ParisKV(2, 128, cfg), Contains("m 16 is not supported on the GPU path"));
   REQUIRE_THROWS_WITH(kc::ParisKV(2, 1024), Contains("padded head_dim 1024"));
-  REQUIRE_THROWS_WITH(kc::ParisKV(0, 128), Contains("kv_heads must be >= 1 (got 0)"));
+  REQUIRE_THROWS_WITH(kc::ParisKV(0, 128), Contains("kv_heads must be in [1, 65535] (got 0)"));
+  REQUIRE_THROWS_WITH(kc::ParisKV(70000, 128), Contains("kv_heads must be in [1, 65535] (got 70000)"));
   cfg.m = 3;  // the CPU index's own check runs first
   REQUIRE_THROWS_WITH(kc::ParisKV(2, 128, cfg), Contains("m must be a power of two"));
   REQUIRE_THROWS_WITH(kc::ParisKV(2, 0), Contains("head_dim must be in [1, "));
@@ -242,6 +245,7 @@ TEST_CASE("cuda pariskv: invalid keys and queries throw naming the value, the in
   const kc::DeviceBuffer big = upload(keys);
   REQUIRE_THROWS_WITH(gpu_append<float>(g, big, L, H, d, 300, N), Contains("key 400 of head 0 has a squared norm"));
   REQUIRE(g.size() == 300);
+  REQUIRE(g.capacity() == 320);  // validated before the buffers grow
   const kc::ParisKV::Encoding after = g.encoding(1);
   REQUIRE(after.ids == before.ids);
   REQUIRE(after.pop == before.pop);
@@ -310,7 +314,8 @@ TEST_CASE("cuda pariskv: set_center fixes mu before the first append", "[cuda][g
 // subspace by sorting (cost, id) with the best pattern first, where the CPU enumerates flip sets
 // best-first with a heap. This replays the GPU rule on the host, on the CPU index's own ids,
 // populations and rotation, and requires the CPU's collision scores: the two orders agree
-// (runs without a device, so the algorithm is checked even where the kernel cannot run).
+// (runs without a device, so the algorithm is checked even where the kernel cannot run),
+// exact ties included (one-hot queries).
 TEST_CASE("cuda pariskv: the sorted tier-table rule reproduces the CPU's collision scores", "[cuda][host][pariskv]") {
   for (std::int64_t m : {2, 4, 8}) {
     const std::int64_t N = 2000, d = 64;
@@ -321,8 +326,12 @@ TEST_CASE("cuda pariskv: the sorted tier-table rule reproduces the CPU's collisi
     const std::vector<float> keys = make_keys<float>(1, N, d, L, unsigned(m));
     idx.append(keys.data(), N, d);
     const std::int64_t P = idx.padded_dim(), B = idx.subspaces(), nc = std::int64_t(1) << m;
-    const std::vector<float> qs = make_queries(6, d, unsigned(40 + m));
-    for (std::int64_t qi = 0; qi < 6; ++qi)
+    std::vector<float> qs = make_queries(8, d, unsigned(40 + m));
+    for (std::int64_t j = 0; j < d; ++j) {  // rows 6, 7: one-hot queries, every |q̃_j| equal (exact ties)
+      qs[std::size_t(6 * d + j)] = j == 3 ? 1.5f : 0.f;
+      qs[std::size_t(7 * d + j)] = j == d - 1 ? -2.f : 0.f;
+    }
+    for (std::int64_t qi = 0; qi < 8; ++qi)
       for (double rho : {0.02, 0.2, 0.7}) {
         const float* q = qs.data() + qi * d;
         // prepare: ‖q‖ in fp64, unit query rounded to fp32, rotated in fp32

@@ -564,7 +564,7 @@ class ParisKV {
     std::vector<std::uint16_t> s16;
     std::vector<std::int64_t> hist, cand, top, offsets, sel;
     std::vector<unsigned char> select_ws;
-    std::vector<pariskv::detail::PatternNode> heap;
+    std::vector<pariskv::detail::PatternNode> heap, group;
   };
 
   explicit ParisKV(std::int64_t head_dim, const ParisKVConfig& cfg = {}) : cfg_(cfg) {
@@ -979,21 +979,48 @@ class ParisKV {
       emit(best);
       if (before < limit[pariskv::kTiers - 1])
         heap.push_back({0.f + cost[ord[0]], 0.f, best ^ (std::uint32_t(1) << ord[0]), 0});
+      // Patterns leave the heap in groups of equal cost. A group also takes equal-cost
+      // successors (a replaced coordinate of the same cost, or a cost absorbed by fp32
+      // rounding), which the heap has not seen yet, so a group is every pattern of that cost;
+      // it is emitted by id, which makes the order exactly (cost, id) after the best pattern.
+      auto& group = ws.group;
+      auto expand = [&](const pariskv::detail::PatternNode& nd, float c0) {
+        if (std::int64_t(nd.last) + 1 >= m_) return;
+        // cost = prefix (the set without its last element) + the last cost: the same fp32
+        // value as summing the set from scratch in sorted order
+        const std::uint32_t l = nd.last + 1;
+        const float c = cost[ord[l]];
+        const std::uint32_t bit = std::uint32_t(1) << ord[l];
+        const pariskv::detail::PatternNode kids[2] = {
+            {nd.cost + c, nd.cost, nd.id ^ bit, l},
+            {nd.prefix + c, nd.prefix, nd.id ^ bit ^ (std::uint32_t(1) << ord[nd.last]), l}};
+        for (const auto& k : kids) {
+          if (k.cost == c0) {
+            group.push_back(k);
+          } else {
+            heap.push_back(k);
+            std::push_heap(heap.begin(), heap.end(), std::greater<>());
+          }
+        }
+      };
       while (!heap.empty() && before < limit[pariskv::kTiers - 1]) {
-        std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-        const pariskv::detail::PatternNode nd = heap.back();
-        heap.pop_back();
-        emit(nd.id);
-        if (std::int64_t(nd.last) + 1 < m_) {
-          // cost = prefix (the set without its last element) + the last cost: the same fp32
-          // value as summing the set from scratch in sorted order
-          const std::uint32_t l = nd.last + 1;
-          const float c = cost[ord[l]];
-          const std::uint32_t bit = std::uint32_t(1) << ord[l];
-          heap.push_back({nd.cost + c, nd.cost, nd.id ^ bit, l});
-          std::push_heap(heap.begin(), heap.end(), std::greater<>());
-          heap.push_back({nd.prefix + c, nd.prefix, nd.id ^ bit ^ (std::uint32_t(1) << ord[nd.last]), l});
-          std::push_heap(heap.begin(), heap.end(), std::greater<>());
+        const float c0 = heap.front().cost;
+        group.clear();
+        for (std::size_t gi = 0;;) {
+          if (gi < group.size()) {
+            expand(group[gi++], c0);
+          } else if (!heap.empty() && heap.front().cost == c0) {
+            std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+            group.push_back(heap.back());
+            heap.pop_back();
+          } else {
+            break;
+          }
+        }
+        std::sort(group.begin(), group.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+        for (const auto& g : group) {
+          if (before >= limit[pariskv::kTiers - 1]) break;
+          emit(g.id);
         }
       }
     }

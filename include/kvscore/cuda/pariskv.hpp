@@ -22,9 +22,8 @@
 //            RSQ-IP estimate of every candidate in fp32 in the CPU portable kernel's order;
 //            the top k by kvscore::cuda::topk_into (ties: lower position); ⟨μ, q⟩ added in fp64.
 // Positions and scores equal the CPU index searched with pariskv::Kernels::portable (the AVX-512
-// set may differ in the last bits of an estimate), except where a rotated query coordinate is
-// exactly 0: equal-cost patterns are then ordered by id, where the CPU's best-first enumeration
-// may emit them in another order (an exact tie in ⟨q̃_b, s⟩).
+// set may differ in the last bits of an estimate); exact ties in ⟨q̃_b, s⟩ go by pattern id on
+// both.
 //
 // GPU limits (std::invalid_argument): m ≤ 8 (one byte per id; m = 16 stays on the CPU), padded
 // head_dim ≤ 512, rerank_exact = 0 (the exact rerank needs the keys; the CPU index has it).
@@ -58,7 +57,8 @@ class ParisKV {
   ParisKV(std::int64_t kv_heads, std::int64_t head_dim, const ParisKVConfig& cfg = {})
       : cpu_(head_dim, cfg) {
     const std::string who = "kvscore::cuda::ParisKV";
-    if (kv_heads < 1) kvscore::detail::throw_invalid(who + ": kv_heads must be >= 1 (got " + std::to_string(kv_heads) + ")");
+    if (kv_heads < 1 || kv_heads > 65535)
+      kvscore::detail::throw_invalid(who + ": kv_heads must be in [1, 65535] (got " + std::to_string(kv_heads) + ")");
     if (cpu_.m() > 8)
       kvscore::detail::throw_invalid(who + ": m " + std::to_string(cpu_.m()) +
                                      " is not supported on the GPU path (m <= 8; m = 16 runs on the CPU index)");
@@ -137,11 +137,12 @@ class ParisKV {
                                      " of " + std::to_string(s_.d));
     if (keys.tokens() == 0) return;
     require_device_pointer(keys.data(), "keys");
-    const std::int64_t need = s_.n + keys.tokens();
-    if (need > s_.cap) grow(std::max(need, 2 * s_.cap));
     const std::size_t bytes = detail::pariskv_append_workspace_bytes(s_, keys.tokens());
     if (append_ws_.bytes() < bytes) append_ws_ = DeviceBuffer(bytes);
-    detail::pariskv_append(s_, detail::keys_arg(keys), {append_ws_.get(), append_ws_.bytes()}, stream);
+    detail::pariskv_validate(s_, detail::keys_arg(keys), {append_ws_.get(), append_ws_.bytes()}, stream);
+    const std::int64_t need = s_.n + keys.tokens();  // valid: only now may the index change
+    if (need > s_.cap) grow(std::max(need, 2 * s_.cap));
+    detail::pariskv_encode(s_, detail::keys_arg(keys), stream);
   }
 
   /// C = max(⌈βN⌉, k) for these options at the current size (β: opt.beta or the default).

@@ -29,10 +29,11 @@ struct ParisKVState {
 
 /// Workspace of pariskv_append for n new keys per head.
 std::size_t pariskv_append_workspace_bytes(const ParisKVState& s, std::int64_t n) noexcept;
-/// Validates the batch (throws std::invalid_argument naming head, key, element), sets μ on the
-/// first append (when s.center), encodes into positions [s.n, s.n + n). The caller grows the
-/// buffers first; synchronous.
-void pariskv_append(ParisKVState& s, const KeysArg& keys, Workspace ws, stream_t stream);
+/// Validates the batch: throws std::invalid_argument naming head, key and element (synchronous).
+void pariskv_validate(const ParisKVState& s, const KeysArg& keys, Workspace ws, stream_t stream);
+/// Sets μ on the first append (when s.center), encodes a validated batch into positions
+/// [s.n, s.n + n) and advances s.n. The caller grows the buffers first; synchronous.
+void pariskv_encode(ParisKVState& s, const KeysArg& keys, stream_t stream);
 
 struct ParisKVSearchArgs {
   std::int64_t q_heads = 0, n_queries = 0, k = 0, C = 0;

@@ -410,6 +410,34 @@ TEST_CASE("pariskv: centring helps when keys share a large mean", "[pariskv][rec
 
 // ------------------------------------------------------------------ Stage I
 
+/// Collision scores from the definition, in fp64: per subspace rank the patterns by <y_b, s>
+/// (ties: lower id), tier limits ceil(R * r_t / 100) with R = ceil(rho * N), weight = number of
+/// tiers whose limit exceeds the keys of better-ranked patterns; y is the rotated unit query.
+static std::vector<std::int32_t> brute_collisions(const ParisKV& idx, const std::vector<float>& y, double rho) {
+  const std::int64_t N = idx.size(), m = idx.m(), R = pk::ratio_count(rho, N), B = idx.subspaces(),
+                     nc = std::int64_t(1) << m;
+  std::vector<std::int32_t> want(static_cast<std::size_t>(N), 0);
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::vector<std::pair<double, std::int64_t>> pat;
+    for (std::int64_t p = 0; p < nc; ++p) {
+      double s = 0;
+      for (std::int64_t j = 0; j < m; ++j) s += ((p >> j) & 1 ? 1.0 : -1.0) * y[std::size_t(b * m + j)];
+      pat.emplace_back(-s, p);
+    }
+    std::sort(pat.begin(), pat.end());
+    std::vector<int> wgt(static_cast<std::size_t>(nc), 0);
+    std::int64_t before = 0;
+    for (const auto& [negs, p] : pat) {
+      int w = 0;
+      for (int t = 0; t < 6; ++t) w += before < (R * pk::kTierPercent[t] + 99) / 100;
+      wgt[std::size_t(p)] = w;
+      before += idx.population(b, std::uint32_t(p));
+    }
+    for (std::int64_t i = 0; i < N; ++i) want[std::size_t(i)] += wgt[idx.centroid_id(i, b)];
+  }
+  return want;
+}
+
 TEST_CASE("pariskv: collision scores follow the tier definition (brute force)", "[pariskv]") {
   // Brute force from the definition, in float64: rank patterns by <q_b, s> (ties: lower id),
   // tier limits ceil(R * r_t / 100) with R = ceil(rho * N).
@@ -431,26 +459,8 @@ TEST_CASE("pariskv: collision scores follow the tier definition (brute force)", 
       std::vector<float> x(64), y(static_cast<std::size_t>(idx.padded_dim()));
       for (int j = 0; j < 64; ++j) x[std::size_t(j)] = float(q[std::size_t(j)] / std::sqrt(qn));
       idx.rotation().apply(x.data(), y.data());
-      const std::int64_t N = 1000, R = pk::ratio_count(rho, N), B = idx.subspaces(), nc = std::int64_t(1) << m;
-      std::vector<std::int64_t> want(static_cast<std::size_t>(N), 0);
-      for (std::int64_t b = 0; b < B; ++b) {
-        std::vector<std::pair<double, std::int64_t>> pat;
-        for (std::int64_t p = 0; p < nc; ++p) {
-          double s = 0;
-          for (std::int64_t j = 0; j < m; ++j) s += ((p >> j) & 1 ? 1.0 : -1.0) * y[std::size_t(b * m + j)];
-          pat.emplace_back(-s, p);
-        }
-        std::sort(pat.begin(), pat.end());
-        std::vector<int> wgt(static_cast<std::size_t>(nc), 0);
-        std::int64_t before = 0;
-        for (const auto& [negs, p] : pat) {
-          int w = 0;
-          for (int t = 0; t < 6; ++t) w += before < (R * pk::kTierPercent[t] + 99) / 100;
-          wgt[std::size_t(p)] = w;
-          before += idx.population(b, std::uint32_t(p));
-        }
-        for (std::int64_t i = 0; i < N; ++i) want[std::size_t(i)] += wgt[idx.centroid_id(i, b)];
-      }
+      const std::int64_t N = 1000, B = idx.subspaces();
+      const std::vector<std::int32_t> want = brute_collisions(idx, y, rho);
       std::int64_t diff = 0;
       for (std::int64_t i = 0; i < N; ++i) diff += S[std::size_t(i)] != want[std::size_t(i)];
       // patterns whose fp32 and fp64 scores order differently can only swap near-ties
@@ -483,26 +493,7 @@ TEST_CASE("pariskv: exact ties in <q_b, s> go to the lower pattern id (one-hot q
         q[std::size_t(axis)] = 2.5f;
         x[std::size_t(axis)] = 1.f;
         idx.rotation().apply(x.data(), y.data());
-        const std::int64_t N = 1500, R = pk::ratio_count(rho, N), B = idx.subspaces(), nc = std::int64_t(1) << m;
-        std::vector<std::int32_t> want(static_cast<std::size_t>(N), 0);
-        for (std::int64_t b = 0; b < B; ++b) {
-          std::vector<std::pair<double, std::int64_t>> pat;
-          for (std::int64_t p = 0; p < nc; ++p) {
-            double sc = 0;
-            for (std::int64_t j = 0; j < m; ++j) sc += ((p >> j) & 1 ? 1.0 : -1.0) * y[std::size_t(b * m + j)];
-            pat.emplace_back(-sc, p);
-          }
-          std::sort(pat.begin(), pat.end());
-          std::vector<int> wgt(static_cast<std::size_t>(nc), 0);
-          std::int64_t before = 0;
-          for (const auto& [negs, p] : pat) {
-            int w = 0;
-            for (int t = 0; t < 6; ++t) w += before < (R * pk::kTierPercent[t] + 99) / 100;
-            wgt[std::size_t(p)] = w;
-            before += idx.population(b, std::uint32_t(p));
-          }
-          for (std::int64_t i = 0; i < N; ++i) want[std::size_t(i)] += wgt[idx.centroid_id(i, b)];
-        }
+        const std::vector<std::int32_t> want = brute_collisions(idx, y, rho);
         CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::portable) == want);
         if (avx512() && m == 8) CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::avx512) == want);
       }

@@ -9,9 +9,25 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace kc = kvscore::cuda;
+
+/// A layer of keys [heads][tokens][head_dim] in one of the engine layouts: element (h, t, j) at
+/// h*hs + t*ts + j of a buffer of `elems` elements.
+struct Layout {
+  const char* name;
+  std::int64_t hs, ts, elems;
+};
+inline Layout hf(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
+inline Layout token_major(std::int64_t H, std::int64_t N, std::int64_t d) {
+  return {"token-major", d, H * d, H * N * d};
+}
+/// Rows padded by `pad` elements (3 by default: misaligned for the vector paths).
+inline Layout padded(std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t pad = 3) {
+  return {"padded", N * (d + pad), d + pad, H * N * (d + pad)};
+}
 
 template <class T>
 kc::DeviceBuffer upload(const std::vector<T>& v) {

@@ -45,16 +45,6 @@ static_assert(!std::is_convertible_v<kvscore::KeysView<float>, kc::DeviceKeysVie
 static_assert(!kvscore::MutableCacheView<kc::DeviceMutKeysView<float>>);
 static_assert(kc::DeviceKeysView<float>::space == kc::MemorySpace::device);
 
-/// A layer of keys in one of the engine layouts, as host data and the same bytes on the device.
-struct Layout {
-  const char* name;
-  std::int64_t hs, ts, elems;
-};
-Layout hf(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
-Layout token_major(std::int64_t H, std::int64_t N, std::int64_t d) { return {"token-major", d, H * d, H * N * d}; }
-/// Rows padded by 3 elements: misaligned for the vector path, so the generic kernel runs.
-Layout padded(std::int64_t H, std::int64_t N, std::int64_t d) { return {"padded", N * (d + 3), d + 3, H * N * (d + 3)}; }
-
 template <class T>
 std::vector<T> make_keys(std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L, unsigned seed,
                          bool invalid_rows) {

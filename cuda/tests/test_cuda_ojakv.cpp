@@ -40,13 +40,6 @@ constexpr double kU64 = 0x1.0p-53;  // unit roundoff, fp64
 static_assert(std::is_base_of_v<kvscore::OjaResidual, kc::OjaResidual>);
 static_assert(kc::DeviceBasesView::space == kc::MemorySpace::device);
 
-struct Layout {
-  const char* name;
-  std::int64_t hs, ts, elems;
-};
-Layout hf(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
-Layout token_major(std::int64_t H, std::int64_t N, std::int64_t d) { return {"token-major", d, H * d, H * N * d}; }
-
 /// Keys near a rank-6 subspace per head (+ noise), so that Oja has something to find.
 /// invalid: NaN at (0, 3), +inf at (H-1, 7), a zero row at (0, 5), and window [8, 12) of head 0 NaN.
 template <class T>

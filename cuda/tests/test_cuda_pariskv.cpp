@@ -27,19 +27,9 @@ using kvscore::bfloat16;
 using kvscore::half;
 using Catch::Matchers::Contains;
 
-struct Shape {
-  const char* layout;
-  std::int64_t hs, ts, elems;
-};
-Shape hf_shape(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
-Shape tm_shape(std::int64_t H, std::int64_t N, std::int64_t d) { return {"token-major", d, H * d, H * N * d}; }
-Shape padded_shape(std::int64_t H, std::int64_t N, std::int64_t d) {
-  return {"padded", N * (d + 5), d + 5, H * N * (d + 5)};
-}
-
 /// Keys with a shared offset (what centring removes) and anisotropic channels.
 template <class T>
-std::vector<T> make_keys(std::int64_t H, std::int64_t N, std::int64_t d, const Shape& L, unsigned seed) {
+std::vector<T> make_keys(std::int64_t H, std::int64_t N, std::int64_t d, const Layout& L, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<T> k(std::size_t(L.elems), kvscore::from_float<T>(0.f));
@@ -66,7 +56,7 @@ std::vector<float> make_queries(std::int64_t rows, std::int64_t d, unsigned seed
 
 /// CPU indexes, one per head, fed the same batches [t0, t1) as the GPU index.
 template <class T>
-std::vector<kvscore::ParisKV> cpu_indexes(const std::vector<T>& keys, const Shape& L, std::int64_t H, std::int64_t d,
+std::vector<kvscore::ParisKV> cpu_indexes(const std::vector<T>& keys, const Layout& L, std::int64_t H, std::int64_t d,
                                           const std::vector<std::int64_t>& cuts, const kvscore::ParisKVConfig& cfg) {
   std::vector<kvscore::ParisKV> idx;
   for (std::int64_t h = 0; h < H; ++h) {
@@ -78,15 +68,15 @@ std::vector<kvscore::ParisKV> cpu_indexes(const std::vector<T>& keys, const Shap
 }
 
 template <class T>
-void gpu_append(kc::ParisKV& g, const kc::DeviceBuffer& dk, const Shape& L, std::int64_t H, std::int64_t d,
+void gpu_append(kc::ParisKV& g, const kc::DeviceBuffer& dk, const Layout& L, std::int64_t H, std::int64_t d,
                 std::int64_t t0, std::int64_t t1) {
   g.append(kc::DeviceKeysView<T>(dk.as<T>() + t0 * L.ts, H, t1 - t0, d, L.hs, L.ts));
 }
 
 template <class T>
-void compare_encoding(std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t m, const Shape& L, bool center) {
+void compare_encoding(std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t m, const Layout& L, bool center) {
   INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " H " << H << " N " << N << " d " << d << " m " << m
-                << " layout " << L.layout << " center " << center);
+                << " layout " << L.name << " center " << center);
   kvscore::ParisKVConfig cfg;
   cfg.m = m;
   cfg.center = center;
@@ -122,10 +112,10 @@ void compare_encoding(std::int64_t H, std::int64_t N, std::int64_t d, std::int64
 }
 
 template <class T>
-void compare_search(std::int64_t H, std::int64_t G, std::int64_t nq, std::int64_t N, std::int64_t d, const Shape& L,
+void compare_search(std::int64_t H, std::int64_t G, std::int64_t nq, std::int64_t N, std::int64_t d, const Layout& L,
                     kvscore::ParisKVSearch opt) {
   INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " H " << H << " G " << G << " queries " << nq << " N "
-                << N << " d " << d << " layout " << L.layout << " k " << opt.k << " beta " << opt.beta << " rho "
+                << N << " d " << d << " layout " << L.name << " k " << opt.k << " beta " << opt.beta << " rho "
                 << opt.rho);
   const std::vector<T> keys = make_keys<T>(H, N, d, L, unsigned(7 * N + d));
   const std::vector<std::int64_t> cuts = {0, N - 17, N};
@@ -185,16 +175,16 @@ TEST_CASE("cuda pariskv: configurations the GPU path does not take are rejected 
 }
 
 TEST_CASE("cuda pariskv: the encoding is bit-identical to the CPU index", "[cuda][gpu][pariskv]") {
-  compare_encoding<float>(3, 700, 128, 8, hf_shape(3, 700, 128), true);
-  compare_encoding<half>(2, 517, 128, 8, tm_shape(2, 517, 128), true);
-  compare_encoding<bfloat16>(2, 300, 96, 8, padded_shape(2, 300, 96), true);  // P = 128: zero padding
-  compare_encoding<float>(2, 200, 64, 4, hf_shape(2, 200, 64), false);
-  compare_encoding<half>(1, 130, 16, 2, hf_shape(1, 130, 16), true);  // P < 32: one half-used code group
+  compare_encoding<float>(3, 700, 128, 8, hf(3, 700, 128), true);
+  compare_encoding<half>(2, 517, 128, 8, token_major(2, 517, 128), true);
+  compare_encoding<bfloat16>(2, 300, 96, 8, padded(2, 300, 96, 5), true);  // P = 128: zero padding
+  compare_encoding<float>(2, 200, 64, 4, hf(2, 200, 64), false);
+  compare_encoding<half>(1, 130, 16, 2, hf(1, 130, 16), true);  // P < 32: one half-used code group
 }
 
 TEST_CASE("cuda pariskv: Stage I collision scores equal the CPU's", "[cuda][gpu][pariskv]") {
   const std::int64_t H = 2, N = 3000, d = 128;
-  const Shape L = hf_shape(H, N, d);
+  const Layout L = hf(H, N, d);
   const std::vector<half> keys = make_keys<half>(H, N, d, L, 5);
   const std::vector<kvscore::ParisKV> cpu = cpu_indexes(keys, L, H, d, {0, N}, {});
   const kc::DeviceBuffer dk = upload(keys);
@@ -216,21 +206,21 @@ TEST_CASE("cuda pariskv: Stage I collision scores equal the CPU's", "[cuda][gpu]
 TEST_CASE("cuda pariskv: search equals the CPU index (positions and scores)", "[cuda][gpu][pariskv]") {
   kvscore::ParisKVSearch opt;
   opt.k = 100;
-  compare_search<half>(2, 1, 3, 6000, 128, hf_shape(2, 6000, 128), opt);  // default (β, ρ) = (0.25, 0.30)
-  compare_search<float>(2, 4, 1, 40000, 128, tm_shape(2, 40000, 128), opt);  // GQA, (0.10, 0.20)
+  compare_search<half>(2, 1, 3, 6000, 128, hf(2, 6000, 128), opt);  // default (β, ρ) = (0.25, 0.30)
+  compare_search<float>(2, 4, 1, 40000, 128, token_major(2, 40000, 128), opt);  // GQA, (0.10, 0.20)
   opt.beta = 0.05;
   opt.rho = 0.1;
-  compare_search<bfloat16>(1, 2, 2, 20000, 96, padded_shape(1, 20000, 96), opt);
+  compare_search<bfloat16>(1, 2, 2, 20000, 96, padded(1, 20000, 96, 5), opt);
   opt = {};
   opt.k = 250;  // k = N: every key
-  compare_search<half>(1, 1, 2, 250, 64, hf_shape(1, 250, 64), opt);
+  compare_search<half>(1, 1, 2, 250, 64, hf(1, 250, 64), opt);
   opt.k = 1;
-  compare_search<float>(3, 1, 2, 70, 128, hf_shape(3, 70, 128), opt);  // N < 64
+  compare_search<float>(3, 1, 2, 70, 128, hf(3, 70, 128), opt);  // N < 64
 }
 
 TEST_CASE("cuda pariskv: invalid keys and queries throw naming the value, the index unchanged", "[cuda][gpu][pariskv]") {
   const std::int64_t H = 2, N = 500, d = 64;
-  const Shape L = hf_shape(H, N, d);
+  const Layout L = hf(H, N, d);
   std::vector<float> keys = make_keys<float>(H, N, d, L, 3);
   const kc::DeviceBuffer good = upload(keys);
   kc::ParisKV g(H, d);
@@ -287,7 +277,7 @@ TEST_CASE("cuda pariskv: invalid keys and queries throw naming the value, the in
 
 TEST_CASE("cuda pariskv: set_center fixes mu before the first append", "[cuda][gpu][pariskv]") {
   const std::int64_t H = 2, N = 400, d = 32;
-  const Shape L = hf_shape(H, N, d);
+  const Layout L = hf(H, N, d);
   const std::vector<float> keys = make_keys<float>(H, N, d, L, 8);
   std::vector<float> mu(std::size_t(H * d));
   for (std::size_t i = 0; i < mu.size(); ++i) mu[i] = 0.25f * float(i % 7);
@@ -322,7 +312,7 @@ TEST_CASE("cuda pariskv: the sorted tier-table rule reproduces the CPU's collisi
     kvscore::ParisKVConfig cfg;
     cfg.m = m;
     kvscore::ParisKV idx(d, cfg);
-    const Shape L = hf_shape(1, N, d);
+    const Layout L = hf(1, N, d);
     const std::vector<float> keys = make_keys<float>(1, N, d, L, unsigned(m));
     idx.append(keys.data(), N, d);
     const std::int64_t P = idx.padded_dim(), B = idx.subspaces(), nc = std::int64_t(1) << m;

@@ -29,12 +29,6 @@ using kvscore::bfloat16;
 using kvscore::half;
 using Catch::Matchers::Contains;
 
-struct PLayout {
-  const char* name;
-  std::int64_t hs, ts, elems;
-};
-PLayout layout_hf(std::int64_t H, std::int64_t N, std::int64_t d) { return {"hf", N * d, d, H * N * d}; }
-PLayout layout_tm(std::int64_t H, std::int64_t N, std::int64_t d) { return {"token-major", d, H * d, H * N * d}; }
 
 /// Planted keys [H][N][d] (logical), every value a multiple of `quantum` below 8 in magnitude.
 std::vector<float> planted_keys(std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t K, float quantum,
@@ -82,7 +76,7 @@ std::vector<float> int_queries(std::int64_t q_heads, std::int64_t window, std::i
 
 template <class T>
 std::vector<T> lay_out(const std::vector<float>& logical, std::int64_t H, std::int64_t N, std::int64_t d,
-                       const PLayout& L) {
+                       const Layout& L) {
   std::vector<T> v(std::size_t(L.elems), kvscore::from_float<T>(0.f));
   for (std::int64_t h = 0; h < H; ++h)
     for (std::int64_t t = 0; t < N; ++t)
@@ -108,7 +102,7 @@ kvscore::ProtoKV make_proto(const std::vector<float>& q, const Case& c, std::int
 }
 
 template <class T>
-void compare_pieces(const Case& c, const PLayout& L, kvscore::ProtoKV::Psi psi) {
+void compare_pieces(const Case& c, const Layout& L, kvscore::ProtoKV::Psi psi) {
   INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " layout " << L.name << " H " << c.H << " N " << c.N
                 << " d " << c.d << " K " << c.K);
   const std::vector<float> logical = planted_keys(c.H, c.N, c.d, c.K, quantum_of<T>(), unsigned(c.N + c.d));
@@ -142,7 +136,7 @@ void compare_pieces(const Case& c, const PLayout& L, kvscore::ProtoKV::Psi psi) 
 }
 
 template <class T>
-void compare_scores(const Case& c, const PLayout& L, kvscore::ProtoKV::Psi psi) {
+void compare_scores(const Case& c, const Layout& L, kvscore::ProtoKV::Psi psi) {
   INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " layout " << L.name << " N " << c.N);
   const std::vector<float> logical = planted_keys(c.H, c.N, c.d, c.K, quantum_of<T>(), unsigned(c.N * 3 + c.d));
   const std::vector<float> q = int_queries(2 * c.H, 4, c.d, 11);
@@ -187,21 +181,21 @@ void compare_scores(const Case& c, const PLayout& L, kvscore::ProtoKV::Psi psi) 
 TEST_CASE("cuda protokv: every piece equals the CPU analyze on planted clusters", "[cuda][gpu][protokv]") {
   const Case small{2, 2048, 64, 8}, wide{2, 4096, 128, 16};
   for (const Case& c : {small, wide}) {
-    compare_pieces<float>(c, layout_hf(c.H, c.N, c.d), kvscore::ProtoKV::Psi::sum);
-    compare_pieces<half>(c, layout_tm(c.H, c.N, c.d), kvscore::ProtoKV::Psi::sum);
-    compare_pieces<bfloat16>(c, layout_hf(c.H, c.N, c.d), kvscore::ProtoKV::Psi::mean);
+    compare_pieces<float>(c, hf(c.H, c.N, c.d), kvscore::ProtoKV::Psi::sum);
+    compare_pieces<half>(c, token_major(c.H, c.N, c.d), kvscore::ProtoKV::Psi::sum);
+    compare_pieces<bfloat16>(c, hf(c.H, c.N, c.d), kvscore::ProtoKV::Psi::mean);
   }
 }
 
 TEST_CASE("cuda protokv: scores, selections and determinism equal the CPU", "[cuda][gpu][protokv]") {
   const Case c{4, 2048, 128, 8};
   for (const auto psi : {kvscore::ProtoKV::Psi::sum, kvscore::ProtoKV::Psi::mean}) {
-    compare_scores<float>(c, layout_hf(c.H, c.N, c.d), psi);
-    compare_scores<float>(c, layout_tm(c.H, c.N, c.d), psi);
-    compare_scores<half>(c, layout_hf(c.H, c.N, c.d), psi);
-    compare_scores<half>(c, layout_tm(c.H, c.N, c.d), psi);
-    compare_scores<bfloat16>(c, layout_hf(c.H, c.N, c.d), psi);
-    compare_scores<bfloat16>(c, layout_tm(c.H, c.N, c.d), psi);
+    compare_scores<float>(c, hf(c.H, c.N, c.d), psi);
+    compare_scores<float>(c, token_major(c.H, c.N, c.d), psi);
+    compare_scores<half>(c, hf(c.H, c.N, c.d), psi);
+    compare_scores<half>(c, token_major(c.H, c.N, c.d), psi);
+    compare_scores<bfloat16>(c, hf(c.H, c.N, c.d), psi);
+    compare_scores<bfloat16>(c, token_major(c.H, c.N, c.d), psi);
   }
 }
 

@@ -33,6 +33,7 @@
 
 #include <Eigen/Dense>
 
+#include "kvscore/detail/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/selection.hpp"
 #include "kvscore/view.hpp"
@@ -43,19 +44,12 @@ namespace oja {
 
 // ------------------------------------------------------------------ random numbers
 
-/// splitmix64 (Steele, Lea, Flood 2014): a fixed generator, so a seed gives the same
-/// sequence on every platform (std::normal_distribution is implementation-defined).
-struct SplitMix64 {
-  std::uint64_t state;
-  explicit SplitMix64(std::uint64_t seed) noexcept : state(seed) {}
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
+/// The library's splitmix64 (kvscore/detail/splitmix.hpp) with OjaKV's conversions
+/// (std::normal_distribution is implementation-defined).
+struct SplitMix64 : kvscore::detail::SplitMix64 {
+  using kvscore::detail::SplitMix64::SplitMix64;
   /// Uniform in (0, 1]: the top 53 bits, +1, times 2^-53 (never 0, so log() is finite).
-  double uniform() noexcept { return double((next() >> 11) + 1) * 0x1.0p-53; }
+  double uniform() noexcept { return uniform_nonzero(); }
   /// Standard normal by Box–Muller (both values of a pair are used).
   double gaussian() noexcept {
     if (has_spare_) {

@@ -62,6 +62,7 @@
 #endif
 
 #include "kvscore/detail/cpu.hpp"
+#include "kvscore/detail/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/simd/dispatch.hpp"
@@ -75,18 +76,8 @@ namespace pariskv {
 /// shares one sign vector across heads).
 inline constexpr std::uint64_t kDefaultSeed = 0x9A815C0DE5EEDull;
 
-/// splitmix64: a fixed integer recurrence, so the rotation is the same on every platform
-/// (no std::*_distribution, whose output is implementation-defined).
-struct SplitMix64 {
-  std::uint64_t state;
-  explicit SplitMix64(std::uint64_t seed) noexcept : state(seed) {}
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-};
+/// The rotation signs come from the library's splitmix64 (kvscore/detail/splitmix.hpp).
+using SplitMix64 = kvscore::detail::SplitMix64;
 
 // ------------------------------------------------------------------ Lloyd–Max quantiser
 

@@ -42,27 +42,20 @@
 #include <utility>
 #include <vector>
 
+#include "kvscore/detail/splitmix.hpp"
+
 namespace kvscore::synth {
 
-/// splitmix64: a 64-bit state advanced by a constant, output through a mixing function.
-class SplitMix64 {
+/// The library's splitmix64 (kvscore/detail/splitmix.hpp) with the generator's conversions.
+class SplitMix64 : public kvscore::detail::SplitMix64 {
  public:
-  explicit constexpr SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
-  constexpr std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
+  using kvscore::detail::SplitMix64::SplitMix64;
   /// Uniform in (0, 1]: ((x >> 11) + 1) · 2^-53 (never 0, so log() is finite).
-  constexpr double uniform() noexcept { return double((next() >> 11) + 1) * 0x1.0p-53; }
+  constexpr double uniform() noexcept { return uniform_nonzero(); }
   /// Uniform integer in [0, n) by 128-bit multiply-high (n > 0; bias < n / 2^64).
   constexpr std::uint64_t below(std::uint64_t n) noexcept {
     return std::uint64_t((unsigned __int128)next() * n >> 64);
   }
-
- private:
-  std::uint64_t state_;
 };
 
 /// Standard normals by Box–Muller: from u1, u2 = uniform(), uniform():

@@ -36,6 +36,7 @@
 
 #include <Eigen/Dense>
 
+#include "kvscore/detail/splitmix.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
@@ -47,17 +48,11 @@ namespace kvscore {
 
 namespace detail::proto {
 
-/// splitmix64 (Steele, Lea, Flood 2014): a fixed generator, identical on every platform.
-struct SplitMix64 {
-  std::uint64_t state;
-  static constexpr std::uint64_t mix(std::uint64_t z) noexcept {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  std::uint64_t next() noexcept { return mix(state += 0x9E3779B97F4A7C15ull); }
+/// The library's splitmix64 (kvscore/detail/splitmix.hpp), identical on every platform.
+struct SplitMix64 : kvscore::detail::SplitMix64 {
+  using kvscore::detail::SplitMix64::SplitMix64;
   /// Uniform in [0, 1) with 53 random bits.
-  double uniform() noexcept { return double(next() >> 11) * 0x1.0p-53; }
+  double uniform() noexcept { return uniform_from_zero(); }
 };
 
 /// Stream of head h: its own state, so heads can run in any order.

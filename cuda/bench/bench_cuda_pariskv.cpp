@@ -17,6 +17,7 @@
 #include <kvscore/cuda/pariskv.hpp>
 #include <kvscore/cuda/scorers.hpp>
 #include <kvscore/cuda/select.hpp>
+#include <kvscore/detail/splitmix.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -39,14 +40,8 @@ const Data& data(std::int64_t N, std::int64_t H, std::int64_t d) {
   auto key = std::make_pair(N, H);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   Data& D = cache[key];
-  std::uint64_t s = 0x5eedull + std::uint64_t(N) * 31 + std::uint64_t(H);
-  auto next = [&]() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  auto unif = [&]() { return float(next() >> 40) * 0x1.0p-24f; };
+  kvscore::detail::SplitMix64 rng(0x5eedull + std::uint64_t(N) * 31 + std::uint64_t(H));
+  auto unif = [&]() { return float(rng.next() >> 40) * 0x1.0p-24f; };
   // about N(0, 1): a centred sum of four uniforms (1G draws at N = 1M, 8 heads: keep it cheap)
   auto gauss = [&]() { return (unif() + unif() + unif() + unif() - 2.f) * 1.7320508f; };
   constexpr int kRank = 8;

@@ -452,6 +452,7 @@ __global__ void map_results(long long rows, long long k, long long C, const long
 
 // ------------------------------------------------------------------ host side
 
+/// One element as the library's own conversions widen it (kvscore/dtype.hpp).
 float widen_host(dtype t, const void* p) {
   if (t == dtype::f32) {
     float f;
@@ -460,15 +461,7 @@ float widen_host(dtype t, const void* p) {
   }
   std::uint16_t u;
   std::memcpy(&u, p, 2);
-  if (t == dtype::bf16) {
-    const std::uint32_t b = std::uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  }
-  __half_raw raw;
-  raw.x = u;
-  return __half2float(__half(raw));
+  return t == dtype::bf16 ? kvscore::bf16_bits_to_float(u) : kvscore::half_bits_to_float(u);
 }
 
 std::size_t elem_bytes(dtype t) { return t == dtype::f32 ? 4 : 2; }

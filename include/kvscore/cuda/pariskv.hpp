@@ -177,9 +177,8 @@ class ParisKV {
   std::vector<std::int32_t> collision_scores(const float* queries, std::int64_t q_heads, std::int64_t n_queries,
                                              double rho) const {
     ParisKVSearch opt;
-    opt.k = 0;
+    opt.k = 0;  // Stage I only: β (the candidate count) plays no part
     opt.rho = rho;
-    opt.beta = 1.0;
     const std::size_t bytes = search_workspace_bytes(q_heads, n_queries, opt);
     DeviceBuffer ws(bytes);
     DeviceBuffer col(std::size_t(std::max<std::int64_t>(1, q_heads * n_queries * s_.n)) * sizeof(std::int32_t));

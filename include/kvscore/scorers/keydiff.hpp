@@ -1,9 +1,12 @@
 // kvscore/scorers/keydiff.hpp — KeyDiff (Park et al. 2025), kvpress's formula
 // (manifoldkv.txt App. B.2): score = −cos(k, ā), ā = mean_i(k_i/‖k_i‖).
 // Zero keys: cos is taken as 0 (score 0) and they add nothing to ā; if ā = 0
-// every valid key scores 0. Two passes: norms + normalised sum, then dots.
+// every valid key scores 0. Two passes: norms + normalised sum, then dots; keys with
+// ‖k‖ < 2⁻⁶³ (subnormal fp32 squared norm) are done in fp64. Scores lie in [−1, 1].
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "kvscore/scorers/scorer_base.hpp"
@@ -24,6 +27,22 @@ struct KeyDiff : ScorerBase<KeyDiff> {
     keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
       ops.sum_normalized(first, n, stride, d, acc.data(), out + t0);  // out <- ‖k‖
     });
+    // Tiny keys, ‖k‖ < 2⁻⁶³: their fp32 squared norm is subnormal (a few bits left: ‖k‖ = 1.4e-22
+    // came out 1 % off) or 0 although the key is not zero. Redo them in fp64: swap the kernel's
+    // k/‖k‖ in ā for the exact one, and mark them for an fp64 cosine below. Rare, so cheap.
+    keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        float& o = out[t0 + i];
+        if (!detail::finite(o) || o >= kTinyNorm) continue;
+        const T* r = first + i * stride;
+        double s = 0;
+        for (std::int64_t j = 0; j < d; ++j) s += double(to_float(r[j])) * double(to_float(r[j]));
+        if (s == 0) continue;  // a zero key: score 0, nothing in ā
+        const double w = 1.0 / std::sqrt(s) - (o > 0.f ? 1.0 / double(o) : 0.0);
+        for (std::int64_t j = 0; j < d; ++j) acc[std::size_t(j)] += double(to_float(r[j])) * w;
+        o = kTinyMark;
+      }
+    });
     double anorm2 = 0.0;
     for (std::int64_t j = 0; j < d; ++j) anorm2 += acc[std::size_t(j)] * acc[std::size_t(j)];
     const double anorm = std::sqrt(anorm2);
@@ -39,10 +58,30 @@ struct KeyDiff : ScorerBase<KeyDiff> {
         const std::int64_t m = std::min(detail::kChunkTokens, n - i0);
         ops.dot(first + i0 * stride, m, stride, d, anchor.data(), dots);
         float* o = out + t0 + i0;
-        for (std::int64_t i = 0; i < m; ++i) o[i] = !detail::finite(o[i]) ? kInvalidScore : (o[i] > 0.f ? -dots[i] / o[i] : 0.f);
+        for (std::int64_t i = 0; i < m; ++i) {
+          if (!detail::finite(o[i])) {
+            o[i] = kInvalidScore;
+          } else if (o[i] == kTinyMark) {
+            const T* r = first + (i0 + i) * stride;
+            double dt = 0, s = 0;
+            for (std::int64_t j = 0; j < d; ++j) {
+              const double x = double(to_float(r[j]));
+              dt += x * acc[std::size_t(j)];
+              s += x * x;
+            }
+            o[i] = float(std::clamp(-dt / (std::sqrt(s) * anorm), -1.0, 1.0));
+          } else {
+            // fp32 rounding can put |cos| a few ulps above 1.
+            o[i] = o[i] > 0.f ? std::clamp(-dots[i] / o[i], -1.f, 1.f) : 0.f;
+          }
+        }
       }
     });
   }
+
+ private:
+  static constexpr float kTinyNorm = 0x1p-63f;  // ‖k‖² < FLT_MIN (subnormal)
+  static constexpr float kTinyMark = -1.f;      // a norm is never negative
 };
 
 }  // namespace kvscore

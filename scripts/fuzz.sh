@@ -8,6 +8,8 @@
 #   FUZZ_SECONDS  seconds per harness (default 25)       FUZZ_TARGETS  harness names (default all)
 #   FUZZ_BUILD_DIR  build folder (default build-fuzz)    FUZZ_JOBS     parallel compiles (default nproc)
 #   FUZZ_BUILD_ONLY=1  build, run each harness once over its corpus only (smoke), no fuzzing
+#   FUZZ_SEED  libFuzzer -seed (default: random). CI fixes it, so a CI run is reproducible and a
+#              longer local run with the same seed covers what CI will try (timing aside).
 # Needs: clang (14+) and libclang-rt-dev (libFuzzer, ASan/UBSan runtimes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +53,7 @@ for t in $TARGETS; do
   else
     args=(-max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1
           -artifact_prefix="$B/artifacts/$t/" "$work")
+    [ -n "${FUZZ_SEED:-}" ] && args=(-seed="$FUZZ_SEED" "${args[@]}")
   fi
   if ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$B/$t" "${args[@]}" >"$log" 2>&1; then
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)

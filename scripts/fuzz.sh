@@ -22,7 +22,7 @@ TARGETS=${FUZZ_TARGETS:-$(cd fuzz && ls fuzz_*.cpp | sed 's/\.cpp$//' | tr '\n' 
 command -v "$CXX" >/dev/null || { echo "fuzz.sh: $CXX not found (apt-get install clang libclang-rt-dev)"; exit 1; }
 mkdir -p "$B/obj" "$B/artifacts"
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-       -fopenmp -Iinclude -Ifuzz -I/usr/include/eigen3 -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_DISPATCH_X86=1)
+       -fopenmp -Iinclude -Ifuzz -I/usr/include/eigen3 -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_COMPILED=1 -DKVSCORE_DISPATCH_X86=1)
 t0=$(date +%s)
 # Kernel tables of kvscore::dispatch, with the ISA flags of CMakeLists.txt.
 build_obj() {  # src out extra-flags...
@@ -30,6 +30,8 @@ build_obj() {  # src out extra-flags...
   [ "$out" -nt "$src" ] || "$CXX" "${FLAGS[@]}" -fsanitize=fuzzer-no-link "$@" -c "$src" -o "$out"
 }
 build_obj src/dispatch.cpp "$B/obj/dispatch.o" &
+build_obj src/impl_eval.cpp "$B/obj/impl_eval.o" &
+build_obj src/impl_linalg.cpp "$B/obj/impl_linalg.o" &
 build_obj src/isa_sse2.cpp "$B/obj/sse2.o" &
 build_obj src/isa_avx2.cpp "$B/obj/avx2.o" -mavx2 -mfma -mf16c &
 build_obj src/isa_avx512.cpp "$B/obj/avx512.o" -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512cd -mavx2 -mfma -mf16c &

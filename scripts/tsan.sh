@@ -14,10 +14,12 @@ ARCHER=${ARCHER_LIB:-$(ls /usr/lib/llvm-*/lib/libarcher.so 2>/dev/null | sort -V
 [ -n "$ARCHER" ] || { echo "tsan.sh: libarcher.so not found (apt-get install libomp-dev)"; exit 1; }
 mkdir -p "$B"
 F=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=thread -fopenmp -Iinclude -I/usr/include/eigen3
-   -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_DISPATCH_X86=1 -DKVSCORE_TEST_DATA_DIR="\"$PWD/tests/data\"")
+   -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_COMPILED=1 -DKVSCORE_DISPATCH_X86=1 -DKVSCORE_TEST_DATA_DIR="\"$PWD/tests/data\"")
 t0=$(date +%s)
 "$CXX" "${F[@]}" -c tests/main.cpp -o "$B/main.o" &
 "$CXX" "${F[@]}" -c src/dispatch.cpp -o "$B/dispatch.o" &
+"$CXX" "${F[@]}" -c src/impl_eval.cpp -o "$B/impl_eval.o" &
+"$CXX" "${F[@]}" -c src/impl_linalg.cpp -o "$B/impl_linalg.o" &
 "$CXX" "${F[@]}" -c src/isa_sse2.cpp -o "$B/sse2.o" &
 wait
 "$CXX" "${F[@]}" -mavx2 -mfma -mf16c -c src/isa_avx2.cpp -o "$B/avx2.o" &

@@ -10,10 +10,10 @@ cd "$(dirname "$0")/.."
 B=${VG_BUILD_DIR:-build-valgrind}
 command -v valgrind >/dev/null || { echo "valgrind.sh: valgrind not found (apt-get install valgrind)"; exit 1; }
 mkdir -p "$B/obj" "$B/run"
-F=(-std=c++20 -O1 -g -fopenmp -Iinclude -I/usr/include/eigen3 -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_DISPATCH_X86=1)
+F=(-std=c++20 -O1 -g -fopenmp -Iinclude -I/usr/include/eigen3 -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_COMPILED=1 -DKVSCORE_DISPATCH_X86=1)
 t0=$(date +%s)
 pids=()
-for s in tools/*.cpp src/dispatch.cpp src/isa_sse2.cpp; do
+for s in tools/*.cpp src/dispatch.cpp src/impl_eval.cpp src/impl_linalg.cpp src/isa_sse2.cpp; do
   o="$B/obj/$(basename "${s%.cpp}").o"; [ "$o" -nt "$s" ] || { g++ "${F[@]}" -c "$s" -o "$o" & pids+=($!); }
 done
 o="$B/obj/isa_avx2.o"; [ "$o" -nt src/isa_avx2.cpp ] || { g++ "${F[@]}" -mavx2 -mfma -mf16c -c src/isa_avx2.cpp -o "$o" & pids+=($!); }

@@ -33,6 +33,7 @@
 
 #include <Eigen/Dense>
 
+#include "kvscore/detail/compiled.hpp"
 #include "kvscore/detail/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/selection.hpp"
@@ -79,13 +80,7 @@ inline std::string num(double v) {
 
 /// Thin Q of A (d x r, r <= d) by Householder QR, each column's sign chosen so that
 /// diag(R) >= 0: the factorisation is then unique, and an orthonormal A comes back as itself.
-inline Mat orthonormalize(const Mat& a) {
-  const Eigen::HouseholderQR<Mat> qr(a);
-  Mat q = qr.householderQ() * Mat::Identity(a.rows(), a.cols());
-  for (Eigen::Index j = 0; j < a.cols(); ++j)
-    if (qr.matrixQR()(j, j) < 0) q.col(j) = -q.col(j);
-  return q;
-}
+Mat orthonormalize(const Mat& a);
 
 inline void check_rank(const char* who, std::int64_t d, std::int64_t r) {
   if (d <= 0 || d > kMaxHeadDim)
@@ -98,56 +93,19 @@ inline void check_rank(const char* who, std::int64_t d, std::int64_t r) {
 
 /// A seeded random orthonormal d x r matrix: QR of an i.i.d. N(0, 1) matrix (filled column
 /// by column from splitmix64 + Box–Muller), signs as in orthonormalize().
-inline Mat random_orthonormal(std::int64_t d, std::int64_t r, std::uint64_t seed) {
-  check_rank("kvscore::oja::random_orthonormal", d, r);
-  SplitMix64 g(seed);
-  Mat a(d, r);
-  for (Eigen::Index j = 0; j < a.cols(); ++j)
-    for (Eigen::Index i = 0; i < a.rows(); ++i) a(i, j) = g.gaussian();
-  return orthonormalize(a);
-}
+Mat random_orthonormal(std::int64_t d, std::int64_t r, std::uint64_t seed);
 
 /// max |U^T U - I| (0 for an exactly orthonormal U).
-inline double orthonormality_error(const Mat& u) {
-  return (u.transpose() * u - Mat::Identity(u.cols(), u.cols())).cwiseAbs().maxCoeff();
-}
+double orthonormality_error(const Mat& u);
 
 /// Estimate of lambda1 of a symmetric PSD matrix: Rayleigh quotient after 32 power
 /// iterations from the column with the largest diagonal, never below max diag(C) (itself a
 /// lower bound of lambda1). 0 for C = 0.
-inline double top_eigenvalue(const Mat& c) {
-  Eigen::Index j = 0;
-  const double dmax = c.diagonal().maxCoeff(&j);
-  if (!(dmax > 0)) return 0.0;
-  Eigen::VectorXd v = c.col(j);
-  double lam = dmax;
-  for (int it = 0; it < 32; ++it) {
-    const double nv = v.norm();
-    if (!(nv > 0)) break;
-    v /= nv;
-    const Eigen::VectorXd w = c * v;
-    lam = std::max(lam, v.dot(w));
-    v = w;
-  }
-  return lam;
-}
+double top_eigenvalue(const Mat& c);
 
 /// Oja's batch rule, `iterations` times: U <- orth(U + (eta/lambda1(C)) (C U - U U^T C U)).
 /// Stops early when max |step| <= tol. Returns the steps taken. C = 0 leaves U unchanged.
-inline int oja_steps(Mat& u, const Mat& c, double eta, int iterations, double tol) {
-  const double lam = top_eigenvalue(c);
-  if (!(lam > 0) || !std::isfinite(lam)) return 0;
-  const double step = eta / lam;
-  int done = 0;
-  for (; done < iterations; ++done) {
-    const Mat cu = c * u;
-    const Mat g = cu - u * (u.transpose() * cu);  // (I - U U^T) C U: the part of C U outside U
-    const double gmax = g.cwiseAbs().maxCoeff() * step;
-    if (gmax <= tol) break;
-    u = orthonormalize(u + step * g);
-  }
-  return done;
-}
+int oja_steps(Mat& u, const Mat& c, double eta, int iterations, double tol);
 
 /// Which rank a calibration keeps: a fixed r, or the smallest r whose top-r singular values
 /// hold at least a fraction `energy` of the squared Frobenius norm (ojakv.txt A.3).
@@ -159,55 +117,12 @@ struct RankRule {
 };
 
 /// Rank chosen by `rule` from squared singular values s2 (descending).
-inline std::int64_t rank_from_energy(const Eigen::VectorXd& s2, double eps) {
-  const double total = s2.sum();
-  if (!(total > 0)) return 1;
-  double acc = 0;
-  for (Eigen::Index i = 0; i < s2.size(); ++i) {
-    acc += s2(i);
-    // Relative slack of 1e-12: an exact threshold (e.g. 13/14 asked as 13.0/14) is reached.
-    if (acc >= eps * total * (1.0 - 1e-12)) return std::int64_t(i + 1);
-  }
-  return std::int64_t(s2.size());
-}
+std::int64_t rank_from_energy(const Eigen::VectorXd& s2, double eps);
 
 /// Top right singular vectors of the stacked sample rows (each block [n_i][d] row-major fp32),
 /// rank chosen by `rule`. Non-finite samples throw.
-inline Mat calibrate(const std::vector<std::pair<const float*, std::int64_t>>& blocks, std::int64_t d,
-                     RankRule rule, const char* who) {
-  if (d <= 0 || d > kMaxHeadDim)
-    detail::throw_invalid(std::string(who) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                          std::to_string(d) + ")");
-  if (rule.rank == 0 && !(rule.energy > 0.0 && rule.energy <= 1.0))
-    detail::throw_invalid(std::string(who) + ": energy threshold must be in (0, 1] (got " + num(rule.energy) + ")");
-  if (rule.rank != 0) check_rank(who, d, rule.rank);
-  std::int64_t n = 0;
-  for (const auto& b : blocks) {
-    if (b.second < 0) detail::throw_invalid(std::string(who) + ": negative sample count " + std::to_string(b.second));
-    if (b.second > 0 && b.first == nullptr) detail::throw_invalid(std::string(who) + ": sample data is null");
-    n += b.second;
-  }
-  if (n == 0) detail::throw_invalid(std::string(who) + ": no calibration samples (0 rows)");
-  Mat x(n, d);
-  Eigen::Index row = 0;
-  for (const auto& b : blocks)
-    for (std::int64_t i = 0; i < b.second; ++i, ++row)
-      for (std::int64_t j = 0; j < d; ++j) {
-        const float v = b.first[i * d + j];
-        if (!std::isfinite(v))
-          detail::throw_invalid(std::string(who) + ": calibration value " + num(v) + " at [row " + std::to_string(i) +
-                                ", dim " + std::to_string(j) + "] is not finite");
-        x(row, j) = double(v);
-      }
-  const Eigen::BDCSVD<Mat> svd(x, Eigen::ComputeThinV);
-  const Eigen::VectorXd s2 = svd.singularValues().array().square();
-  const std::int64_t r = rule.rank != 0 ? rule.rank : rank_from_energy(s2, rule.energy);
-  if (r > std::int64_t(svd.matrixV().cols()))
-    detail::throw_invalid(std::string(who) + ": rank " + std::to_string(r) + " exceeds the " +
-                          std::to_string(svd.matrixV().cols()) + " singular vectors of " + std::to_string(n) +
-                          " samples");
-  return orthonormalize(svd.matrixV().leftCols(Eigen::Index(r)));
-}
+Mat calibrate(const std::vector<std::pair<const float*, std::int64_t>>& blocks, std::int64_t d,
+              RankRule rule, const char* who);
 
 /// True when the fp32 squared norm of the row is finite (the project-wide validity rule),
 /// computed in fp64 and compared with FLT_MAX.
@@ -234,38 +149,12 @@ struct PooledCovariance {
   std::int64_t window = -1, in_window = 0, pooled = 0, valid = 0;
   PooledCovariance(std::int64_t d_, std::int64_t p_)
       : d(d_), p(p_), c(Mat::Zero(d_, d_)), block(kBlock, d_), acc(Eigen::VectorXd::Zero(d_)) {}
-  void flush_block() {
-    if (in_block > 0) c.selfadjointView<Eigen::Lower>().rankUpdate(block.topRows(in_block).transpose());
-    in_block = 0;
-  }
-  void flush() {
-    if (in_window > 0) {
-      block.row(in_block++) = (acc / double(in_window)).transpose();
-      if (in_block == kBlock) flush_block();
-      ++pooled;
-    }
-    acc.setZero();
-    in_window = 0;
-  }
+  void flush_block();
+  void flush();
   /// Row of token t (tokens arrive in increasing order).
-  void add(std::int64_t t, const double* row, bool ok) {
-    if (t / p != window) {
-      flush();
-      window = t / p;
-    }
-    if (!ok) return;
-    ++valid;
-    ++in_window;
-    acc += Eigen::Map<const Eigen::VectorXd>(row, d);
-  }
+  void add(std::int64_t t, const double* row, bool ok);
   /// C = X^T X / m over the pooled rows (full symmetric); zero when no row was valid.
-  Mat finish() {
-    flush();
-    flush_block();
-    Mat full = c.selfadjointView<Eigen::Lower>();
-    if (pooled > 0) full /= double(pooled);
-    return full;
-  }
+  Mat finish();
 };
 
 }  // namespace oja
@@ -273,29 +162,10 @@ struct PooledCovariance {
 // ------------------------------------------------------------------ metrics
 
 /// RER = ||X - X U U^T||_F^2 / ||X||_F^2 (ojakv.txt §4). X: n x d rows, U: d x r orthonormal.
-inline double residual_energy_ratio(const Eigen::MatrixXd& x, const Eigen::MatrixXd& u) {
-  const char* who = "kvscore::residual_energy_ratio";
-  if (x.cols() != u.rows())
-    detail::throw_invalid(std::string(who) + ": data has " + std::to_string(x.cols()) + " columns but the basis has " +
-                          std::to_string(u.rows()) + " rows");
-  if (x.rows() == 0) detail::throw_invalid(std::string(who) + ": no data rows");
-  if (!x.allFinite()) detail::throw_invalid(std::string(who) + ": data holds a NaN or Inf");
-  if (!u.allFinite()) detail::throw_invalid(std::string(who) + ": basis holds a NaN or Inf");
-  const double total = x.squaredNorm();
-  if (!(total > 0)) detail::throw_invalid(std::string(who) + ": data has zero energy (every row is zero)");
-  return (x - (x * u) * u.transpose()).squaredNorm() / total;
-}
+double residual_energy_ratio(const Eigen::MatrixXd& x, const Eigen::MatrixXd& u);
 
 /// SO(U1, U2) = tr(U1^T U2 U2^T U1) / r, r = columns of U1 (ojakv.txt §4); 1 = same subspace.
-inline double subspace_overlap(const Eigen::MatrixXd& u1, const Eigen::MatrixXd& u2) {
-  const char* who = "kvscore::subspace_overlap";
-  if (u1.rows() != u2.rows())
-    detail::throw_invalid(std::string(who) + ": bases have " + std::to_string(u1.rows()) + " and " +
-                          std::to_string(u2.rows()) + " rows (head_dim differs)");
-  if (u1.cols() == 0) detail::throw_invalid(std::string(who) + ": U1 has rank 0");
-  if (!u1.allFinite() || !u2.allFinite()) detail::throw_invalid(std::string(who) + ": basis holds a NaN or Inf");
-  return (u2.transpose() * u1).squaredNorm() / double(u1.cols());
-}
+double subspace_overlap(const Eigen::MatrixXd& u1, const Eigen::MatrixXd& u2);
 
 // ------------------------------------------------------------------ one basis
 
@@ -728,58 +598,13 @@ class OjaHybridCache {
 
   /// Reference attention of one query over head h: softmax(q K^^T / √d) V^ (d outputs),
   /// logits and sums in fp64, invalid tokens masked out. q: d floats, finite.
-  std::vector<double> attention(std::int64_t h, const float* q) const {
-    const std::string who = "kvscore::OjaHybridCache::attention: ";
-    if (h < 0 || h >= heads())
-      detail::throw_invalid(who + "head " + std::to_string(h) + " out of range [0, " + std::to_string(heads()) + ")");
-    if (q == nullptr) detail::throw_invalid(who + "query is null");
-    for (std::int64_t j = 0; j < dim_; ++j)
-      if (!std::isfinite(q[j])) detail::throw_invalid(who + "query value " + oja::num(q[j]) + " at dim " + std::to_string(j) + " is not finite");
-    const oja::RowMajorF k = reconstruct_keys(h), v = reconstruct_values(h);
-    const Head& hd = heads_[std::size_t(h)];
-    std::vector<double> logit(std::size_t(tokens_), -std::numeric_limits<double>::infinity());
-    double mx = -std::numeric_limits<double>::infinity();
-    const double s = 1.0 / std::sqrt(double(dim_));
-    for (std::int64_t t = 0; t < tokens_; ++t) {
-      if (!hd.valid[std::size_t(t)]) continue;
-      double z = 0;
-      for (std::int64_t j = 0; j < dim_; ++j) z += double(q[j]) * double(k(t, j));
-      logit[std::size_t(t)] = z * s;
-      mx = std::max(mx, z * s);
-    }
-    std::vector<double> o(std::size_t(dim_), 0.0);
-    if (mx == -std::numeric_limits<double>::infinity()) return o;  // no valid token
-    double sum = 0;
-    for (std::int64_t t = 0; t < tokens_; ++t) {
-      if (!hd.valid[std::size_t(t)]) continue;
-      const double e = std::exp(logit[std::size_t(t)] - mx);
-      sum += e;
-      for (std::int64_t j = 0; j < dim_; ++j) o[std::size_t(j)] += e * double(v(t, j));
-    }
-    for (double& x : o) x /= sum;
-    return o;
-  }
+  std::vector<double> attention(std::int64_t h, const float* q) const;
 
   /// After a basis update (OjaProjector::push / flush), re-expresses head h's codes in the
   /// projector's current bases: K~ <- K~ (U_k_old^T U_k_new), the same for V. The new
   /// reconstruction is the projection of the old one onto the new subspace (information outside
   /// the old subspace is gone already); full-rank rows are untouched. Cost O(n r r') per head.
-  void rebase(std::int64_t h, const OjaProjector& p) {
-    const std::string who = "kvscore::OjaHybridCache::rebase: ";
-    if (h < 0 || h >= heads())
-      detail::throw_invalid(who + "head " + std::to_string(h) + " out of range [0, " + std::to_string(heads()) + ")");
-    if (p.head_dim() != dim_)
-      detail::throw_invalid(who + "projector has head_dim " + std::to_string(p.head_dim()) + ", cache " +
-                            std::to_string(dim_));
-    Head& hd = heads_[std::size_t(h)];
-    const Eigen::MatrixXd uk = p.key().basis(), uv = p.value().basis();
-    const Eigen::MatrixXf mk = (hd.uk.cast<double>().transpose() * uk).cast<float>();  // r x r', fp64 then rounded
-    const Eigen::MatrixXf mv = (hd.uv.cast<double>().transpose() * uv).cast<float>();
-    hd.codes_k = oja::RowMajorF(hd.codes_k * mk);
-    hd.codes_v = oja::RowMajorF(hd.codes_v * mv);
-    hd.uk = uk.cast<float>();
-    hd.uv = uv.cast<float>();
-  }
+  void rebase(std::int64_t h, const OjaProjector& p);
 
   /// Memory of head h under this store (ojakv_memory with its ranks and full-rank count).
   OjaMemory memory(std::int64_t h, std::int64_t bytes_per_scalar) const {
@@ -798,19 +623,14 @@ class OjaHybridCache {
     return m;
   }
 
-  oja::RowMajorF reconstruct(std::int64_t h, bool keys) const {
-    const Head& hd = head(h);
-    const oja::RowMajorF low = keys ? oja::RowMajorF(hd.codes_k * hd.uk.transpose())
-                                    : oja::RowMajorF(hd.codes_v * hd.uv.transpose());
-    const oja::RowMajorF& full = keys ? hd.full_k : hd.full_v;
-    oja::RowMajorF out(tokens_, dim_);
-    for (std::int64_t t = 0, a = 0, b = 0; t < tokens_; ++t)
-      out.row(t) = hd.is_full[std::size_t(t)] ? full.row(a++) : low.row(b++);
-    return out;
-  }
+  oja::RowMajorF reconstruct(std::int64_t h, bool keys) const;
 
   std::vector<Head> heads_;
   std::int64_t tokens_ = 0, dim_ = 0;
 };
 
 }  // namespace kvscore
+
+#if !defined(KVSCORE_COMPILED)
+#include "kvscore/impl/ojakv_impl.hpp"
+#endif

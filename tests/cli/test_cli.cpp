@@ -1,7 +1,6 @@
 // Tests of the `kvscore` command-line tool: it is run as a process (KVSCORE_CLI_PATH)
 // on .npy files written here; its scores must equal the library's bit for bit, and
 // every bad input must give exit code 2 and exactly one "kvscore: " line on stderr.
-#define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include <cstdint>

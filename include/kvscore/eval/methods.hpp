@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kvscore/detail/compiled.hpp"
 #include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"
 #include "kvscore/scorers/protokv.hpp"
@@ -100,33 +101,7 @@ MethodFn scorer_method(std::function<Scorer(const LayerInput&, const MethodOptio
 /// The oracle: keeps the tokens with the largest mean full-attention probability over the
 /// head's evaluation queries — the ceiling a query-agnostic eviction could reach (it sees
 /// the very queries it is scored on).
-inline Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-  const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
-  Scores s(H, N);
-  const double scale = 1.0 / std::sqrt(double(d));
-  std::vector<double> l(static_cast<std::size_t>(N)), acc(static_cast<std::size_t>(N));
-  for (std::int64_t h = 0; h < H; ++h) {
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (std::int64_t g = 0; g < G; ++g)
-      for (std::int64_t i = 0; i < in.n_queries; ++i) {
-        const float* q = in.query(h * G + g, i);
-        double m = -INFINITY;
-        for (std::int64_t t = 0; t < N; ++t) {
-          const float* k = in.keys + (h * N + t) * d;
-          double dot = 0;
-          for (std::int64_t j = 0; j < d; ++j) dot += double(q[j]) * double(k[j]);
-          l[std::size_t(t)] = dot * scale;
-          m = std::max(m, l[std::size_t(t)]);
-        }
-        double z = 0;
-        for (std::int64_t t = 0; t < N; ++t) z += (l[std::size_t(t)] = std::exp(l[std::size_t(t)] - m));
-        for (std::int64_t t = 0; t < N; ++t) acc[std::size_t(t)] += l[std::size_t(t)] / z;
-      }
-    float* out = s.data() + h * N;
-    for (std::int64_t t = 0; t < N; ++t) out[t] = float(acc[std::size_t(t)]);
-  }
-  return select_scores(s, n, o);
-}
+Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptions& o);
 
 /// Ranks of OjaKV's bases in the evaluator: r = max(1, head_dim / 4) for keys and values
 /// (32 of 128), seeded random start + prefill (docs/ojakv.md defaults), so the low-rank part
@@ -137,98 +112,14 @@ inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std
 /// layer's keys and values), the n tokens with the largest query-weighted residual (the
 /// evaluation queries as the window) kept full rank through the selector, every other token
 /// as low-rank codes; `output` is the hybrid cache's reference attention.
-inline Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-  const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
-  if (in.value_dim != d)
-    throw std::invalid_argument("ojakv: value_dim " + std::to_string(in.value_dim) + " must equal head_dim " +
-                                std::to_string(d) + " (one projector dimension for keys and values)");
-  const std::int64_t r = ojakv_eval_rank(d);
-  const KeysView<float> keys = in.key_view();
-  const KeysView<float> values(in.values, H, N, d, N * d, d);
-  std::vector<OjaProjector> proj;
-  std::vector<Eigen::MatrixXd> bases;
-  proj.reserve(std::size_t(H));
-  for (std::int64_t h = 0; h < H; ++h) {
-    proj.push_back(OjaProjector::random(d, r, r, std::uint64_t(h)));
-    proj.back().prefill(keys, values, h);
-    bases.push_back(proj.back().key().basis());
-  }
-  OjaResidual res(in.queries, in.q_heads, in.n_queries, d, std::move(bases));
-  res.num_threads = o.threads;
-  Compressed c = select_scores(res.score(keys), n, o);
-  auto cache = std::make_shared<const OjaHybridCache>(OjaHybridCache::build(proj, keys, values, c.kept));
-  const LayerInput layer = in;
-  c.output = [cache, layer, G, d](std::int64_t hq, std::int64_t i, double* out) {
-    const std::vector<double> a = cache->attention(hq / G, layer.query(hq, i));
-    std::copy(a.begin(), a.begin() + d, out);
-  };
-  return c;
-}
+Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o);
 
 /// ParisKV as retrieval: one index per KV head (built inside the timed call), one top-n search
 /// per (query head, query) with the paper's length-adaptive (beta, rho); no protection.
-inline Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
-  Compressed c;
-  c.per_query.resize(std::size_t(in.q_heads * in.n_queries));
-  ParisKVSearch so;
-  so.k = n;
-  ParisKV::Workspace ws;
-  ParisKVResult r;
-  for (std::int64_t h = 0; h < in.kv_heads; ++h) {
-    ParisKV index(in.head_dim);
-    index.append(in.keys + h * in.tokens * in.head_dim, in.tokens, in.head_dim);
-    for (std::int64_t hq = h * in.group(); hq < (h + 1) * in.group(); ++hq)
-      for (std::int64_t i = 0; i < in.n_queries; ++i) {
-        index.search(in.query(hq, i), so, ws, r);
-        c.per_query[std::size_t(hq * in.n_queries + i)] = r.positions;
-      }
-  }
-  return c;
-}
+Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
 
 /// The methods `--methods all` runs, in report order.
-inline std::vector<Method> builtin_methods() {
-  std::vector<Method> m;
-  m.push_back({"knorm", "K-norm: keep low-norm keys", scorer_method<KNorm>([](const LayerInput&, const MethodOptions&) {
-                 return KNorm{};
-               })});
-  m.push_back({"keydiff", "KeyDiff: keep keys least similar (cosine) to the mean direction",
-               scorer_method<KeyDiff>([](const LayerInput&, const MethodOptions&) { return KeyDiff{}; })});
-  m.push_back({"l2", "ManifoldKV: keep keys far (L2) from the centroid",
-               scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; })});
-  m.push_back({"windowed-l2", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)",
-               scorer_method<WindowedManifoldL2>(
-                   [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window); })});
-  m.push_back({"qfilter", "Q-Filters: <k, f_h>, filters calibrated on the evaluation queries",
-               scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
-                 return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads),
-                                in.kv_heads, in.head_dim);
-               })});
-  m.push_back({"snapkv", "SnapKV: attention of the evaluation queries as the observation window (kept)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 SnapKV s(in.queries, in.q_heads, in.n_queries, in.head_dim);
-                 s.num_threads = o.threads;
-                 return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
-               }});
-  m.push_back({"streaming_llm", "StreamingLLM: sinks + most recent tokens (per head)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 const StreamingLLM s{o.select.sinks > 0 ? o.select.sinks : o.streaming_sinks};
-                 Compressed c;
-                 c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
-                 return c;
-               }});
-  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (window protected)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 ProtoKV p(in.queries, in.q_heads, in.n_queries, in.head_dim);
-                 p.num_threads = o.threads;
-                 return select_scores(p.score(in.key_view()), n, o, in.n_queries);
-               }});
-  m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
-  m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
-               ojakv_method});
-  m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});
-  return m;
-}
+std::vector<Method> builtin_methods();
 
 /// The registry (built-ins first); register_method() appends to it.
 inline std::vector<Method>& registry() {
@@ -282,3 +173,7 @@ inline std::vector<std::string> resolve_methods(const std::string& spec) {
 }
 
 }  // namespace kvscore::eval
+
+#if !defined(KVSCORE_COMPILED)
+#include "kvscore/impl/eval_methods_impl.hpp"
+#endif

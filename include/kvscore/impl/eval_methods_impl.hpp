@@ -1,0 +1,128 @@
+// kvscore/impl/eval_methods_impl.hpp — the evaluator's built-in methods (they instantiate every
+// scorer, the selector, ParisKV and OjaKV): inline in header-only use, compiled once into
+// kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
+#pragma once
+
+#include "kvscore/eval/methods.hpp"
+
+namespace kvscore::eval {
+
+KVSCORE_IMPL_INLINE Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+  const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
+  Scores s(H, N);
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> l(static_cast<std::size_t>(N)), acc(static_cast<std::size_t>(N));
+  for (std::int64_t h = 0; h < H; ++h) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (std::int64_t g = 0; g < G; ++g)
+      for (std::int64_t i = 0; i < in.n_queries; ++i) {
+        const float* q = in.query(h * G + g, i);
+        double m = -INFINITY;
+        for (std::int64_t t = 0; t < N; ++t) {
+          const float* k = in.keys + (h * N + t) * d;
+          double dot = 0;
+          for (std::int64_t j = 0; j < d; ++j) dot += double(q[j]) * double(k[j]);
+          l[std::size_t(t)] = dot * scale;
+          m = std::max(m, l[std::size_t(t)]);
+        }
+        double z = 0;
+        for (std::int64_t t = 0; t < N; ++t) z += (l[std::size_t(t)] = std::exp(l[std::size_t(t)] - m));
+        for (std::int64_t t = 0; t < N; ++t) acc[std::size_t(t)] += l[std::size_t(t)] / z;
+      }
+    float* out = s.data() + h * N;
+    for (std::int64_t t = 0; t < N; ++t) out[t] = float(acc[std::size_t(t)]);
+  }
+  return select_scores(s, n, o);
+}
+
+KVSCORE_IMPL_INLINE Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+  const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
+  if (in.value_dim != d)
+    throw std::invalid_argument("ojakv: value_dim " + std::to_string(in.value_dim) + " must equal head_dim " +
+                                std::to_string(d) + " (one projector dimension for keys and values)");
+  const std::int64_t r = ojakv_eval_rank(d);
+  const KeysView<float> keys = in.key_view();
+  const KeysView<float> values(in.values, H, N, d, N * d, d);
+  std::vector<OjaProjector> proj;
+  std::vector<Eigen::MatrixXd> bases;
+  proj.reserve(std::size_t(H));
+  for (std::int64_t h = 0; h < H; ++h) {
+    proj.push_back(OjaProjector::random(d, r, r, std::uint64_t(h)));
+    proj.back().prefill(keys, values, h);
+    bases.push_back(proj.back().key().basis());
+  }
+  OjaResidual res(in.queries, in.q_heads, in.n_queries, d, std::move(bases));
+  res.num_threads = o.threads;
+  Compressed c = select_scores(res.score(keys), n, o);
+  auto cache = std::make_shared<const OjaHybridCache>(OjaHybridCache::build(proj, keys, values, c.kept));
+  const LayerInput layer = in;
+  c.output = [cache, layer, G, d](std::int64_t hq, std::int64_t i, double* out) {
+    const std::vector<double> a = cache->attention(hq / G, layer.query(hq, i));
+    std::copy(a.begin(), a.begin() + d, out);
+  };
+  return c;
+}
+
+KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
+  Compressed c;
+  c.per_query.resize(std::size_t(in.q_heads * in.n_queries));
+  ParisKVSearch so;
+  so.k = n;
+  ParisKV::Workspace ws;
+  ParisKVResult r;
+  for (std::int64_t h = 0; h < in.kv_heads; ++h) {
+    ParisKV index(in.head_dim);
+    index.append(in.keys + h * in.tokens * in.head_dim, in.tokens, in.head_dim);
+    for (std::int64_t hq = h * in.group(); hq < (h + 1) * in.group(); ++hq)
+      for (std::int64_t i = 0; i < in.n_queries; ++i) {
+        index.search(in.query(hq, i), so, ws, r);
+        c.per_query[std::size_t(hq * in.n_queries + i)] = r.positions;
+      }
+  }
+  return c;
+}
+
+KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
+  std::vector<Method> m;
+  m.push_back({"knorm", "K-norm: keep low-norm keys", scorer_method<KNorm>([](const LayerInput&, const MethodOptions&) {
+                 return KNorm{};
+               })});
+  m.push_back({"keydiff", "KeyDiff: keep keys least similar (cosine) to the mean direction",
+               scorer_method<KeyDiff>([](const LayerInput&, const MethodOptions&) { return KeyDiff{}; })});
+  m.push_back({"l2", "ManifoldKV: keep keys far (L2) from the centroid",
+               scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; })});
+  m.push_back({"windowed-l2", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)",
+               scorer_method<WindowedManifoldL2>(
+                   [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window); })});
+  m.push_back({"qfilter", "Q-Filters: <k, f_h>, filters calibrated on the evaluation queries",
+               scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
+                 return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads),
+                                in.kv_heads, in.head_dim);
+               })});
+  m.push_back({"snapkv", "SnapKV: attention of the evaluation queries as the observation window (kept)",
+               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+                 SnapKV s(in.queries, in.q_heads, in.n_queries, in.head_dim);
+                 s.num_threads = o.threads;
+                 return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
+               }});
+  m.push_back({"streaming_llm", "StreamingLLM: sinks + most recent tokens (per head)",
+               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+                 const StreamingLLM s{o.select.sinks > 0 ? o.select.sinks : o.streaming_sinks};
+                 Compressed c;
+                 c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
+                 return c;
+               }});
+  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (window protected)",
+               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+                 ProtoKV p(in.queries, in.q_heads, in.n_queries, in.head_dim);
+                 p.num_threads = o.threads;
+                 return select_scores(p.score(in.key_view()), n, o, in.n_queries);
+               }});
+  m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
+  m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
+               ojakv_method});
+  m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});
+  return m;
+}
+
+}  // namespace kvscore::eval

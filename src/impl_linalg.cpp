@@ -1,0 +1,4 @@
+// OjaKV's and Q-Filters' Eigen numerics (SVD, QR, GEMMs), compiled once
+// (kvscore/detail/compiled.hpp): users of kvscore::dispatch see only their declarations.
+#include "kvscore/impl/ojakv_impl.hpp"
+#include "kvscore/impl/qfilter_impl.hpp"

@@ -500,6 +500,29 @@ TEST_CASE("pariskv: exact ties in <q_b, s> go to the lower pattern id (one-hot q
   }
 }
 
+// Issue 18, defect 4: below 5K tokens the default beta is 0.5, so at keep 0.5 the old rule
+// C = max(ceil(beta N), k) gave C = k: Stage II reranked nothing. With the default beta, C is at
+// least min(N, 2k): here every key, and the result is the top k of the RSQ-IP estimates.
+TEST_CASE("pariskv: the default candidate count leaves the rerank candidates beyond k", "[pariskv]") {
+  ParisKV idx(32);
+  const auto K = gaussian(1000, 32, 23);
+  idx.append(K.data(), 1000, 32);
+  const auto q = gaussian(1, 32, 24);
+  ParisKVSearch o;
+  o.k = 500;  // keep 0.5
+  const ParisKVResult r = idx.search(q.data(), o);
+  CHECK(r.candidates == 1000);
+  std::vector<float> est(1000);
+  idx.estimate(q.data(), est.data());
+  CHECK(r.positions == kvscore::select(kvscore::ScoresView(est.data(), 1, 1000), kvscore::Budget::per_head(500)).positions);
+  o.k = 100;  // 2k below ceil(0.5 N): the paper's count
+  CHECK(idx.search(q.data(), o).candidates == 500);
+  o.k = 300;
+  CHECK(idx.search(q.data(), o).candidates == 600);
+  o.beta = 0.5;  // an explicit beta keeps max(ceil(beta N), k)
+  CHECK(idx.search(q.data(), o).candidates == 500);
+}
+
 TEST_CASE("pariskv: candidate selection keeps exactly C keys, ties by position", "[pariskv]") {
   // With beta = rho = 1 every key is a candidate; with tiny beta the candidate count is
   // max(ceil(beta N), k). Check the reported count and that results are valid positions.

@@ -6,15 +6,19 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kvscore/detail/parallel.hpp"
+#include "kvscore/eval/evaluate.hpp"
 #include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
@@ -269,4 +273,113 @@ TEST_CASE("robustness: a 2^31+64-token fp16 view over a sparse mapping is sliced
   const kvscore::Scores z = kvscore::KNorm{}.score(view.tokens_slice((i64(1) << 31) - 8, (i64(1) << 31) + 8));
   for (i64 t = 0; t < 16; ++t) CHECK(z(0, t) == (t < 8 ? 0.f : -float(t - 7)));
   munmap(p, bytes);
+}
+
+// ---- No exception crosses an OpenMP region (std::terminate). Every parallel loop of the
+// library is detail::parallel_for_tid: the thrown exception of the lowest failing index is
+// rethrown after the region. One case per region that can throw.
+
+namespace {
+
+/// The message of the exception `f` throws ("" when it throws none).
+std::string thrown(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// A scorer whose heads >= 2 fail (ScorerBase's loop over heads, which every scorer and
+/// ProtoKV / OjaResidual use).
+struct FailingScorer : kvscore::ScorerBase<FailingScorer> {
+  static constexpr const char* name = "failing";
+  template <class View>
+  void score_head(const kvscore::simd::KernelTable&, const View&, i64 h, float* out) const {
+    if (h >= 2) throw std::runtime_error("head " + std::to_string(h) + " failed");
+    out[0] = 0.f;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("robustness: parallel_for rethrows the lowest failing index after every index ran", "[robustness][errors][threads]") {
+  for (int threads : {1, 2, 4}) {
+    INFO("threads " << threads);
+    std::vector<int> ran(64, 0);
+    const std::string msg = thrown([&] {
+      kvscore::detail::parallel_for(64, threads, [&](i64 i) {
+        ran[std::size_t(i)] = 1;
+        if (i == 9 || i == 40) throw std::invalid_argument("index " + std::to_string(i));
+      });
+    });
+    CHECK(msg == "index 9");
+    if (threads > 1) CHECK(std::count(ran.begin(), ran.end(), 1) == 64);  // the region ran to its end
+  }
+}
+
+TEST_CASE("robustness: an exception in a scorer's head loop leaves score() as an exception", "[robustness][errors][threads]") {
+  const std::vector<float> k(std::size_t(8 * 4 * 2), 1.f);
+  const kvscore::KeysView<float> view(k.data(), 8, 4, 2, 4 * 2, 2);
+  for (int threads : {1, 4}) {
+    FailingScorer sc;
+    sc.num_threads = threads;
+    CHECK(thrown([&] { sc.score(view); }) == "head 2 failed");
+  }
+}
+
+TEST_CASE("robustness: an exception in the selector's head loop is rethrown", "[robustness][errors][threads]") {
+  for (int threads : {1, 4}) {
+    INFO("threads " << threads);
+    CHECK(thrown([&] {
+            kvscore::detail::sel::parallel_heads(8, threads, [](i64 h, int) {
+              if (h >= 5) throw std::runtime_error("select head " + std::to_string(h));
+            });
+          }) == "select head 5");
+  }
+}
+
+TEST_CASE("robustness: pariskv_retrieve rejects a finite query whose squared norm overflows, on any thread count", "[robustness][errors][threads]") {
+  const std::vector<float> keys = gaussian(std::size_t(2 * 500 * 32), 41);
+  std::vector<float> q = gaussian(std::size_t(4 * 3 * 32), 42);
+  q[std::size_t((1 * 3 + 2) * 32 + 7)] = 3e19f;  // finite; its square is not (fp32)
+  const kvscore::KeysView<float> view(keys.data(), 2, 500, 32, 500 * 32, 32);
+  kvscore::ParisKVSearch opt;
+  opt.k = 10;
+  for (int threads : {1, 4})
+    for (i64 group : {1, 2}) {
+      INFO("threads " << threads << " group " << group);
+      CHECK(thrown([&] { kvscore::pariskv_retrieve(view, q.data(), 4, 3, group, opt, {}, threads); }) ==
+            "kvscore::pariskv_retrieve: query head 1, query 2 has a squared norm that overflows fp32 (magnitude "
+            "above ~1.8e19)");
+    }
+}
+
+TEST_CASE("robustness: an exception in the evaluator's loop over heads is rethrown", "[robustness][errors][threads]") {
+  namespace eval = kvscore::eval;
+  static const bool registered = [] {
+    eval::register_method({"test-failing-output", "hybrid whose output fails for query head 3",
+                           [](const eval::LayerInput& in, i64 n, const eval::MethodOptions& o) {
+                             eval::Compressed c = eval::select_scores(kvscore::KNorm{}.score(in.key_view()), n, o);
+                             c.output = [](i64 hq, i64, double* out) {
+                               if (hq == 3) throw std::invalid_argument("output of query head 3 failed");
+                               out[0] = 0.0;
+                             };
+                             return c;
+                           }});
+    return true;
+  }();
+  (void)registered;
+  const i64 H = 2, N = 64, d = 8, HQ = 4, NQ = 2;
+  const std::vector<float> K = gaussian(std::size_t(H * N * d), 51), V = gaussian(std::size_t(H * N * d), 52);
+  const std::vector<float> Q = gaussian(std::size_t(HQ * NQ * d), 53);
+  const std::vector<eval::LayerInput> layers = {{K.data(), V.data(), Q.data(), H, N, d, d, HQ, NQ}};
+  for (int threads : {1, 4}) {
+    eval::EvalOptions opt;
+    opt.methods = {"test-failing-output"};
+    opt.keep = {0.5};
+    opt.threads = threads;
+    CHECK(thrown([&] { eval::evaluate(layers, opt); }) == "output of query head 3 failed");
+  }
 }

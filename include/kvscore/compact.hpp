@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "kvscore/detail/parallel.hpp"
 #include "kvscore/detail/selection_check.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/paged.hpp"
@@ -136,20 +137,7 @@ void check_compactable(const MutPagedKeysView<T>& v, const char* who) {
 
 template <class F>
 void compact_for_each_head(std::int64_t heads, int num_threads, F&& f) {
-#if defined(_OPENMP)
-  if (num_threads != 1 && heads > 1) {
-    if (num_threads > 0) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-      for (std::int64_t h = 0; h < heads; ++h) f(h);
-    } else {
-#pragma omp parallel for schedule(static)
-      for (std::int64_t h = 0; h < heads; ++h) f(h);
-    }
-    return;
-  }
-#endif
-  (void)num_threads;
-  for (std::int64_t h = 0; h < heads; ++h) f(h);
+  parallel_for(heads, num_threads, f);
 }
 
 /// Gathers rows keep[0..n) of head h to rows [0, n), then handles the tail.

@@ -27,7 +27,8 @@
 //   Optional exact rerank (rerank_exact = k' ≥ k, needs the full-precision keys): the top k'
 //            by RSQ-IP are rescored exactly with the library's SIMD dot kernel, top k of those.
 // (β, ρ) default by length N: N<5K (0.50, 0.50); <10K (0.25, 0.30); <30K (0.20, 0.25); else
-// (0.10, 0.20). C is never below the number of results asked for (max(k, k')).
+// (0.10, 0.20). C is never below the number of results asked for (max(k, k')), and with the
+// default β never below min(N, 2·max(k, k')) (candidate_count).
 //
 // Determinism: one query runs on one thread; every step is a fixed sequence of fp32/fp64 and
 // integer operations, so results are identical across runs and thread counts (the multi-head
@@ -237,6 +238,15 @@ inline std::int64_t ratio_count(double x, std::int64_t n) noexcept {
   if (n <= 0) return 0;
   const double c = std::ceil(x * double(n) * (1.0 - 1e-12));
   return std::max<std::int64_t>(1, std::min<std::int64_t>(n, std::int64_t(c)));
+}
+
+/// Stage I candidate count C for `results` = max(k, k') <= N results. An explicit β (> 0):
+/// max(⌈βN⌉, results). The length-adaptive default: at least min(N, 2·results) as well, so the
+/// RSQ-IP rerank always has candidates beyond the results it returns (below 5K tokens the default
+/// β = 0.5 would give C = k at keep 0.5: no rerank at all; docs/pariskv.md).
+inline std::int64_t candidate_count(double beta, std::int64_t n, std::int64_t results) noexcept {
+  if (beta != 0) return std::max(ratio_count(beta, n), results);
+  return std::max(ratio_count(default_ratios(n).beta, n), std::min(n, 2 * results));
 }
 
 inline constexpr int kTiers = 6;
@@ -1067,10 +1077,9 @@ class ParisKV {
       out.candidates = k;
       return;
     }
-    const pariskv::Ratios def = pariskv::default_ratios(n_);
-    const double beta = opt.beta != 0 ? opt.beta : def.beta, rho = opt.rho != 0 ? opt.rho : def.rho;
+    const double rho = opt.rho != 0 ? opt.rho : pariskv::default_ratios(n_).rho;
     const std::int64_t kk = std::min(n_, std::max(k, opt.rerank_exact));
-    const std::int64_t C = std::max(pariskv::ratio_count(beta, n_), kk);
+    const std::int64_t C = pariskv::candidate_count(opt.beta, n_, kk);
 
     // Stage I: collision scores and the C best keys (ties: lower position)
     const bool s8 = collide(ws, pariskv::ratio_count(rho, n_), vec);
@@ -1173,14 +1182,21 @@ std::vector<std::int64_t> pariskv_retrieve(const KeysView<T>& keys, const float*
   std::vector<ParisKV> index;
   index.reserve(std::size_t(H));
   for (std::int64_t h = 0; h < H; ++h) index.emplace_back(d, cfg);
-  // validate everything serially (exceptions must not cross an OpenMP region)
+  // validate everything serially, so the error names the input (detail::parallel_for would
+  // carry an exception out of the region too, but with the index's message)
   for (std::int64_t h = 0; h < H; ++h) index[std::size_t(h)].append(keys, h);
-  for (std::int64_t i = 0; i < q_heads * n_queries; ++i)
-    for (std::int64_t j = 0; j < d; ++j)
-      if (!std::isfinite(queries[i * d + j]))
-        pariskv::detail::fail(who + ": query value " + std::to_string(queries[i * d + j]) + " at query head " +
-                              std::to_string(i / n_queries) + ", query " + std::to_string(i % n_queries) +
-                              " is not finite");
+  for (std::int64_t i = 0; i < q_heads * n_queries; ++i) {
+    const std::string at = "query head " + std::to_string(i / n_queries) + ", query " + std::to_string(i % n_queries);
+    float sq = 0.f;  // the same fp32 sum as the index's own row check
+    for (std::int64_t j = 0; j < d; ++j) {
+      const float v = queries[i * d + j];
+      if (!std::isfinite(v))
+        pariskv::detail::fail(who + ": query value " + std::to_string(v) + " at " + at + " is not finite");
+      sq += v * v;
+    }
+    if (!std::isfinite(sq))
+      pariskv::detail::fail(who + ": " + at + " has a squared norm that overflows fp32 (magnitude above ~1.8e19)");
+  }
   index[0].check_options(opt, true, keys.token_stride());
   std::vector<std::int64_t> out(std::size_t(q_heads * n_queries * k));
   const std::int64_t sets = q_heads / group;
@@ -1196,23 +1212,15 @@ std::vector<std::int64_t> pariskv_retrieve(const KeysView<T>& keys, const float*
         std::copy(r.positions.begin(), r.positions.end(), out.begin() + ((h0 + g) * n_queries + qi) * k);
     }
   };
-#if defined(_OPENMP)
-  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
-#pragma omp parallel num_threads(nt)
-  {
+  struct Scratch {
     ParisKV::Workspace ws;
     ParisKVResult r;
-    std::vector<float> qg(std::size_t(group * d));
-#pragma omp for schedule(static)
-    for (std::int64_t s = 0; s < sets; ++s) run(s, ws, r, qg);
-  }
-#else
-  (void)num_threads;
-  ParisKV::Workspace ws;
-  ParisKVResult r;
-  std::vector<float> qg(std::size_t(group * d));
-  for (std::int64_t s = 0; s < sets; ++s) run(s, ws, r, qg);
-#endif
+    std::vector<float> qg;
+  };
+  kvscore::detail::parallel_for_state<Scratch>(sets, num_threads, [&](Scratch& t, std::int64_t s) {
+    t.qg.resize(std::size_t(group * d));
+    run(s, t.ws, t.r, t.qg);
+  });
   return out;
 }
 

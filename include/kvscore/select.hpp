@@ -57,6 +57,7 @@
 #include <omp.h>
 #endif
 
+#include "kvscore/detail/parallel.hpp"
 #include "kvscore/select/radix.hpp"
 #include "kvscore/selection.hpp"
 #include "kvscore/view.hpp"
@@ -274,22 +275,12 @@ inline void znorm_params(const Passes<float>& P, const float* x, std::int64_t n,
   *inv_std = sd > 0 ? 1.0 / sd : 0.0;
 }
 
-/// f(h, tid) for every head on `threads` threads (static schedule); f must not throw.
+/// f(h, tid) for every head on `threads` threads (static schedule; tid indexes the per-thread
+/// workspace).
 template <class F>
 void parallel_heads(std::int64_t heads, int threads, F&& f) {
-#if defined(_OPENMP)
-  if (threads > 1 && heads > 1) {
-#pragma omp parallel num_threads(threads)
-    {
-      const int tid = omp_get_thread_num();
-#pragma omp for schedule(static)
-      for (std::int64_t h = 0; h < heads; ++h) f(h, tid);
-    }
-    return;
-  }
-#endif
-  (void)threads;
-  for (std::int64_t h = 0; h < heads; ++h) f(h, 0);
+  kvscore::detail::parallel_for_tid(
+      heads, threads, [](int) { return 0; }, [&](int, std::int64_t h, int tid) { f(h, tid); });
 }
 
 inline void run_per_head(const Plan& p, const Input& in, const SelectOptions& opt, std::uint32_t* const* cand,

@@ -207,6 +207,13 @@ TEST_CASE("cli pariskv: bad input is exit 2 with one line", "[cli][pariskv]") {
   qn[std::size_t((2 * NQ + 1) * D + 3)] = std::numeric_limits<float>::infinity();
   npy::save<float>(path("qn.npy"), {HQ, NQ, D}, qn.data());
   check_bad("retrieve" + K + " --queries " + path("qn.npy") + " --topk 5" + O, "query head 2, query 1 is not finite");
+  // a finite query whose fp32 squared norm overflows: exit 2 naming it (it used to pass the
+  // serial check and throw inside the OpenMP region: std::terminate)
+  auto qo = queries();
+  qo[std::size_t((3 * NQ + 0) * D + 5)] = 3e19f;
+  npy::save<float>(path("qo.npy"), {HQ, NQ, D}, qo.data());
+  check_bad("retrieve" + K + " --queries " + path("qo.npy") + " --topk 5" + O,
+            "query head 3, query 0 has a squared norm that overflows fp32");
   // codebook
   check_bad("pariskv-codebook", "missing required flag --m");
   check_bad("pariskv-codebook --m 1", "--m must be in [2, 64] (got 1)");

@@ -232,9 +232,7 @@ class ParisKV {
 
  private:
   std::int64_t candidates_at(const ParisKVSearch& opt, std::int64_t n) const {
-    const pariskv::Ratios def = pariskv::default_ratios(n);
-    const double beta = opt.beta != 0 ? opt.beta : def.beta;
-    return std::max(pariskv::ratio_count(beta, n), std::min(n, opt.k));
+    return pariskv::candidate_count(opt.beta, n, std::min(n, opt.k));
   }
 
   /// Validates the options (the CPU index's rules plus the GPU's) and fills the arguments.

@@ -23,10 +23,6 @@
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "kvscore/eval/methods.hpp"
 #include "kvscore/eval/metrics.hpp"
 

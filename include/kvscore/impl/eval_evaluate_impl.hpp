@@ -1,7 +1,8 @@
-// kvscore/impl/eval_evaluate_impl.hpp — kvscore::eval::evaluate(): inline in header-only use, compiled once into
-// kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
+// kvscore/impl/eval_evaluate_impl.hpp — kvscore::eval::evaluate(): inline in header-only use,
+// compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
+#include "kvscore/detail/parallel.hpp"
 #include "kvscore/eval/evaluate.hpp"
 
 namespace kvscore::eval {
@@ -86,27 +87,9 @@ KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const
       per[j][std::size_t(cell)] = hr;
     }
   };
-#if defined(_OPENMP)
-  const int threads = opt.threads > 0 ? opt.threads : 0;
-  if (threads == 1 || cells == 1) {
-    for (std::int64_t c = 0; c < cells; ++c) work(c);
-  } else {
-    // Each cell writes only its own slot, so the result does not depend on the schedule.
-    std::string error;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads > 0 ? threads : omp_get_max_threads())
-    for (std::int64_t c = 0; c < cells; ++c) {
-      try {
-        work(c);
-      } catch (const std::exception& e) {
-#pragma omp critical(kvscore_eval_error)
-        if (error.empty()) error = e.what();
-      }
-    }
-    if (!error.empty()) throw std::invalid_argument(error);
-  }
-#else
-  for (std::int64_t c = 0; c < cells; ++c) work(c);
-#endif
+  // Each cell writes only its own slot, so the result does not depend on the schedule; an
+  // error is rethrown after the parallel region (detail::parallel_for).
+  kvscore::detail::parallel_for(cells, opt.threads, work);
 
   for (std::size_t j = 0; j < jobs.size(); ++j) {
     if (jobs[j].skipped) continue;

@@ -1,5 +1,6 @@
-// kvscore/impl/eval_metrics_impl.hpp — the evaluator's full-attention reference (an Eigen GEMM): inline in header-only use, compiled once into
-// kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
+// kvscore/impl/eval_metrics_impl.hpp — the evaluator's full-attention reference (an Eigen
+// GEMM): inline in header-only use, compiled once into kvscore::dispatch otherwise
+// (kvscore/detail/compiled.hpp).
 #pragma once
 
 #include <Eigen/Dense>
@@ -8,9 +9,10 @@
 
 namespace kvscore::eval {
 
-KVSCORE_IMPL_INLINE HeadReference::HeadReference(const float* keys, std::int64_t key_stride, const float* values, std::int64_t value_stride,
-                const float* queries, std::int64_t query_stride, std::int64_t rows, std::int64_t n, std::int64_t d,
-                std::int64_t dv)
+KVSCORE_IMPL_INLINE HeadReference::HeadReference(const float* keys, std::int64_t key_stride, const float* values,
+                                                 std::int64_t value_stride, const float* queries,
+                                                 std::int64_t query_stride, std::int64_t rows, std::int64_t n,
+                                                 std::int64_t d, std::int64_t dv)
     : rows_(rows), n_(n), dv_(dv), values_(values), value_stride_(value_stride) {
   const char* who = "kvscore::eval::HeadReference";
   if (n < 1) detail::invalid(std::string(who) + ": needs at least one token (got " + std::to_string(n) + ")");

@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -39,10 +38,6 @@
 #include "kvscore/detail/splitmix.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 namespace kvscore {
 
@@ -217,30 +212,9 @@ class ProtoKV : public ScorerOptions {
     detail::check_scores_shape(keys, out, name);
     check(keys);
     const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
-    const std::int64_t heads = keys.heads();
-    std::exception_ptr err;
-    auto body = [&](std::int64_t h) {
-      try {
-        run_head(table, keys, h, out.head(h), nullptr);
-      } catch (...) {
-#if defined(_OPENMP)
-#pragma omp critical(kvscore_protokv_error)
-#endif
-        if (!err) err = std::current_exception();
-      }
-    };
-#if defined(_OPENMP)
-    const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
-    if (nt > 1 && heads > 1) {
-#pragma omp parallel for schedule(static) num_threads(nt)
-      for (std::int64_t h = 0; h < heads; ++h) body(h);
-    } else {
-      for (std::int64_t h = 0; h < heads; ++h) body(h);
-    }
-#else
-    for (std::int64_t h = 0; h < heads; ++h) body(h);
-#endif
-    if (err) std::rethrow_exception(err);  // only std::bad_alloc can get here
+    // only std::bad_alloc can escape run_head; parallel_for rethrows it after the region
+    detail::for_each_head(keys.heads(), num_threads,
+                          [&](std::int64_t h) { run_head(table, keys, h, out.head(h), nullptr); });
   }
 
   template <KeyCacheView View>

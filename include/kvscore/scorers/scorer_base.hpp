@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 
+#include "kvscore/detail/parallel.hpp"
 #include "kvscore/simd/dispatch.hpp"
 #include "kvscore/view.hpp"
 
@@ -41,24 +42,11 @@ void check_scores_shape(const View& keys, const ScoresView& out, const char* who
                   std::to_string(keys.tokens()) + ")");
 }
 
-/// f(h) for every head, in parallel; f must not throw (inputs are validated before).
+/// f(h) for every head, in parallel (detail::parallel_for: an exception of f is rethrown
+/// after the region, never across it).
 template <class F>
 void for_each_head(std::int64_t heads, int num_threads, F&& f) {
-#if defined(_OPENMP)
-  if (num_threads != 1 && heads > 1) {
-    const int nt = num_threads > 0 ? num_threads : 0;
-    if (nt > 0) {
-#pragma omp parallel for schedule(static) num_threads(nt)
-      for (std::int64_t h = 0; h < heads; ++h) f(h);
-    } else {
-#pragma omp parallel for schedule(static)
-      for (std::int64_t h = 0; h < heads; ++h) f(h);
-    }
-    return;
-  }
-#endif
-  (void)num_threads;
-  for (std::int64_t h = 0; h < heads; ++h) f(h);
+  parallel_for(heads, num_threads, f);
 }
 
 inline bool finite(float x) noexcept { return std::isfinite(x); }

@@ -215,6 +215,44 @@ TEMPLATE_TEST_CASE("ojakv: prefill recovers a planted subspace from a random sta
   }
 }
 
+// Issue 18, defect 3: an isolated channel whose variance is the largest diagonal but not lambda1.
+// C = blockdiag(A, 1.01, 0.05 I), A 8 x 8 with unit diagonal and 0.9 off it: lambda1 = 1 + 7 * 0.9
+// = 7.3 (eigenvector 1/sqrt(8) on the first 8 channels), lambda2 = 1.01 (channel 8), then 0.1
+// and 0.05. A power iteration started at the column of the largest diagonal (channel 8) never
+// leaves it (lambda^ = 1.01), and 32 steps at 1.5 / 1.01 overshoot the top space (SO ~ 0.6 at r = 1).
+TEST_CASE("ojakv: lambda1 and the Oja steps are right when the largest diagonal is an isolated channel", "[ojakv]") {
+  const Eigen::Index d = 16;
+  Mat c = Mat::Zero(d, d);
+  c.topLeftCorner(8, 8).setConstant(0.9);
+  for (Eigen::Index i = 0; i < 8; ++i) c(i, i) = 1.0;
+  c(8, 8) = 1.01;
+  for (Eigen::Index i = 9; i < d; ++i) c(i, i) = 0.05;
+  CHECK(std::abs(kvscore::oja::top_eigenvalue(c) - 7.3) < 1e-9);
+  const double lam1 = Eigen::SelfAdjointEigenSolver<Mat>(c).eigenvalues().maxCoeff();  // 7.3
+  for (Eigen::Index r : {1, 2}) {
+    INFO("rank " << r);
+    const Mat u0 = kvscore::oja::random_orthonormal(d, r, 61);
+    Mat u = u0;
+    const int steps = kvscore::oja::oja_steps(u, c, 1.5, 32, 1e-7);  // the prefill's defaults
+    // Reference: the same rule with the exact lambda1 and Gram–Schmidt, the same early stop.
+    Mat ref = u0;
+    int ref_steps = 0;
+    for (; ref_steps < 32; ++ref_steps) {
+      const Mat g = c * ref - ref * (ref.transpose() * c * ref);
+      if (g.cwiseAbs().maxCoeff() * (1.5 / lam1) <= 1e-7) break;
+      ref = gram_schmidt(ref + (1.5 / lam1) * g);
+    }
+    CHECK(steps == ref_steps);
+    CHECK((u - ref).cwiseAbs().maxCoeff() < 1e-9);
+    CHECK(kvscore::oja::orthonormality_error(u) < 1e-12);
+    if (r == 1) {  // the top eigenvector, 1/sqrt(8) on the first 8 channels
+      Mat top = Mat::Zero(d, 1);
+      top.col(0).head(8).setConstant(1.0 / std::sqrt(8.0));
+      CHECK(kvscore::subspace_overlap(u, top) > 0.999);
+    }
+  }
+}
+
 TEST_CASE("ojakv: the learning rate is scale-free", "[ojakv]") {
   const std::int64_t n = 512, d = 32, r = 4;
   const Mat x = planted(n, gram_schmidt(gaussian(d, r, 41)), linspace(2, 1, r), 0.1, 42);

@@ -98,10 +98,12 @@ Mat random_orthonormal(std::int64_t d, std::int64_t r, std::uint64_t seed);
 /// max |U^T U - I| (0 for an exactly orthonormal U).
 double orthonormality_error(const Mat& u);
 
-/// Estimate of lambda1 of a symmetric PSD matrix: Rayleigh quotient after 32 power
-/// iterations from the column with the largest diagonal, never below max diag(C) (itself a
-/// lower bound of lambda1). 0 for C = 0.
-double top_eigenvalue(const Mat& c);
+/// Estimate of lambda1 of a symmetric PSD matrix: the largest Rayleigh quotient of 32 power
+/// iterations from a seeded random start, never below max diag(C) nor, when a basis U is
+/// given, max_j u_j^T C u_j (every one a lower bound of lambda1). 0 for C = 0. (A start on a
+/// coordinate axis — e.g. the column of the largest diagonal — is an eigenvector of a small
+/// eigenvalue when that channel is isolated, and the estimate then stays there: docs/ojakv.md.)
+double top_eigenvalue(const Mat& c, const Mat* u = nullptr);
 
 /// Oja's batch rule, `iterations` times: U <- orth(U + (eta/lambda1(C)) (C U - U U^T C U)).
 /// Stops early when max |step| <= tol. Returns the steps taken. C = 0 leaves U unchanged.

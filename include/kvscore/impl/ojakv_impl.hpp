@@ -29,12 +29,15 @@ KVSCORE_IMPL_INLINE double orthonormality_error(const Mat& u) {
   return (u.transpose() * u - Mat::Identity(u.cols(), u.cols())).cwiseAbs().maxCoeff();
 }
 
-KVSCORE_IMPL_INLINE double top_eigenvalue(const Mat& c) {
-  Eigen::Index j = 0;
-  const double dmax = c.diagonal().maxCoeff(&j);
+KVSCORE_IMPL_INLINE double top_eigenvalue(const Mat& c, const Mat* u) {
+  const double dmax = c.diagonal().maxCoeff();
   if (!(dmax > 0)) return 0.0;
-  Eigen::VectorXd v = c.col(j);
   double lam = dmax;
+  if (u != nullptr)
+    for (Eigen::Index j = 0; j < u->cols(); ++j) lam = std::max(lam, u->col(j).dot(c * u->col(j)));
+  SplitMix64 g(0x0DA1A5EEDull);  // fixed: the estimate is deterministic
+  Eigen::VectorXd v(c.rows());
+  for (Eigen::Index i = 0; i < v.size(); ++i) v(i) = g.gaussian();
   for (int it = 0; it < 32; ++it) {
     const double nv = v.norm();
     if (!(nv > 0)) break;
@@ -47,7 +50,7 @@ KVSCORE_IMPL_INLINE double top_eigenvalue(const Mat& c) {
 }
 
 KVSCORE_IMPL_INLINE int oja_steps(Mat& u, const Mat& c, double eta, int iterations, double tol) {
-  const double lam = top_eigenvalue(c);
+  const double lam = top_eigenvalue(c, &u);
   if (!(lam > 0) || !std::isfinite(lam)) return 0;
   const double step = eta / lam;
   int done = 0;

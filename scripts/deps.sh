@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvscore's build dependencies from Debian packages (idempotent; needs root).
 set -euo pipefail
-pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev python3)
+pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3)
 # CI's robustness steps (scripts/fuzz.sh, tsan.sh, valgrind.sh): clang + libFuzzer, LLVM's
 # OpenMP with the Archer TSan tool, valgrind.
 pkgs+=(clang libclang-rt-dev libomp-dev valgrind)

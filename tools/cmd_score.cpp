@@ -29,8 +29,13 @@ const std::string kScoreUsageText = std::string(
     "  --out S.npy       output scores [heads, tokens], '<f4'\n"
     "  --window W        windowed-l2: window length in tokens (default 4096, > 0);\n"
     "                    snapkv: observation window, must equal the w of Q.npy (default: that w)\n"
-    "  --filters F.npy   qfilter only (required): filters (layers, kv_heads, head_dim), '<f4'\n"
-    "  --layer L         qfilter only: layer of F.npy to use (default 0)\n"
+    "  --filters F       qfilter only (required): filters (layers, kv_heads, head_dim), either\n"
+    "                    F.npy ('<f4', kvscore's convention: score = +<k, f>) or the authors'\n"
+    "                    published F.safetensors (tensor q_filters, F32/F16/BF16; their\n"
+    "                    convention: score = -<f, k>, the ranking of Q-Filters and kvpress)\n"
+    "  --layer L         qfilter only: layer of F to use (default 0)\n"
+    "  --filters-convention published|kvscore\n"
+    "                    qfilter only: override the sign convention the file type implies\n"
     "  --queries Q.npy   snapkv, protokv (required): the last w post-RoPE queries [q_heads, w, head_dim],\n"
     "                    '<f4'; query i sits at position tokens - w + i; the last w tokens are\n"
     "                    the window (protect them when selecting: select --recent w)\n"
@@ -43,7 +48,7 @@ const char* const kScoreUsage = kScoreUsageText.c_str();
 
 const std::vector<FlagSpec> kScoreFlags = {
     {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
-    {"--layer", true},  {"--isa", true},   {"--threads", true}, {"--queries", true}, {"--group", true},
+    {"--layer", true},  {"--filters-convention", true}, {"--isa", true},   {"--threads", true}, {"--queries", true}, {"--group", true},
     // --method protokv only (the same list as kProtoKVScoreFlags, which is not usable during static init)
     {"--seed", true},   {"--kappa", true}, {"--sat-candidates", true}, {"--lsh-bits", true}, {"--chunks", true},
     {"--bandwidth", true}, {"--psi", true},
@@ -70,6 +75,7 @@ struct Options {
   std::int64_t window = 4096;
   std::string filters_path;
   std::int64_t layer = 0;
+  std::optional<FilterConvention> convention;  // --filters-convention; default by file type
   std::string queries_path;
   std::int64_t group = 0;  // 0: not given
   bool window_given = false;
@@ -85,9 +91,9 @@ Options parse_options(const Args& args) {
   // must not quietly produce scores of a different kind than asked for.
   if (args.has("--window") && o.method != Method::windowed_l2 && o.method != Method::snapkv)
     throw UsageError("score: --window applies only to --method windowed-l2 or snapkv");
-  if ((args.has("--filters") || args.has("--layer")) && o.method != Method::qfilter)
-    throw UsageError(std::string("score: ") + (args.has("--filters") ? "--filters" : "--layer") +
-                     " applies only to --method qfilter");
+  for (const char* f : {"--filters", "--layer", "--filters-convention"})
+    if (args.has(f) && o.method != Method::qfilter)
+      throw UsageError(std::string("score: ") + f + " applies only to --method qfilter");
   if ((args.has("--queries") || args.has("--group")) && o.method != Method::snapkv)
     throw UsageError(std::string("score: ") + (args.has("--queries") ? "--queries" : "--group") +
                      " applies only to --method snapkv or protokv");
@@ -97,6 +103,12 @@ Options parse_options(const Args& args) {
   o.layer = args.get_int("--layer", 0, 0, INT64_MAX);
   o.threads = int(args.get_int("--threads", 0, 0, 4096));
   if (o.method == Method::qfilter) o.filters_path = args.required("--filters");
+  if (args.has("--filters-convention")) {
+    const std::string c = args.required("--filters-convention");
+    if (c == "published") o.convention = FilterConvention::published;
+    else if (c == "kvscore") o.convention = FilterConvention::kvscore;
+    else throw UsageError("score: --filters-convention must be published or kvscore (got '" + c + "')");
+  }
   if (o.method == Method::snapkv) o.queries_path = args.required("--queries");
   return o;
 }
@@ -219,7 +231,8 @@ int cmd_score(const Args& args) {
   std::optional<QFilter> qfilter;
   if (o.method == Method::qfilter) {
     try {
-      qfilter.emplace(QFilter::from_npy(o.filters_path, o.layer));
+      qfilter.emplace(
+          QFilter::load(o.filters_path, o.layer, o.convention.value_or(QFilter::file_convention(o.filters_path))));
     } catch (const std::exception& e) {
       rethrow_with_path(e, o.filters_path);
     }

@@ -314,3 +314,25 @@ TEST_CASE("cli: bad input gives exit 2 and one line", "[cli]") {
     check_bad("score --method l2 --keys " + k + " --out " + tmp().string(), "cannot write output");
   }
 }
+
+TEST_CASE("cli: --filters F.safetensors scores in the authors' published convention", "[cli][qfilter]") {
+  // keys [2, 40, 8] against the published fixture (tools/gen_qfilter_published_fixtures.py)
+  const std::string st = std::string(KVSCORE_TEST_DATA_DIR) + "/qfilters_published_f16.safetensors";
+  std::vector<float> k(2 * 40 * 8);
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = float(int((i * 37 + 11) % 33) - 16) / 8.f;
+  npy::save<float>(path("kpub.npy"), {2, 40, 8}, k.data());
+  const kvscore::KeysView<float> view(k.data(), 2, 40, 8, 40 * 8, 8);
+  const std::string base = "score --method qfilter --keys " + path("kpub.npy") + " --out " + path("spub.npy");
+  Result r = cli(base + " --filters " + st + " --layer 2");
+  REQUIRE(r.rc == 0);
+  check_scores(path("spub.npy"), kvscore::QFilter::from_published(st, 2).score(view));
+  r = cli(base + " --filters " + st + " --layer 2 --filters-convention kvscore");
+  REQUIRE(r.rc == 0);
+  check_scores(path("spub.npy"), kvscore::QFilter::load(st, 2, kvscore::FilterConvention::kvscore).score(view));
+  check_bad(base + " --filters " + st + " --filters-convention upside-down",
+            "--filters-convention must be published or kvscore (got 'upside-down')");
+  check_bad(base + " --filters " + st + " --layer 3", "layer 3 out of range [0, 3)");
+  check_bad("score --method l2 --keys " + path("kpub.npy") + " --out " + path("spub.npy") +
+                " --filters-convention kvscore",
+            "--filters-convention applies only to --method qfilter");
+}

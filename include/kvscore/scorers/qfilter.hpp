@@ -6,6 +6,13 @@
 // project positively (an exact half/half split is settled by the sign of the sum
 // of projections). GQA: the plain mean over each contiguous group of H_q/H_kv
 // query heads (not renormalised, as the paper says "average"). One pass.
+//
+// Sign conventions of filter files (docs/qfilters.md). kvscore's: score = +⟨k, f⟩, f as
+// calibrate_qfilters returns it (most queries project positively), stored as .npy. The
+// authors' published files (safetensors, tensor `q_filters` [layers, kv_heads, head_dim], the
+// ones kvpress loads) store f = −v₁⁺ and score −⟨f, k⟩: scoring them as +⟨k, f⟩ reverses the
+// ranking. QFilter::load() reads either; the published convention negates the filters on load,
+// which makes every score exactly −⟨f, k⟩ (negation is exact in floating point).
 #pragma once
 
 #include <cmath>
@@ -15,9 +22,16 @@
 
 #include "kvscore/detail/compiled.hpp"
 #include "kvscore/npy.hpp"
+#include "kvscore/safetensors.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
+
+/// How a filter file's values turn into scores (see the top of this file).
+enum class FilterConvention {
+  kvscore,   ///< score = +⟨k, f⟩ (calibrate_qfilters, .npy files)
+  published  ///< score = −⟨f, k⟩ (the Q-Filters authors' safetensors files, kvpress)
+};
 
 class QFilter : public ScorerBase<QFilter> {
  public:
@@ -41,7 +55,32 @@ class QFilter : public ScorerBase<QFilter> {
                               std::to_string(i) + " is not finite");
   }
 
-  /// Layer `layer` of a .npy of shape (layers, kv_heads, head_dim), float32.
+  /// Layer `layer` of a filter file: `.safetensors` (tensor `q_filters`, F32/F16/BF16) or
+  /// `.npy` (float32), shape (layers, kv_heads, head_dim), scored in `convention`.
+  static QFilter load(const std::string& path, std::int64_t layer, FilterConvention convention) {
+    QFilter f = is_safetensors(path) ? from_safetensors(path, layer) : from_npy(path, layer);
+    if (convention == FilterConvention::published)
+      for (float& x : f.filters_) x = -x;
+    return f;
+  }
+
+  /// Whether `path` names a .safetensors file (else .npy).
+  static bool is_safetensors(const std::string& path) {
+    const std::string ext = ".safetensors";
+    return path.size() >= ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0;
+  }
+  /// The convention a file type implies: published for .safetensors, kvscore for .npy.
+  static FilterConvention file_convention(const std::string& path) {
+    return is_safetensors(path) ? FilterConvention::published : FilterConvention::kvscore;
+  }
+
+  /// The authors' published filters (safetensors `q_filters`, layer `layer`), scored −⟨f, k⟩:
+  /// the ranking of Q-Filters / kvpress's QFilterPress.
+  static QFilter from_published(const std::string& path, std::int64_t layer) {
+    return load(path, layer, FilterConvention::published);
+  }
+
+  /// Layer `layer` of a .npy of shape (layers, kv_heads, head_dim), float32, kvscore's convention.
   static QFilter from_npy(const std::string& path, std::int64_t layer) {
     const npy::Array a = npy::load(path);
     if (a.shape.size() != 3)
@@ -55,6 +94,21 @@ class QFilter : public ScorerBase<QFilter> {
                             npy::descr_of<float>() + "' (float32)");
     const float* p = a.as<float>() + layer * a.shape[1] * a.shape[2];
     return QFilter(std::vector<float>(p, p + a.shape[1] * a.shape[2]), a.shape[1], a.shape[2]);
+  }
+
+  /// Layer `layer` of a safetensors tensor `q_filters` (layers, kv_heads, head_dim) as stored
+  /// (no sign change; load() applies the convention).
+  static QFilter from_safetensors(const std::string& path, std::int64_t layer) {
+    const safetensors::Tensor t = safetensors::load(path, "q_filters");
+    const std::string who = "kvscore::QFilter::from_safetensors: ";
+    if (t.shape.size() != 3)
+      detail::throw_invalid(who + path + ": q_filters must have shape (layers, kv_heads, head_dim), got " +
+                            std::to_string(t.shape.size()) + " dimensions");
+    if (layer < 0 || layer >= t.shape[0])
+      detail::throw_invalid(who + "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(t.shape[0]) +
+                            ") in " + path);
+    const float* p = t.values.data() + layer * t.shape[1] * t.shape[2];
+    return QFilter(std::vector<float>(p, p + t.shape[1] * t.shape[2]), t.shape[1], t.shape[2]);
   }
 
   std::int64_t kv_heads() const noexcept { return kv_heads_; }

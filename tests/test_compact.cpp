@@ -3,6 +3,8 @@
 // and the no-write-on-error guarantee.
 #include <catch2/catch.hpp>
 
+#include "test_support.hpp"
+
 #include <kvscore/compact.hpp>
 
 #include <algorithm>
@@ -91,14 +93,7 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "no throw";
-}
+using test_support::error_of;
 
 }  // namespace
 

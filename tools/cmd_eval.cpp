@@ -46,6 +46,8 @@ const char* const kEvalUsage =
     "  --recent R          always keep the last R tokens per head (default 0; snapkv: >= n_q)\n"
     "  --alloc A           per-head (default) | adakv: how selection methods spread the budget\n"
     "  --window W          windowed-l2 window in tokens (default 4096)\n"
+    "  --window-tail T     windowed-l2: merge (default: a tail < W/2 joins the window before it) |\n"
+    "                      own (the paper's Alg. 2: the tail is its own window)\n"
     "  --threads N         threads for scoring and metrics (default 1; 0 = OpenMP default)\n"
     "  -h, --help          this help\n"
     "Methods that cannot run at a budget (e.g. sinks + recent above it) are skipped and listed.\n";
@@ -53,7 +55,7 @@ const char* const kEvalUsage =
 const std::vector<FlagSpec> kEvalFlags = {
     {"--keys", true},   {"--values", true}, {"--queries", true}, {"--out", true},   {"--svg", true},
     {"--group", true},  {"--methods", true}, {"--keep", true},   {"--sinks", true}, {"--recent", true},
-    {"--alloc", true},  {"--window", true}, {"--threads", true},
+    {"--alloc", true},  {"--window", true}, {"--window-tail", true}, {"--threads", true},
 };
 
 namespace {
@@ -143,6 +145,9 @@ int cmd_eval(const Args& args) {
   if (alloc == "adakv") opt.method.select.alloc = Alloc::adakv;
   else if (alloc != "per-head") throw UsageError("eval: --alloc: '" + alloc + "' (expected per-head or adakv)");
   opt.method.window = args.get_int("--window", 4096, 1, INT64_MAX);
+  const std::string tail = args.get("--window-tail", "merge");
+  if (tail != "own" && tail != "merge") throw UsageError("eval: --window-tail: '" + tail + "' (expected own or merge)");
+  opt.method.window_tail = parse_window_tail(tail);
   const int threads = int(args.get_int("--threads", 1, 0, 4096));
   opt.threads = threads;
   opt.method.threads = threads;

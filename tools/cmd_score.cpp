@@ -29,6 +29,9 @@ const std::string kScoreUsageText = std::string(
     "  --out S.npy       output scores [heads, tokens], '<f4'\n"
     "  --window W        windowed-l2: window length in tokens (default 4096, > 0);\n"
     "                    snapkv: observation window, must equal the w of Q.npy (default: that w)\n"
+    "  --window-tail own|merge\n"
+    "                    windowed-l2: a final partial window shorter than W/2 joins the window\n"
+    "                    before it (merge, default) or is its own window (own: the paper's Alg. 2)\n"
     "  --filters F       qfilter only (required): filters (layers, kv_heads, head_dim), either\n"
     "                    F.npy ('<f4', kvscore's convention: score = +<k, f>) or the authors'\n"
     "                    published F.safetensors (tensor q_filters, F32/F16/BF16; their\n"
@@ -47,7 +50,8 @@ const std::string kScoreUsageText = std::string(
 const char* const kScoreUsage = kScoreUsageText.c_str();
 
 const std::vector<FlagSpec> kScoreFlags = {
-    {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--filters", true},
+    {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--window-tail", true},
+    {"--filters", true},
     {"--layer", true},  {"--filters-convention", true}, {"--isa", true},  {"--threads", true},
     {"--queries", true}, {"--group", true},
     // --method protokv only (the same list as kProtoKVScoreFlags, which is not usable during static init)
@@ -74,6 +78,7 @@ struct Options {
   Method method{};
   std::string keys_path, out_path;
   std::int64_t window = 4096;
+  WindowTail window_tail = WindowTail::merge;
   std::string filters_path;
   std::int64_t layer = 0;
   std::optional<FilterConvention> convention;  // --filters-convention; default by file type
@@ -98,8 +103,15 @@ Options parse_options(const Args& args) {
   if ((args.has("--queries") || args.has("--group")) && o.method != Method::snapkv)
     throw UsageError(std::string("score: ") + (args.has("--queries") ? "--queries" : "--group") +
                      " applies only to --method snapkv or protokv");
+  if (args.has("--window-tail") && o.method != Method::windowed_l2)
+    throw UsageError("score: --window-tail applies only to --method windowed-l2");
   o.window = args.get_int("--window", 4096, 1, INT64_MAX);
   o.window_given = args.has("--window");
+  if (args.has("--window-tail")) {
+    const std::string t = args.required("--window-tail");
+    if (t != "own" && t != "merge") throw UsageError("score: --window-tail '" + t + "' (expected own or merge)");
+    o.window_tail = parse_window_tail(t);
+  }
   o.group = args.get_int("--group", 0, 1, INT64_MAX);
   o.layer = args.get_int("--layer", 0, 0, INT64_MAX);
   o.threads = int(args.get_int("--threads", 0, 0, 4096));
@@ -170,7 +182,7 @@ Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::o
       return s.score(view);
     }
     case Method::windowed_l2: {
-      WindowedManifoldL2 s(o.window);
+      WindowedManifoldL2 s(o.window, o.window_tail);
       s.num_threads = o.threads;
       return s.score(view);
     }

@@ -33,7 +33,7 @@ in docs/testing.md: per KV head h, "higher score = keep",
     keydiff      -cos(k, abar), abar = mean of k/||k|| over valid non-zero rows;
                  zero-norm key -> 0, abar == 0 -> every valid key 0
     l2           ||k - mu||, mu = mean of the valid rows
-    windowed-l2  ||k - mu_w||, windows of `window` tokens; a tail shorter than
+    windowed-l2  ||k - mu_w||, windows of `window` tokens (kvscore::WindowTail::merge, the default); a tail shorter than
                  half a window is merged into the last full window
     qfilter      <k, f_h>, f_h = filters[qfilter_layer, h]
 

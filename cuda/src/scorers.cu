@@ -23,7 +23,8 @@ constexpr int kRowThreads = 256;     // 8 warps
 constexpr int kRowsPerWarp = 8;      // rows per warp per block
 constexpr int kUnroll = 4;           // rows in flight per warp
 
-/// Segments (windows) of a head: [s*W, (s+1)*W), the last one running to N (merged tail).
+/// Segments (windows) of a head: [s*W, (s+1)*W), the last one running to N (the tail, or a
+/// full window with a merged tail).
 struct Segments {
   long long W = 1, S = 1, pps = 1;  // window, segments, parts per segment
   __host__ __device__ long long of(long long t) const { return t / W < S - 1 ? t / W : S - 1; }
@@ -31,15 +32,15 @@ struct Segments {
   __host__ __device__ long long end(long long s, long long N) const { return s == S - 1 ? N : (s + 1) * W; }
 };
 
-Segments make_segments(std::int64_t N, std::int64_t window) {
+Segments make_segments(std::int64_t N, std::int64_t window, bool merge_tail) {
   Segments g;
   if (window <= 0 || window >= N) {
     g.W = N > 0 ? N : 1;
     g.S = 1;
-  } else {  // WindowedManifoldL2::windows(): a tail shorter than W/2 joins the window before it
+  } else {  // WindowedManifoldL2::windows(): WindowTail::merge joins a tail < W/2 to the window before it
     const std::int64_t full = N / window, tail = N % window;
     g.W = window;
-    g.S = full + ((tail > 0 && !(full >= 1 && 2 * tail < window)) ? 1 : 0);
+    g.S = full + ((tail > 0 && !(merge_tail && full >= 1 && 2 * tail < window)) ? 1 : 0);
   }
   long long maxlen = g.S == 1 ? N : std::max<long long>(g.W, N - (g.S - 1) * g.W);
   g.pps = std::max<long long>(1, (maxlen + kPartRows - 1) / kPartRows);
@@ -53,10 +54,11 @@ struct Layout {
   int* flag = nullptr;             // [H][S]: 1 = usable vector
 };
 
-Layout carve(Carver& c, Geometric kind, std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t window) {
+Layout carve(Carver& c, Geometric kind, std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t window,
+             bool merge_tail) {
   Layout l;
   if (kind == Geometric::knorm) return l;
-  const Segments g = make_segments(N, kind == Geometric::l2 ? window : 0);
+  const Segments g = make_segments(N, kind == Geometric::l2 ? window : 0, merge_tail);
   const std::size_t hs = std::size_t(H) * std::size_t(g.S);
   if (kind != Geometric::qfilter) {
     l.partial = c.take<double>(hs * std::size_t(g.pps) * std::size_t(d));
@@ -243,14 +245,14 @@ __global__ void __launch_bounds__(kRowThreads) row_scores(KeysDev<D> k, Geometri
 }
 
 template <dtype D>
-void run(Geometric kind, const KeysArg& a, const ScoresArg& out, std::int64_t window, const float* host_filters,
-         Workspace ws, cudaStream_t st) {
+void run(Geometric kind, const KeysArg& a, const ScoresArg& out, std::int64_t window, bool merge_tail,
+         const float* host_filters, Workspace ws, cudaStream_t st) {
   using S = typename Storage<D>::type;
   const KeysDev<D> k{static_cast<const S*>(a.data), a.head_stride, a.token_stride, a.tokens, a.head_dim};
   const std::int64_t H = a.heads, N = a.tokens, d = a.head_dim;
   Carver c(ws.data);
-  const Layout l = carve(c, kind, H, N, d, window);
-  const Segments g = make_segments(N, kind == Geometric::l2 ? window : 0);
+  const Layout l = carve(c, kind, H, N, d, window, merge_tail);
+  const Segments g = make_segments(N, kind == Geometric::l2 ? window : 0, merge_tail);
   if (kind == Geometric::qfilter)
     KVSCORE_CUDA_CHECK(cudaMemcpyAsync(l.vec, host_filters, std::size_t(H * d) * sizeof(float),
                                        cudaMemcpyHostToDevice, st));
@@ -293,25 +295,25 @@ void run(Geometric kind, const KeysArg& a, const ScoresArg& out, std::int64_t wi
 }  // namespace
 
 std::size_t geometric_workspace_bytes(Geometric kind, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
-                                      std::int64_t window) noexcept {
+                                      std::int64_t window, bool merge_tail) noexcept {
   if (kind == Geometric::knorm || heads <= 0 || tokens <= 0) return 0;
   Carver c;
-  carve(c, kind, heads, tokens, head_dim, window);
+  carve(c, kind, heads, tokens, head_dim, window, merge_tail);
   return c.bytes();
 }
 
-void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window,
+void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window, bool merge_tail,
                      const float* host_filters, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
-  require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window),
+  require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window, merge_tail),
                     "kvscore::cuda::score");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(kind, keys, out, window, host_filters, ws, st); break;
-    case dtype::f16: run<dtype::f16>(kind, keys, out, window, host_filters, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(kind, keys, out, window, host_filters, ws, st); break;
+    case dtype::f32: run<dtype::f32>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
+    case dtype::f16: run<dtype::f16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
+    case dtype::bf16: run<dtype::bf16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
   }
 }
 

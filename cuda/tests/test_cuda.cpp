@@ -118,6 +118,8 @@ void all_geometric(std::int64_t H, std::int64_t N, std::int64_t d, const Layout&
   compare_scorer<kvscore::ManifoldL2, T>(kvscore::ManifoldL2{}, H, N, d, L, false);
   compare_scorer<kvscore::KeyDiff, T>(kvscore::KeyDiff{}, H, N, d, L, true);
   compare_scorer<kvscore::WindowedManifoldL2, T>(kvscore::WindowedManifoldL2(256), H, N, d, L, false);
+  compare_scorer<kvscore::WindowedManifoldL2, T>(kvscore::WindowedManifoldL2(256, kvscore::WindowTail::own), H, N, d,
+                                                 L, false);
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> f(std::size_t(H * d));
@@ -235,13 +237,16 @@ TEST_CASE("cuda: geometric scorers match the CPU path (fp32/fp16/bf16, head_dim 
   }
   all_geometric<half>(4, 700, 128, token_major(4, 700, 128));
   all_geometric<bfloat16>(2, 900, 128, padded(2, 900, 128));
-  all_geometric<float>(2, 5000, 64, hf(2, 5000, 64));  // several centroid parts and windows (+ merged tail)
+  all_geometric<float>(2, 5000, 64, hf(2, 5000, 64));  // several centroid parts and windows (+ a short tail)
 }
 
-TEST_CASE("cuda: windowed L2 keeps the CPU's tail rule", "[cuda][gpu]") {
-  // 1000 = 3 x 256 + 232 (own window) and 900 = 3 x 256 + 132 (merged into the third).
-  for (std::int64_t N : {1000, 900, 200, 256, 257})
-    compare_scorer<kvscore::WindowedManifoldL2, float>(kvscore::WindowedManifoldL2(256), 2, N, 64, hf(2, N, 64), false);
+TEST_CASE("cuda: windowed L2 keeps the CPU's tail rules", "[cuda][gpu]") {
+  // 1000 = 3 x 256 + 232 (own window either way) and 900 = 3 x 256 + 132 (merged into the third
+  // with WindowTail::merge, its own window with WindowTail::own).
+  for (const kvscore::WindowTail tail : {kvscore::WindowTail::merge, kvscore::WindowTail::own})
+    for (std::int64_t N : {1000, 900, 200, 256, 257})
+      compare_scorer<kvscore::WindowedManifoldL2, float>(kvscore::WindowedManifoldL2(256, tail), 2, N, 64,
+                                                         hf(2, N, 64), false);
 }
 
 TEST_CASE("cuda: a head with no valid key, and a zero KeyDiff anchor", "[cuda][gpu]") {

@@ -128,13 +128,16 @@ class ManifoldL2(_Scorer):
 
 
 class WindowedManifoldL2(_Scorer):
-    """Windowed ManifoldKV: L2 distance to the centroid of the key's window of `window` tokens."""
+    """Windowed ManifoldKV: L2 distance to the centroid of the key's window of `window` tokens.
+    tail='merge' (default): a final partial window shorter than window/2 joins the window before
+    it; 'own' (the paper's Alg. 2): it is its own window (docs/windowed-manifoldkv.md)."""
 
     name = "windowed_manifold_l2"
 
-    def __init__(self, window: int = 4096, *, threads: int = 0):
-        super().__init__(_k.WindowedManifoldL2(window), threads)
+    def __init__(self, window: int = 4096, tail: str = "merge", *, threads: int = 0):
+        super().__init__(_k.WindowedManifoldL2(window, tail), threads)
         self.window = window
+        self.tail = tail
 
 
 class QFilter(_Scorer):
@@ -288,7 +291,8 @@ def _f32_4d(x, name):
 
 
 def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, recent: int = 0,
-             alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, threads: int = 1) -> dict:
+             alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, window_tail: str = "merge",
+             threads: int = 1) -> dict:
     """`kvscore eval` as a function: the same report (attention-mass recall, output error, top-k
     overlap, time per method and keep fraction), as a dict. K, V [layers, kv_heads, tokens, d],
     Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's precision)."""
@@ -296,7 +300,7 @@ def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, r
         methods = ",".join(methods)
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")
     return _json.loads(_k.evaluate_json(Kf, Vf, Qf, methods, [float(f) for f in keep], sinks, recent, alloc, alpha,
-                                        window, threads))
+                                        window, window_tail, threads))
 
 
 def synth(kind: str = "mixed", *, layers: int = 1, kv_heads: int = 4, group: int = 2, tokens: int = 2048,

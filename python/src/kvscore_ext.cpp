@@ -308,7 +308,11 @@ NB_MODULE(_kvscore, m) {
       .def_rw("num_threads", &kvscore::ManifoldL2::num_threads)
       .def("score", [](const kvscore::ManifoldL2& s, const Any& k) { return score_any(s, k); }, "keys"_a);
   nb::class_<kvscore::WindowedManifoldL2>(m, "WindowedManifoldL2")
-      .def(nb::init<std::int64_t>(), "window"_a = 4096)
+      .def("__init__",
+           [](kvscore::WindowedManifoldL2* self, std::int64_t window, const std::string& tail) {
+             new (self) kvscore::WindowedManifoldL2(window, kvscore::parse_window_tail(tail));
+           },
+           "window"_a = 4096, "tail"_a = "merge")
       .def_ro("window", &kvscore::WindowedManifoldL2::window)
       .def_rw("num_threads", &kvscore::WindowedManifoldL2::num_threads)
       .def("score", [](const kvscore::WindowedManifoldL2& s, const Any& k) { return score_any(s, k); }, "keys"_a);
@@ -452,7 +456,7 @@ NB_MODULE(_kvscore, m) {
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
          std::int64_t sinks, std::int64_t recent, const std::string& alloc, double alpha, std::int64_t window,
-         int threads) {
+         const std::string& window_tail, int threads) {
         auto c_f32 = [](const Any& a, const char* what) {
           if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
           if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
@@ -485,6 +489,7 @@ NB_MODULE(_kvscore, m) {
         o.method.select.alloc = parse_alloc(alloc);
         o.method.select.alpha = alpha;
         o.method.window = window;
+        o.method.window_tail = kvscore::parse_window_tail(window_tail);
         o.method.threads = threads;
         o.threads = threads;
         std::string json;
@@ -495,7 +500,7 @@ NB_MODULE(_kvscore, m) {
         return json;
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
-      "threads"_a);
+      "window_tail"_a, "threads"_a);
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.
   m.def(

@@ -45,6 +45,19 @@ def test_windowed_manifold_with_one_window_is_manifold():
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("tail", ["own", "merge"])
+def test_windowed_manifold_tail_rules_match_numpy(tail):
+    W, N = 16, 2 * 16 + 3  # a 3-token tail: its own window (the paper's) or merged into [16, 35)
+    K = keys(2, N, 8).astype(np.float64)
+    bounds = [(0, 16), (16, 32), (32, 35)] if tail == "own" else [(0, 16), (16, 35)]
+    ref = np.concatenate([np.linalg.norm(K[:, a:b] - K[:, a:b].mean(1, keepdims=True), axis=-1) for a, b in bounds],
+                         axis=1)
+    np.testing.assert_allclose(kvscore.WindowedManifoldL2(W, tail).score(K.astype(np.float32)), ref, rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="'last'"):
+        kvscore.WindowedManifoldL2(W, "last")
+
+
 def test_qfilter_is_inner_product_and_calibration_is_top_singular_vector():
     K = keys()
     f = RNG.standard_normal((4, 32)).astype(np.float32)

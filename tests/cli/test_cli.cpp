@@ -105,6 +105,9 @@ void check_all_methods(const std::string& keys_file, const std::vector<E>& keys)
       {"--method windowed-l2", expected(kvscore::WindowedManifoldL2{}, keys)},
       {"--method windowed-l2 --window 10", expected(kvscore::WindowedManifoldL2{10}, keys)},
       {"--method=windowed-l2 --window=16 --threads 1", expected(kvscore::WindowedManifoldL2{16}, keys)},
+      {"--method windowed-l2 --window 10 --window-tail merge",
+       expected(kvscore::WindowedManifoldL2(10, kvscore::WindowTail::merge), keys)},
+      {"--method windowed-l2 --window 10 --window-tail own", expected(kvscore::WindowedManifoldL2(10), keys)},
       {"--method qfilter --filters " + path("filters.npy"),
        expected(kvscore::QFilter(std::vector<float>(f.begin(), f.begin() + H * D), H, D), keys)},
       {"--method qfilter --layer 1 --filters " + path("filters.npy"),
@@ -260,6 +263,8 @@ TEST_CASE("cli: bad input gives exit 2 and one line", "[cli]") {
   }
   SECTION("numbers") {
     check_bad(base + " --method windowed-l2 --window 0", "--window must be > 0 (got 0)");
+    check_bad(base + " --method windowed-l2 --window-tail last", "--window-tail 'last' (expected own or merge)");
+    check_bad(base + " --method l2 --window-tail merge", "--window-tail applies only to --method windowed-l2");
     check_bad(base + " --method windowed-l2 --window -5", "--window must be > 0 (got -5)");
     check_bad(base + " --method windowed-l2 --window abc", "'abc' is not an integer");
     check_bad(base + " --method windowed-l2 --window 1.5", "'1.5' is not an integer");

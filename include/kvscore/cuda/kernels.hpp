@@ -40,11 +40,12 @@ inline ScoresArg scores_arg(const DeviceScoresView& s) noexcept {
 
 enum class Geometric { knorm, keydiff, l2, qfilter };
 
-/// Workspace of score_geometric; `window` = 0 for one centroid per head (ManifoldL2, KeyDiff).
+/// Workspace of score_geometric; `window` = 0 for one centroid per head (ManifoldL2, KeyDiff);
+/// `merge_tail`: WindowTail::merge (a final window shorter than W/2 joins the one before it).
 std::size_t geometric_workspace_bytes(Geometric kind, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
-                                      std::int64_t window) noexcept;
+                                      std::int64_t window, bool merge_tail) noexcept;
 /// All heads of a layer; `host_filters` [heads][head_dim] (QFilter only) is copied into the workspace.
-void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window,
+void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window, bool merge_tail,
                      const float* host_filters, Workspace ws, stream_t stream);
 
 // ---------------------------------------------------------------- SnapKV

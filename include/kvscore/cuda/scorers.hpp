@@ -44,6 +44,9 @@ inline std::int64_t window_of(const KeyDiff&) noexcept { return 0; }
 inline std::int64_t window_of(const ManifoldL2&) noexcept { return 0; }
 inline std::int64_t window_of(const WindowedManifoldL2& s) noexcept { return s.window; }
 inline std::int64_t window_of(const QFilter&) noexcept { return 0; }
+template <class S>
+bool merge_tail_of(const S&) noexcept { return false; }
+inline bool merge_tail_of(const WindowedManifoldL2& s) noexcept { return s.tail == WindowTail::merge; }
 inline Geometric kind_of(const KNorm&) noexcept { return Geometric::knorm; }
 inline Geometric kind_of(const KeyDiff&) noexcept { return Geometric::keydiff; }
 inline Geometric kind_of(const ManifoldL2&) noexcept { return Geometric::l2; }
@@ -63,7 +66,7 @@ template <detail::GeometricScorer S, class T>
 std::size_t score_workspace_bytes(const S& s, const DeviceKeysView<T>& keys) {
   s.check(keys);
   return detail::geometric_workspace_bytes(detail::kind_of(s), keys.heads(), keys.tokens(), keys.head_dim(),
-                                           detail::window_of(s));
+                                           detail::window_of(s), detail::merge_tail_of(s));
 }
 
 /// Scores every head of `keys` into `out` (device memory) with the policy `s`.
@@ -73,7 +76,7 @@ void score(const S& s, const DeviceKeysView<T>& keys, const DeviceScoresView& ou
   detail::check_scores(keys, out, S::name);
   s.check(keys);
   detail::score_geometric(detail::kind_of(s), detail::keys_arg(keys), detail::scores_arg(out), detail::window_of(s),
-                          detail::filters_of(s), ws, stream);
+                          detail::merge_tail_of(s), detail::filters_of(s), ws, stream);
 }
 
 template <class T>

@@ -60,6 +60,7 @@ struct LayerInput {
 struct MethodOptions {
   SelectOptions select;        ///< sinks, recent, alloc (per_head / adakv), threads
   std::int64_t window = 4096;  ///< windowed-l2: window W (manifoldkv.txt Alg. 2 default)
+  WindowTail window_tail = WindowTail::merge;  ///< windowed-l2: the final partial window (--window-tail)
   std::int64_t streaming_sinks = 4;  ///< streaming_llm sinks when select.sinks is 0 (Xiao et al.)
   int threads = 0;             ///< scorer threads (0 = OpenMP default)
 };

@@ -93,7 +93,7 @@ KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
                scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; })});
   m.push_back({"windowed-l2", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)",
                scorer_method<WindowedManifoldL2>(
-                   [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window); })});
+                   [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window, o.window_tail); })});
   m.push_back({"qfilter", "Q-Filters: <k, f_h>, filters calibrated on the evaluation queries",
                scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
                  return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads),

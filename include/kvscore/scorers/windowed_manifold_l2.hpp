@@ -2,12 +2,12 @@
 // ‖k − μ_w‖₂ with μ_w the centroid of k's window of W tokens (default 4096, the
 // paper's best); selection stays global. Fights centroid dilution at 64K+ tokens.
 //
-// Short tail (our choice, the paper is silent): the windows are [0,W), [W,2W), ...;
-// a final partial window shorter than W/2 is merged into the window before it. A
-// 3-token window would sit at distance ~0 from its own centroid and be evicted
-// wholesale; merged, its tokens are judged against W+ neighbours like every other
-// token. A tail of at least W/2 tokens has enough samples for its own centroid
-// (the paper needs ~20-50 at intrinsic dimension ~9), and stays a window.
+// The windows are [0,W), [W,2W), ...; the final partial window [full*W, N) is
+//  * WindowTail::merge (default): merged into the window before it when shorter than W/2.
+//    A 3-token window sits at distance ~0 from its own centroid and is evicted wholesale;
+//    merged, its tokens are judged against W+ neighbours. Measured better than the paper's
+//    rule on a real model's dump and never worse (docs/windowed-manifoldkv.md);
+//  * WindowTail::own: its own window, the paper's Alg. 2 (K[t:min(t+W, N)], App. B.1).
 #pragma once
 
 #include <string>
@@ -17,23 +17,36 @@
 
 namespace kvscore {
 
+/// What happens to the final partial window (see the top of this file).
+enum class WindowTail {
+  merge,  ///< merged into the window before it when shorter than W/2 (default)
+  own,    ///< its own window (the paper's Algorithm 2)
+};
+
+/// "own" / "merge"; anything else throws std::invalid_argument naming it.
+inline WindowTail parse_window_tail(const std::string& s) {
+  if (s == "own") return WindowTail::own;
+  if (s == "merge") return WindowTail::merge;
+  detail::throw_invalid("kvscore: window tail '" + s + "' must be 'own' or 'merge'");
+}
+
 struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
   static constexpr const char* name = "windowed-l2";
   static constexpr int passes = 2;
   std::int64_t window = 4096;
+  WindowTail tail = WindowTail::merge;
 
-  explicit WindowedManifoldL2(std::int64_t w = 4096) : window(w) {
-    if (w <= 0)
-      detail::throw_invalid("kvscore::WindowedManifoldL2: window must be > 0 (got " + std::to_string(w) + ")");
+  explicit WindowedManifoldL2(std::int64_t w = 4096, WindowTail t = WindowTail::merge) : window(w), tail(t) {
+    check_params();
   }
 
   /// Window boundaries [begin, end) for a cache of n tokens (see the tail rule above).
   std::vector<std::pair<std::int64_t, std::int64_t>> windows(std::int64_t n) const {
     std::vector<std::pair<std::int64_t, std::int64_t>> w;
-    const std::int64_t full = n / window, tail = n % window;
+    const std::int64_t full = n / window, rest = n % window;
     for (std::int64_t k = 0; k < full; ++k) w.emplace_back(k * window, (k + 1) * window);
-    if (tail > 0) {
-      if (full >= 1 && 2 * tail < window) w.back().second = n;
+    if (rest > 0) {
+      if (tail == WindowTail::merge && full >= 1 && 2 * rest < window) w.back().second = n;
       else w.emplace_back(full * window, n);
     }
     return w;
@@ -41,9 +54,18 @@ struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
 
   template <class View>
   void check(const View&) const {
+    check_params();
+  }
+
+ private:
+  void check_params() const {
     if (window <= 0)
       detail::throw_invalid("kvscore::WindowedManifoldL2: window must be > 0 (got " + std::to_string(window) + ")");
+    if (tail != WindowTail::own && tail != WindowTail::merge)
+      detail::throw_invalid("kvscore::WindowedManifoldL2: unknown WindowTail value");
   }
+
+ public:
 
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {

@@ -402,6 +402,19 @@ TEST_CASE("select: budget_from_ratio rounding", "[select][budget]") {
       CHECK(std::fabs(double(k) - r * double(n)) <= std::max(0.5 + 1e-9, r > 0 ? 1.0 : 0.0));
     }
   }
+  // The papers' rounding, M = floor((1 - rho) N), as kvpress's compute_n_kept max(1, int(N (1 - rho))).
+  using kvscore::BudgetRounding;
+  CHECK(budget_from_ratio(10, 0.25, BudgetRounding::floor) == 2);
+  CHECK(budget_from_ratio(10, 0.29, BudgetRounding::floor) == 2);
+  CHECK(budget_from_ratio(10, 1.0 - 0.9, BudgetRounding::floor) == 1);  // 0.999... -> 0 -> at least 1
+  CHECK(budget_from_ratio(4096, 0.8, BudgetRounding::floor) == 3276);  // ManifoldKV's 20% compression
+  for (std::int64_t n : {1, 2, 3, 7, 100, 4097})
+    for (int i = 0; i <= 100; ++i) {
+      const double rho = i / 100.0;  // compression ratio as kvpress takes it
+      const std::int64_t kvpress = rho >= 1.0 ? 0 : std::max<std::int64_t>(1, std::int64_t(double(n) * (1.0 - rho)));
+      CAPTURE(n, rho);
+      CHECK(budget_from_ratio(n, 1.0 - rho, BudgetRounding::floor) == kvpress);
+    }
   CHECK_THROWS_WITH(budget_from_ratio(10, 1.5), Catch::Contains("keep_ratio must be in [0, 1] (got 1.5)"));
   CHECK_THROWS_WITH(budget_from_ratio(10, -0.1), Catch::Contains("(got -0.10000000000000001)"));
   CHECK_THROWS_WITH(budget_from_ratio(10, std::nan("")), Catch::Contains("(got nan)"));

@@ -45,6 +45,8 @@ const char* const kEvalUsage =
     "  --sinks S           always keep the first S tokens per head (default 0; streaming_llm: 4)\n"
     "  --recent R          always keep the last R tokens per head (default 0; snapkv: >= n_q)\n"
     "  --alloc A           per-head (default) | adakv: how selection methods spread the budget\n"
+    "  --budget-rounding R nearest (default: n = the integer nearest f*N) | floor (n = floor(f*N),\n"
+    "                      the papers' M = floor((1 - rho) N) and kvpress's count); n >= 1 either way\n"
     "  --window W          windowed-l2 window in tokens (default 4096)\n"
     "  --window-tail T     windowed-l2: merge (default: a tail < W/2 joins the window before it) |\n"
     "                      own (the paper's Alg. 2: the tail is its own window)\n"
@@ -56,6 +58,7 @@ const std::vector<FlagSpec> kEvalFlags = {
     {"--keys", true},   {"--values", true}, {"--queries", true}, {"--out", true},   {"--svg", true},
     {"--group", true},  {"--methods", true}, {"--keep", true},   {"--sinks", true}, {"--recent", true},
     {"--alloc", true},  {"--window", true}, {"--window-tail", true}, {"--threads", true},
+    {"--budget-rounding", true},
 };
 
 namespace {
@@ -145,6 +148,10 @@ int cmd_eval(const Args& args) {
   if (alloc == "adakv") opt.method.select.alloc = Alloc::adakv;
   else if (alloc != "per-head") throw UsageError("eval: --alloc: '" + alloc + "' (expected per-head or adakv)");
   opt.method.window = args.get_int("--window", 4096, 1, INT64_MAX);
+  const std::string rounding = args.get("--budget-rounding", "nearest");
+  if (rounding != "nearest" && rounding != "floor")
+    throw UsageError("eval: --budget-rounding: '" + rounding + "' (expected nearest or floor)");
+  opt.rounding = rounding == "floor" ? BudgetRounding::floor : BudgetRounding::nearest;
   const std::string tail = args.get("--window-tail", "merge");
   if (tail != "own" && tail != "merge") throw UsageError("eval: --window-tail: '" + tail + "' (expected own or merge)");
   opt.method.window_tail = parse_window_tail(tail);

@@ -100,13 +100,20 @@ struct SelectOptions {
   SelectKernels kernels = SelectKernels::best;  ///< kernel set (tests, comparisons); same result
 };
 
+/// How budget_from_ratio rounds keep_ratio * tokens.
+enum class BudgetRounding {
+  nearest,  ///< the nearest integer, halves up (default)
+  floor,    ///< ⌊keep_ratio · tokens⌋: the papers' M = ⌊(1−ρ)N⌋ and kvpress's compute_n_kept
+};
+
 /// Tokens to keep per head for a keep ratio (fraction of the cache kept, = 1 - kvpress's
 /// compression ratio): the integer nearest to the double product keep_ratio * tokens (halves
-/// round up, std::llround), then at least 1
+/// round up, std::llround) or, with BudgetRounding::floor, its floor; then at least 1
 /// when tokens > 0 and keep_ratio > 0, never more than tokens. keep_ratio must be in [0, 1]
 /// (NaN is an error), tokens >= 0. Examples: (10, 0.1) -> 1, (10, 0.01) -> 1, (10, 0.25) -> 3
-/// (2.5 rounds up), (10, 0) -> 0, (0, 0.5) -> 0.
-inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio) {
+/// (2.5 rounds up; floor: 2), (10, 0) -> 0, (0, 0.5) -> 0.
+inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio,
+                                      BudgetRounding rounding = BudgetRounding::nearest) {
   if (tokens < 0)
     detail::throw_invalid("kvscore::budget_from_ratio: tokens must be >= 0 (got " + std::to_string(tokens) + ")");
   if (!(keep_ratio >= 0.0 && keep_ratio <= 1.0)) {
@@ -115,7 +122,9 @@ inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio) {
     detail::throw_invalid(std::string("kvscore::budget_from_ratio: keep_ratio must be in [0, 1] (got ") + buf + ")");
   }
   if (tokens == 0 || keep_ratio == 0.0) return 0;
-  const std::int64_t n = std::llround(keep_ratio * double(tokens));  // nearest, halves away from 0
+  const double x = keep_ratio * double(tokens);
+  const std::int64_t n = rounding == BudgetRounding::floor ? std::int64_t(std::floor(x))
+                                                           : std::llround(x);  // nearest, halves away from 0
   return std::clamp<std::int64_t>(n, 1, tokens);
 }
 

@@ -292,15 +292,16 @@ def _f32_4d(x, name):
 
 def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, recent: int = 0,
              alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, window_tail: str = "merge",
-             threads: int = 1) -> dict:
+             budget_rounding: str = "nearest", threads: int = 1) -> dict:
     """`kvscore eval` as a function: the same report (attention-mass recall, output error, top-k
     overlap, time per method and keep fraction), as a dict. K, V [layers, kv_heads, tokens, d],
-    Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's precision)."""
+    Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's precision).
+    budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest integer."""
     if not isinstance(methods, str):
         methods = ",".join(methods)
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")
     return _json.loads(_k.evaluate_json(Kf, Vf, Qf, methods, [float(f) for f in keep], sinks, recent, alloc, alpha,
-                                        window, window_tail, threads))
+                                        window, window_tail, budget_rounding, threads))
 
 
 def synth(kind: str = "mixed", *, layers: int = 1, kv_heads: int = 4, group: int = 2, tokens: int = 2048,

@@ -400,7 +400,15 @@ NB_MODULE(_kvscore, m) {
       .def("score", [](const kvscore::ProtoKV& s, const Any& k) { return score_any(s, k); }, "keys"_a);
 
   // ---- selection and compaction
-  m.def("budget_from_ratio", &kvscore::budget_from_ratio, "tokens"_a, "keep_ratio"_a);
+  m.def(
+      "budget_from_ratio",
+      [](std::int64_t tokens, double keep, const std::string& rounding) {
+        if (rounding != "nearest" && rounding != "floor")
+          bad("budget_from_ratio: rounding '" + rounding + "' must be 'nearest' or 'floor'");
+        return kvscore::budget_from_ratio(
+            tokens, keep, rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest);
+      },
+      "tokens"_a, "keep_ratio"_a, "rounding"_a = "nearest");
   m.def(
       "select",
       [](const Any& scores, std::int64_t budget, std::int64_t sinks, std::int64_t recent, const std::string& alloc,
@@ -456,7 +464,7 @@ NB_MODULE(_kvscore, m) {
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
          std::int64_t sinks, std::int64_t recent, const std::string& alloc, double alpha, std::int64_t window,
-         const std::string& window_tail, int threads) {
+         const std::string& window_tail, const std::string& rounding, int threads) {
         auto c_f32 = [](const Any& a, const char* what) {
           if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
           if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
@@ -490,6 +498,9 @@ NB_MODULE(_kvscore, m) {
         o.method.select.alpha = alpha;
         o.method.window = window;
         o.method.window_tail = kvscore::parse_window_tail(window_tail);
+        if (rounding != "nearest" && rounding != "floor")
+          bad("evaluate: budget_rounding '" + rounding + "' must be 'nearest' or 'floor'");
+        o.rounding = rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest;
         o.method.threads = threads;
         o.threads = threads;
         std::string json;
@@ -500,7 +511,7 @@ NB_MODULE(_kvscore, m) {
         return json;
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
-      "window_tail"_a, "threads"_a);
+      "window_tail"_a, "budget_rounding"_a, "threads"_a);
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.
   m.def(

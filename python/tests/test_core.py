@@ -322,6 +322,18 @@ def test_scoring_from_threads_gives_the_same_scores():
         np.testing.assert_array_equal(g, want)
 
 
+def test_budget_rounding_nearest_and_the_papers_floor():
+    assert kvscore.budget_from_ratio(10, 0.25) == 3
+    assert kvscore.budget_from_ratio(10, 0.25, "floor") == 2
+    for n in (7, 100, 4097):
+        for i in range(101):
+            rho = i / 100  # kvpress's compression ratio
+            want = 0 if rho >= 1 else max(1, int(n * (1 - rho)))
+            assert kvscore.budget_from_ratio(n, 1 - rho, "floor") == want
+    with pytest.raises(ValueError, match="'up'"):
+        kvscore.budget_from_ratio(10, 0.5, "up")
+
+
 def test_registry_names_and_aliases():
     assert kvscore.method_name("l2") == "manifold_l2"
     assert kvscore.method_name("windowed-l2") == "windowed_manifold_l2"

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -138,6 +139,29 @@ TEST_CASE("cli eval: budgets a method cannot meet are listed, not fatal", "[cli]
   cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --methods l2 --keep 0.05 --recent 20 --out " + rep + "2"),
                         "every method x keep was skipped");
   CHECK(!std::filesystem::exists(rep + "2"));
+}
+
+TEST_CASE("cli eval: --budget-rounding floor gives the papers' budgets", "[cli][eval]") {
+  const std::string d = eval_data("one", "");
+  const std::string near = eval_dir().file("near.json"), flo = eval_dir().file("floor.json");
+  REQUIRE(eval_cli("eval " + eval_inputs(d) + " --methods l2 --keep 0.1 --out " + near).rc == 0);
+  REQUIRE(eval_cli("eval " + eval_inputs(d) + " --methods l2 --keep 0.1 --budget-rounding floor --out " + flo).rc == 0);
+  const std::string a = cli_test::slurp(near), b = cli_test::slurp(flo);
+  CHECK(a.find("\"budget_rounding\": \"nearest\"") != std::string::npos);
+  CHECK(b.find("\"budget_rounding\": \"floor\"") != std::string::npos);
+  auto budget = [](const std::string& json) {
+    const std::size_t p = json.find("\"budget\": ");
+    return std::stoll(json.substr(p + 10));
+  };
+  auto tokens = [](const std::string& json) {
+    const std::size_t p = json.find("\"tokens\": ");
+    return std::stoll(json.substr(p + 10));
+  };
+  const long long N = tokens(a);
+  CHECK(budget(a) == kvscore::budget_from_ratio(N, 0.1));
+  CHECK(budget(b) == std::max(1LL, (long long)std::floor(0.1 * double(N))));
+  cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --budget-rounding up --out " + flo + "2"),
+                        "--budget-rounding: 'up' (expected nearest or floor)");
 }
 
 TEST_CASE("cli eval: bad input", "[cli][eval]") {

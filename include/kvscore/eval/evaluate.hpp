@@ -7,7 +7,7 @@
 //   opt.keep = {0.1, 0.25, 0.5};
 //   kvscore::eval::Report r = kvscore::eval::evaluate(layers, opt);
 //
-// For each method and keep fraction f: per-head budget n = budget_from_ratio(N, f) (nearest
+// For each method and keep fraction f: per-head budget n = budget_from_ratio(N, f, rounding) (nearest
 // integer to f·N, halves up, at least 1), the method runs once per layer (timed: scoring +
 // selection, wall clock), then every row (query head, query) of every KV head is measured.
 // A result averages rows equally: per head over its G·n_q rows, overall over all layers,
@@ -32,6 +32,7 @@ struct EvalOptions {
   std::vector<std::string> methods;      ///< registry names (resolve_methods)
   std::vector<double> keep = {0.1, 0.25, 0.5};  ///< fractions of the tokens kept, each in (0, 1]
   MethodOptions method;                  ///< protection, allocation, window, threads
+  BudgetRounding rounding = BudgetRounding::nearest;  ///< n from keep: nearest, or floor (the papers')
   int threads = 0;                       ///< threads over heads for the metrics (0 = OpenMP default)
 };
 

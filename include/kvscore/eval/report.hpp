@@ -76,7 +76,9 @@ inline std::string to_json(const Report& r) {
   o += "  \"options\": {\"sinks\": " + std::to_string(m.select.sinks) + ", \"recent\": " +
        std::to_string(m.select.recent) + ", \"alloc\": " + json_str(detail::alloc_name(m.select.alloc)) +
        ", \"window\": " + std::to_string(m.window) +
-       ", \"window_tail\": " + json_str(m.window_tail == WindowTail::merge ? "merge" : "own") + ", \"keep\": [";
+       ", \"window_tail\": " + json_str(m.window_tail == WindowTail::merge ? "merge" : "own") +
+       ", \"budget_rounding\": " + json_str(r.options.rounding == BudgetRounding::floor ? "floor" : "nearest") +
+       ", \"keep\": [";
   for (std::size_t i = 0; i < r.options.keep.size(); ++i) o += (i ? ", " : "") + json_num(r.options.keep[i]);
   o += "], \"methods\": [";
   for (std::size_t i = 0; i < r.options.methods.size(); ++i) o += (i ? ", " : "") + json_str(r.options.methods[i]);

@@ -31,7 +31,7 @@ KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const
   };
   std::vector<Job> jobs;
   for (const std::string& name : opt.methods)
-    for (const double f : opt.keep) jobs.push_back({&find_method(name), f, budget_from_ratio(a.tokens, f), {}, 0, false});
+    for (const double f : opt.keep) jobs.push_back({&find_method(name), f, budget_from_ratio(a.tokens, f, opt.rounding), {}, 0, false});
 
   for (Job& job : jobs) {
     for (const LayerInput& in : layers) {

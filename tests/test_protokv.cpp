@@ -504,6 +504,59 @@ TEST_CASE("ProtoKV: GQA sums the contiguous group's window queries", "[protokv]"
                     Contains("group 2 does not match q_heads / kv_heads = 6 / 2 = 3"));
 }
 
+TEST_CASE("ProtoKV: attention psi is each cluster's mean softmax mass over the window queries", "[protokv]") {
+  const std::int64_t N = 500, d = 24, w = 8, H = 2, G = 2;
+  std::vector<float> k;
+  for (std::int64_t h = 0; h < H; ++h) {
+    const auto kh = pk_topics(N, d, 25, 71 + std::uint32_t(h), 0.8f);
+    k.insert(k.end(), kh.begin(), kh.end());
+  }
+  k[std::size_t((1 * N + 7) * d + 2)] = kNaN;  // an invalid key (head 1) takes no part
+  const std::vector<float> q = pk_randn(std::size_t(H * G * w * d), 72, 1.5f);
+  const KeysView<float> v(k.data(), H, N, d, N * d, d);
+  ProtoKV pk(q.data(), H * G, w, d);
+  pk.chunks = 20;
+  pk.psi = ProtoKV::Psi::attention;
+  const Scores s = pk.score(v);
+  for (std::int64_t h = 0; h < H; ++h) {
+    const kvscore::ProtoKVHead a = pk.analyze(v, h);
+    // brute force in double: softmax over the valid keys per window query, mean over the G·w rows
+    std::vector<double> mass(std::size_t(N), 0.0);
+    for (std::int64_t r = 0; r < G * w; ++r) {
+      std::vector<double> l(std::size_t(N), -std::numeric_limits<double>::infinity());
+      double mx = -std::numeric_limits<double>::infinity(), z = 0;
+      for (std::int64_t t = 0; t < N; ++t) {
+        if (!a.valid[std::size_t(t)]) continue;
+        double x = 0;
+        for (std::int64_t j = 0; j < d; ++j)
+          x += double(q[std::size_t(((h * G * w) + r) * d + j)]) * double(k[std::size_t((h * N + t) * d + j)]);
+        l[std::size_t(t)] = x / std::sqrt(double(d));
+        mx = std::max(mx, l[std::size_t(t)]);
+      }
+      for (std::int64_t t = 0; t < N; ++t) z += std::exp(l[std::size_t(t)] - mx);
+      for (std::int64_t t = 0; t < N; ++t) mass[std::size_t(t)] += std::exp(l[std::size_t(t)] - mx) / z / double(G * w);
+    }
+    const std::int64_t P = a.pdt_prototypes + a.sat_prototypes;
+    std::vector<double> ps(std::size_t(P), 0.0);
+    double total = 0;
+    for (std::int64_t t = 0; t < N; ++t)
+      if (a.cluster[std::size_t(t)] >= 0) ps[std::size_t(a.cluster[std::size_t(t)])] += mass[std::size_t(t)];
+    for (std::int64_t c = 0; c < P; ++c) {
+      CAPTURE(h, c);
+      CHECK(std::fabs(a.psi[std::size_t(c)] - ps[std::size_t(c)]) <= 1e-5);
+      total += a.psi[std::size_t(c)];
+    }
+    CHECK(std::fabs(total - 1.0) <= 1e-9);  // the clusters share all of the mass
+    std::vector<std::int32_t> order;
+    for (std::int64_t c = 0; c < P; ++c)
+      if (a.cluster_size[std::size_t(c)] > 0) order.push_back(std::int32_t(c));
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int32_t x, std::int32_t y) { return ps[std::size_t(x)] > ps[std::size_t(y)]; });
+    CHECK(order == a.cluster_order);
+    CHECK(s.head(h)[7] == (h == 1 ? -std::numeric_limits<float>::infinity() : s.head(h)[7]));
+  }
+}
+
 TEST_CASE("ProtoKV: sum psi favours a big lukewarm cluster, mean psi a small hot one", "[protokv]") {
   // Two topics with one prototype each: topic A (300 tokens) along q a little, topic B
   // (20 tokens) along q strongly; everything else orthogonal to q.
@@ -659,7 +712,7 @@ TEST_CASE("ProtoKV: bad arguments throw std::invalid_argument naming the values"
   CHECK_THROWS_WITH(pk.score(v), Contains("must be finite and >= 0"));
   pk = mk();
   pk.psi = static_cast<ProtoKV::Psi>(7);
-  CHECK_THROWS_WITH(pk.score(v), Contains("psi must be Psi::sum or Psi::mean"));
+  CHECK_THROWS_WITH(pk.score(v), Contains("psi must be Psi::sum, Psi::mean or Psi::attention"));
   pk = mk();
   std::vector<float> out(std::size_t(2 * N));
   CHECK_THROWS_WITH(pk.score(v, ScoresView(out.data(), 2, N - 1)), Contains("does not match keys (2, 40)"));

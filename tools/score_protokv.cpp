@@ -37,7 +37,9 @@ const char* const kProtoKVScoreUsage =
     "  --lsh-bits R         LSH bits, at most 2^R SAT prototypes, 0..16 (default 2)\n"
     "  --chunks V           PDT chunks (default 496)\n"
     "  --bandwidth B        RFF bandwidth on unit keys, > 0; default: median pairwise distance\n"
-    "  --psi sum|mean       cluster score (default sum)\n";
+    "  --psi sum|mean|attention\n"
+    "                       cluster score: sum or mean of q̄·k, or the window queries' attention\n"
+    "                       mass (softmax) of the cluster (default attention)\n";
 
 void run_score_protokv(const Args& args);
 
@@ -79,8 +81,9 @@ void run_score_protokv(const Args& args) {
   const double bandwidth = args.has("--bandwidth") ? parse_positive_double(args.required("--bandwidth"),
                                                                            "score: --bandwidth")
                                                    : 0.0;
-  const std::string psi = args.get("--psi", "sum");
-  if (psi != "sum" && psi != "mean") throw UsageError("score: --psi must be sum or mean (got '" + psi + "')");
+  const std::string psi = args.get("--psi", "attention");
+  if (psi != "sum" && psi != "mean" && psi != "attention")
+    throw UsageError("score: --psi must be sum, mean or attention (got '" + psi + "')");
   if (args.has("--isa")) {
     try {
       simd::set_active_isa(args.required("--isa"));
@@ -124,7 +127,7 @@ void run_score_protokv(const Args& args) {
     pk.chunks = chunks;
     pk.sat_candidates = p;
     pk.bandwidth = bandwidth;
-    pk.psi = psi == "mean" ? ProtoKV::Psi::mean : ProtoKV::Psi::sum;
+    pk.psi = psi == "mean" ? ProtoKV::Psi::mean : psi == "attention" ? ProtoKV::Psi::attention : ProtoKV::Psi::sum;
     if (keys.descr == npy::descr_of<float>()) scores = score_keys<float>(pk, keys);
     else if (keys.descr == npy::descr_of<half>()) scores = score_keys<half>(pk, keys);
     else if (keys.descr == npy::descr_of<bfloat16>()) scores = score_keys<bfloat16>(pk, keys);

@@ -36,6 +36,7 @@ void BM_cuda_protokv(benchmark::State& st) {
     snap_s = std::min(snap_s, gpu_seconds([&] { kc::score(snap, keys, sv, {sws.get(), sws.bytes()}); }));
 
   kvscore::ProtoKV proto(q.data(), H * G, w, d);
+  proto.psi = kvscore::ProtoKV::Psi::sum;  // the GPU path has sum and mean (not the CPU's default attention)
   proto.num_threads = 1;
   kc::DeviceBuffer ws(kc::score_workspace_bytes(proto, keys));
   kc::score(proto, keys, sv, {ws.get(), ws.bytes()});  // warm-up

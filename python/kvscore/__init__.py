@@ -210,7 +210,7 @@ class ProtoKV(_QueryScorer):
     name = "protokv"
 
     def __init__(self, queries, window: int = 0, *, kappa: int = 5, sat_candidates: int = 32, lsh_bits: int = 2,
-                 chunks: int = 496, bandwidth: float = 0.0, seed: int = 0, psi: str = "sum", threads: int = 0):
+                 chunks: int = 496, bandwidth: float = 0.0, seed: int = 0, psi: str = "attention", threads: int = 0):
         a, _ = _arg(queries, "queries")
         super().__init__(_k.ProtoKV(a, window, kappa, sat_candidates, lsh_bits, chunks, bandwidth, seed, psi), threads)
         self._options = {"window": window, "kappa": kappa, "sat_candidates": sat_candidates, "lsh_bits": lsh_bits,

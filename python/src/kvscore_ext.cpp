@@ -388,12 +388,13 @@ NB_MODULE(_kvscore, m) {
              self->seed = seed;
              if (psi == "sum") self->psi = kvscore::ProtoKV::Psi::sum;
              else if (psi == "mean") self->psi = kvscore::ProtoKV::Psi::mean;
-             else bad("ProtoKV: psi '" + psi + "' must be 'sum' or 'mean'");
+             else if (psi == "attention") self->psi = kvscore::ProtoKV::Psi::attention;
+             else bad("ProtoKV: psi '" + psi + "' must be 'sum', 'mean' or 'attention'");
            },
            "queries"_a, "window"_a = 0, "kappa"_a = kvscore::ProtoKV::kDefaultKappa,
            "sat_candidates"_a = kvscore::ProtoKV::kDefaultSatCandidates,
            "lsh_bits"_a = kvscore::ProtoKV::kDefaultLshBits, "chunks"_a = kvscore::ProtoKV::kDefaultChunks,
-           "bandwidth"_a = 0.0, "seed"_a = 0, "psi"_a = "sum")
+           "bandwidth"_a = 0.0, "seed"_a = 0, "psi"_a = "attention")
       .def_rw("num_threads", &kvscore::ProtoKV::num_threads)
       .def_prop_ro("window", &kvscore::ProtoKV::window)
       .def_prop_ro("protected_recent", &kvscore::ProtoKV::protected_recent)

@@ -46,7 +46,7 @@ struct Params {
   std::int64_t kappa = 5, p = 32, chunks = 496;
   int bits = 2;
   double bandwidth = 0;
-  bool mean = false;
+  int psi = 2;  // 0 sum, 1 mean, 2 attention (the default)
 };
 
 template <class E>
@@ -58,7 +58,9 @@ kvscore::Scores expected(const std::vector<E>& keys, const Params& prm) {
   pk.chunks = prm.chunks;
   pk.lsh_bits = prm.bits;
   pk.bandwidth = prm.bandwidth;
-  pk.psi = prm.mean ? kvscore::ProtoKV::Psi::mean : kvscore::ProtoKV::Psi::sum;
+  pk.psi = prm.psi == 1   ? kvscore::ProtoKV::Psi::mean
+           : prm.psi == 2 ? kvscore::ProtoKV::Psi::attention
+                          : kvscore::ProtoKV::Psi::sum;
   return pk.score(kvscore::KeysView<E>(keys.data(), H, T, D, T * D, D));
 }
 
@@ -83,10 +85,11 @@ void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
   const Run runs[] = {
       {"", {}},
       {" --group 2 --window 8 --threads 1", {}},
-      {" --seed 17", {17, 5, 32, 496, 2, 0, false}},
-      {" --seed=3 --kappa 2 --sat-candidates 10 --lsh-bits 3 --chunks 12 --threads 3", {3, 2, 10, 12, 3, 0, false}},
-      {" --bandwidth 0.75 --psi mean --chunks 20", {0, 5, 32, 20, 2, 0.75, true}},
-      {" --psi sum --sat-candidates 0", {0, 5, 0, 496, 2, 0, false}},
+      {" --seed 17", {17, 5, 32, 496, 2, 0, 2}},
+      {" --seed=3 --kappa 2 --sat-candidates 10 --lsh-bits 3 --chunks 12 --threads 3", {3, 2, 10, 12, 3, 0, 2}},
+      {" --bandwidth 0.75 --psi mean --chunks 20", {0, 5, 32, 20, 2, 0.75, 1}},
+      {" --psi attention --chunks 20", {0, 5, 32, 20, 2, 0, 2}},
+      {" --psi sum --sat-candidates 0", {0, 5, 0, 496, 2, 0, 0}},
   };
   for (const Run& run : runs) {
     INFO(keys_file << ":" << run.extra);
@@ -146,7 +149,7 @@ TEST_CASE("cli protokv: bad input gives exit 2 and one line", "[cli][protokv]") 
   npy::save<float>(path("q_inf.npy"), {H * G, W, D}, qn.data());
   SECTION("command line") {
     check_bad(base, "missing required flag --queries");
-    check_bad(base + " --queries " + q + " --psi median", "--psi must be sum or mean (got 'median')");
+    check_bad(base + " --queries " + q + " --psi median", "--psi must be sum, mean or attention (got 'median')");
     check_bad(base + " --queries " + q + " --seed -1", "--seed must be >= 0 (got -1)");
     check_bad(base + " --queries " + q + " --kappa 0", "--kappa must be > 0 (got 0)");
     check_bad(base + " --queries " + q + " --lsh-bits 17", "--lsh-bits must be in [0, 16] (got 17)");

@@ -95,6 +95,9 @@ inline std::vector<float> protokv_qbar(const ProtoKV& s, std::int64_t kv_heads) 
 template <class T>
 void protokv_check(const ProtoKV& s, const DeviceKeysView<T>& keys) {
   s.check(keys);
+  if (s.psi == ProtoKV::Psi::attention)
+    kvscore::detail::throw_invalid("kvscore::cuda::score(ProtoKV): psi = Psi::attention runs on the CPU only "
+                                   "(the GPU path has sum and mean)");
   if (keys.head_dim() > 256)
     kvscore::detail::throw_invalid("kvscore::cuda::score(ProtoKV): head_dim " + std::to_string(keys.head_dim()) +
                                    " > 256 is not supported on the GPU");

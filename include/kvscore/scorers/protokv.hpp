@@ -14,7 +14,10 @@
 //   4. Every valid token joins the prototype of highest cosine (an Eigen GEMM over blocks of
 //      32 tokens; ties: lower prototype index, PDT chunks first, then SAT buckets).
 //   5. ψ(C) = Σ_{i∈C} q̄·k_i with q̄ = Σ over the group's query heads and the window of q
-//      (Psi::sum, the paper's formula) or that sum / |C| (Psi::mean).
+//      (Psi::sum, the seed summary's formula) or that sum / |C| (Psi::mean); or Psi::attention:
+//      the attention mass of C, mean over the group's window queries of Σ_{i∈C}
+//      softmax_i(q·k_i/√d) over the head's valid keys (no causal mask) — free of the logit
+//      offset a head shares across all keys, which makes a raw sum follow cluster size.
 // Scores encode the cluster-granular order so that the generic selector reproduces it: the
 // valid tokens sorted by (cluster ψ desc, cluster index asc, q̄·k desc, position asc) get
 // scores M, M-1, ..., 1 (M = valid tokens; exact integers in fp32, hence N <= 2^24). Any
@@ -92,7 +95,7 @@ struct ProtoKVHead {
   std::vector<float> prototypes;              ///< [P][d] unit vectors (0 for a zero sum)
   std::vector<std::int32_t> cluster;          ///< [N] prototype of each token; -1 for invalid keys
   std::vector<std::int64_t> cluster_size;     ///< [P]
-  std::vector<double> psi;                    ///< [P] ψ (sum or mean as configured); 0 for empty clusters
+  std::vector<double> psi;                    ///< [P] ψ (sum, mean or attention mass); 0 for empty clusters
   std::vector<std::int32_t> cluster_order;    ///< non-empty clusters, best first
 };
 
@@ -112,7 +115,7 @@ class ProtoKV : public ScorerOptions {
   /// Largest cache: scores are exact integers in fp32.
   static constexpr std::int64_t kMaxTokens = std::int64_t(1) << 24;
 
-  enum class Psi { sum, mean };
+  enum class Psi { sum, mean, attention };
 
   std::int64_t kappa = kDefaultKappa;                   ///< >= 1
   std::int64_t sat_candidates = kDefaultSatCandidates;  ///< p in [0, N]
@@ -120,7 +123,9 @@ class ProtoKV : public ScorerOptions {
   std::int64_t chunks = kDefaultChunks;                 ///< v >= 0 (clipped to the non-candidates)
   double bandwidth = 0;                                 ///< σ > 0 fixed, 0 = median heuristic
   std::uint64_t seed = 0;                               ///< RFF seed
-  Psi psi = Psi::sum;
+  /// Cluster score ψ. Default attention: measured better than the sum on a real model's dump and
+  /// on synthetic data (docs/protokv.md); the GPU path has sum and mean only.
+  Psi psi = Psi::attention;
 
   /// queries: [q_heads][window][head_dim] row-major fp32, the post-RoPE queries of the last
   /// `window` positions; GQA groups contiguous (query heads h*G .. h*G+G-1 serve KV head h).
@@ -149,6 +154,7 @@ class ProtoKV : public ScorerOptions {
                                   ", query " + std::to_string(m) + ", dim " + std::to_string(j) + "] is not finite");
           qsum_[std::size_t(hq * head_dim + j)] += double(x);
         }
+    queries_.assign(queries, queries + q_heads * window * head_dim);  // Psi::attention reads them
   }
 
   /// q̄ of KV head h of a cache with kv_heads heads (kv_heads divides q_heads()): the sum over
@@ -203,7 +209,8 @@ class ProtoKV : public ScorerOptions {
       detail::throw_invalid(who + "chunks 0 and sat_candidates 0 leave no prototypes");
     if (!(bandwidth >= 0) || !std::isfinite(bandwidth))
       detail::throw_invalid(who + "bandwidth " + std::to_string(bandwidth) + " must be finite and >= 0 (0 = median)");
-    if (psi != Psi::sum && psi != Psi::mean) detail::throw_invalid(who + "psi must be Psi::sum or Psi::mean");
+    if (psi != Psi::sum && psi != Psi::mean && psi != Psi::attention)
+      detail::throw_invalid(who + "psi must be Psi::sum, Psi::mean or Psi::attention");
     detail::checked_mul(n, dim_, "kvscore::ProtoKV");
   }
 
@@ -449,6 +456,29 @@ class ProtoKV : public ScorerOptions {
     if (psi == Psi::mean)
       for (std::int64_t c = 0; c < P; ++c)
         if (size[std::size_t(c)] > 0) psi_c[std::size_t(c)] /= double(size[std::size_t(c)]);
+    if (psi == Psi::attention) {
+      // Attention mass per cluster: softmax over the valid keys for each of the group's window
+      // queries (logits ‖k‖·(u·q)/√d, fp64 exp and sums), averaged over those queries.
+      const std::int64_t G = q_heads_ / keys.heads(), rows = G * window_;
+      const double inv_sqrt_d = 1.0 / std::sqrt(double(d));
+      std::vector<double> mass(Nz, 0.0), e(Nz, 0.0);
+      std::vector<float> dots(Nz);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float* q = queries_.data() + (h * rows + r) * d;
+        table.f32.dot(U.data(), N, d, d, q, dots.data());
+        double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (std::size_t t = 0; t < Nz; ++t)
+          if (valid[t]) mx = std::max(mx, double(norm[t]) * double(dots[t]) * inv_sqrt_d);
+        for (std::size_t t = 0; t < Nz; ++t)
+          if (valid[t]) sum += (e[t] = std::exp(double(norm[t]) * double(dots[t]) * inv_sqrt_d - mx));
+        if (!(sum > 0)) continue;
+        for (std::size_t t = 0; t < Nz; ++t)
+          if (valid[t]) mass[t] += e[t] / sum;
+      }
+      std::fill(psi_c.begin(), psi_c.end(), 0.0);
+      for (std::size_t t = 0; t < Nz; ++t)
+        if (cl[t] >= 0) psi_c[std::size_t(cl[t])] += mass[t] / double(rows);
+    }
     std::vector<std::int32_t> corder;
     for (std::int64_t c = 0; c < P; ++c)
       if (size[std::size_t(c)] > 0) corder.push_back(std::int32_t(c));
@@ -497,6 +527,7 @@ class ProtoKV : public ScorerOptions {
   }
 
   std::vector<double> qsum_;  ///< Σ over the window of each query head, [q_heads][head_dim]
+  std::vector<float> queries_;  ///< the window queries as given, [q_heads][window][head_dim]
   std::int64_t q_heads_, window_, dim_, group_;
 };
 

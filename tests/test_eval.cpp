@@ -284,3 +284,38 @@ TEST_CASE("eval: JSON, table and SVG carry every result", "[eval]") {
   CHECK_THAT(s, Contains("data-method=\"streaming_llm\""));
   CHECK(eval::detail::json_str("a\"b\\c\n") == "\"a\\\"b\\\\c\\n\"");
 }
+
+TEST_CASE("eval: the queries follow the cache by default - snapkv, protokv and ojakv see every key and protect "
+          "nothing; in-cache on request",
+          "[eval][placement]") {
+  const EvalFixture F;
+  const eval::LayerInput& in = F.layers[0];
+  const std::int64_t n = 26;
+  eval::MethodOptions o;
+  CHECK(o.placement == kvscore::QueryPlacement::after_cache);
+  kvscore::SnapKV snap(in.queries, in.q_heads, in.n_queries, in.head_dim);
+  snap.placement = kvscore::QueryPlacement::after_cache;
+  const kvscore::Selection after = kvscore::select(snap.score(in.key_view()), kvscore::Budget::per_head(n));
+  snap.placement = kvscore::QueryPlacement::in_cache;
+  kvscore::SelectOptions protect;
+  protect.recent = in.n_queries;
+  const kvscore::Selection in_cache = kvscore::select(snap.score(in.key_view()), kvscore::Budget::per_head(n), protect);
+  REQUIRE(after.positions != in_cache.positions);  // the two modes keep different tokens here
+  CHECK(eval::find_method("snapkv").run(in, n, o).kept.positions == after.positions);
+  o.placement = kvscore::QueryPlacement::in_cache;
+  CHECK(eval::find_method("snapkv").run(in, n, o).kept.positions == in_cache.positions);
+
+  // ProtoKV below its window: in-cache protects n_q = 4 tokens > a budget of 3 (skipped);
+  // after-cache protects nothing and runs.
+  auto opt = eval_opts("protokv,snapkv,ojakv", {0.01});
+  const eval::Report a = eval::evaluate(F.layers, opt);
+  CHECK(a.results.size() == 3);
+  CHECK(a.skipped.empty());
+  CHECK_THAT(eval::to_json(a), Contains("\"query_placement\": \"after-cache\""));
+  opt.method.placement = kvscore::QueryPlacement::in_cache;
+  const eval::Report b = eval::evaluate(F.layers, opt);
+  CHECK(b.results.size() == 1);  // ojakv protects nothing in either mode
+  REQUIRE(b.skipped.size() == 2);
+  CHECK_THAT(b.skipped[0].reason, Contains("protect 4 tokens"));
+  CHECK_THAT(eval::to_json(b), Contains("\"query_placement\": \"in-cache\""));
+}

@@ -354,7 +354,8 @@ namespace {
 /// e_t straight from its definition, fp64, keys widened from T.
 template <class T>
 std::vector<double> ref_residual(const std::vector<T>& keys, std::int64_t H, std::int64_t N, std::int64_t d,
-                                 const std::vector<float>& q, std::int64_t Hq, std::int64_t w, const std::vector<Mat>& u) {
+                                 const std::vector<float>& q, std::int64_t Hq, std::int64_t w, const std::vector<Mat>& u,
+                                 bool after_cache = false) {
   std::vector<double> out(std::size_t(H * N));
   const std::int64_t G = Hq / H;
   for (std::int64_t h = 0; h < H; ++h)
@@ -374,7 +375,7 @@ std::vector<double> ref_residual(const std::vector<T>& keys, std::int64_t H, std
       int cnt = 0;
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t i = 0; i < w; ++i) {
-          if (N - w + i < t) continue;  // causal: query i sits at N - w + i
+          if (!after_cache && N - w + i < t) continue;  // causal: query i sits at N - w + i
           double dot = 0;
           for (std::int64_t j = 0; j < d; ++j) dot += double(q[std::size_t(((h * G + g) * w + i) * d + j)]) * res(j);
           s += std::abs(dot) / std::sqrt(double(d));
@@ -420,6 +421,35 @@ TEMPLATE_TEST_CASE("ojakv: residual score matches its definition (GQA, causal wi
     for (std::int64_t t = 0; t < N; ++t)
       for (std::int64_t j = 0; j < d; ++j) tm[std::size_t((t * H + h) * d + j)] = keys[std::size_t((h * N + t) * d + j)];
   CHECK(scorer.score(KeysView<TestType>::token_major(tm.data(), N, H, d)).values() == s1.values());
+}
+
+TEST_CASE("ojakv: after_cache residual - every query sees every token, a window longer than the cache accepted",
+          "[ojakv][placement]") {
+  const std::int64_t H = 2, N = 40, d = 16, Hq = 4;
+  const std::vector<float> keys = to_f32(gaussian(H * N, d, 181));
+  std::vector<Mat> u;
+  for (int h = 0; h < H; ++h) u.push_back(kvscore::oja::random_orthonormal(d, 3, 183 + h));
+  const KeysView<float> view(keys.data(), H, N, d, N * d, d);
+  for (const std::int64_t w : {std::int64_t(6), N + 10}) {
+    INFO("window " << w);
+    const std::vector<float> q = to_f32(gaussian(Hq * w, d, 182));
+    kvscore::OjaResidual scorer(q.data(), Hq, w, d, u);
+    scorer.placement = kvscore::QueryPlacement::after_cache;
+    const kvscore::Scores s = scorer.score(view);
+    const std::vector<double> ref = ref_residual(keys, H, N, d, q, Hq, w, u, true);
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < N; ++t) {
+        INFO("head " << h << " token " << t);
+        CHECK(double(s(h, t)) == Approx(ref[std::size_t(h * N + t)]).epsilon(1e-6).margin(1e-12));
+      }
+    scorer.placement = kvscore::QueryPlacement::in_cache;
+    if (w > N) {
+      CHECK_THROWS_WITH(scorer.score(view), Contains("window 50 > tokens 40"));
+    } else {  // the causal window changes the last w - 1 tokens' scores, and only those
+      const kvscore::Scores c = scorer.score(view);
+      for (std::int64_t t = 0; t < N; ++t) CHECK((c(0, t) == s(0, t)) == (t <= N - w));
+    }
+  }
 }
 
 TEST_CASE("ojakv: planted high-residual tokens are the ones kept at full rank", "[ojakv]") {

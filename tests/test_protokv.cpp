@@ -504,6 +504,36 @@ TEST_CASE("ProtoKV: GQA sums the contiguous group's window queries", "[protokv]"
                     Contains("group 2 does not match q_heads / kv_heads = 6 / 2 = 3"));
 }
 
+TEST_CASE("ProtoKV after_cache: the same scores (psi has no causal mask), nothing protected, any window",
+          "[protokv][placement]") {
+  const std::int64_t N = 300, d = 32, H = 2;
+  const std::vector<float> k = pk_topics(N * H, d, 40, 61);
+  const KeysView<float> v(k.data(), H, N, d, N * d, d);
+  std::mt19937 g(62);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (const std::int64_t w : {std::int64_t(8), N, N + 50}) {
+    INFO("window " << w);
+    std::vector<float> q(std::size_t(H * w * d));
+    for (float& x : q) x = nd(g);
+    for (const ProtoKV::Psi psi : {ProtoKV::Psi::attention, ProtoKV::Psi::sum}) {
+      ProtoKV after(q.data(), H, w, d);
+      after.psi = psi;
+      after.placement = kvscore::QueryPlacement::after_cache;
+      CHECK(after.protected_recent() == 0);
+      ProtoKV in = after;
+      in.placement = kvscore::QueryPlacement::in_cache;
+      if (w <= N) {
+        CHECK(in.protected_recent() == w);
+        CHECK(after.score(v).values() == in.score(v).values());
+      } else {
+        CHECK_THROWS_WITH(in.score(v), Contains("window " + std::to_string(w) + " > tokens 300"));
+        const Scores s = after.score(v);  // more queries than tokens: fine when they follow the cache
+        CHECK(std::all_of(s.values().begin(), s.values().end(), [](float x) { return x >= 1.f; }));
+      }
+    }
+  }
+}
+
 TEST_CASE("ProtoKV: attention psi is each cluster's mean softmax mass over the window queries", "[protokv]") {
   const std::int64_t N = 500, d = 24, w = 8, H = 2, G = 2;
   std::vector<float> k;

@@ -414,6 +414,16 @@ TEST_CASE("WindowedManifoldL2: window boundaries follow the tail rule", "[proper
   CHECK(kvscore::parse_window_tail("merge") == WindowTail::merge);
 }
 
+TEST_CASE("query placement: both spellings parse, to_string round-trips, anything else names the value",
+          "[placement]") {
+  using kvscore::QueryPlacement;
+  for (const QueryPlacement p : {QueryPlacement::in_cache, QueryPlacement::after_cache})
+    CHECK(kvscore::parse_query_placement(kvscore::to_string(p)) == p);
+  CHECK(kvscore::parse_query_placement("in-cache") == QueryPlacement::in_cache);
+  CHECK(kvscore::parse_query_placement("after-cache") == QueryPlacement::after_cache);
+  CHECK_THROWS_WITH(kvscore::parse_query_placement("after"), Catch::Matchers::Contains("'after'"));
+}
+
 TEST_CASE("WindowedManifoldL2: the merge rule (default) does not evict a short tail wholesale", "[properties]") {
   // N = 2W + 3 and N = 2W + 1: the tail tokens come from the same distribution as the
   // window before them. Merged into it, their distances are typical of that window;

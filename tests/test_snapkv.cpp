@@ -75,10 +75,11 @@ Ref widen(const std::vector<T>& keys, std::int64_t H, std::int64_t N, std::int64
   return r;
 }
 
-/// SnapKV in float64, straight from the definition (docs/snapkv.md).
+/// SnapKV in float64, straight from the definition (docs/snapkv.md). after_cache: the queries
+/// follow the cache, so every one sees all N keys and the whole cache is the pooled prefix.
 std::vector<double> ref_snapkv(const Ref& r, const std::vector<float>& q, std::int64_t Hq, std::int64_t w,
-                               std::int64_t kernel) {
-  const std::int64_t H = r.H, N = r.N, d = r.d, G = Hq / H, P = N - w;
+                               std::int64_t kernel, bool after_cache = false) {
+  const std::int64_t H = r.H, N = r.N, d = r.d, G = Hq / H, P = after_cache ? N : N - w;
   std::vector<double> out(std::size_t(H * N));
   for (std::int64_t h = 0; h < H; ++h) {
     std::vector<char> valid(static_cast<std::size_t>(N));
@@ -87,7 +88,7 @@ std::vector<double> ref_snapkv(const Ref& r, const std::vector<float>& q, std::i
     for (std::int64_t g = 0; g < G; ++g)
       for (std::int64_t i = 0; i < w; ++i) {
         const float* qi = q.data() + ((h * G + g) * w + i) * d;
-        const std::int64_t seen = P + i + 1;
+        const std::int64_t seen = std::min(N, P + i + 1);
         double m = -INFINITY;
         for (std::int64_t t = 0; t < seen; ++t) {
           if (!valid[std::size_t(t)]) continue;
@@ -404,6 +405,43 @@ TEMPLATE_TEST_CASE("SnapKV matches the float64 reference on random shapes", "[sn
       const std::vector<TestType> blk = to_blocks(keys, s.H, s.N, s.d, 5);
       const Scores b = snap.score(BlockView<TestType>{blk.data(), s.H, s.N, s.d, 5});
       CHECK(compare(b.data(), s.N, e, s.H, s.N, tol) == "");
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("SnapKV after_cache matches the float64 reference: no mask, the whole cache pooled, nothing "
+                   "protected, a window longer than the cache accepted",
+                   "[snapkv][placement]", float, half, bfloat16) {
+  struct Shape {
+    std::int64_t H, G, N, d, w, kernel;
+  };
+  const Shape shapes[] = {{2, 2, 700, 64, 64, 5}, {1, 4, 37, 33, 8, 3}, {2, 1, 20, 16, 50, 5}, {1, 2, 9, 8, 9, 1}};
+  std::uint32_t seed = 101;
+  for (const Shape& s : shapes) {
+    INFO("H " << s.H << " G " << s.G << " N " << s.N << " d " << s.d << " w " << s.w << " " << tname<TestType>());
+    const std::vector<TestType> keys = convert<TestType>(randn(std::size_t(s.H * s.N * s.d), seed++));
+    const std::vector<float> q = randn(std::size_t(s.H * s.G * s.w * s.d), seed++, 1.5f);
+    const Ref r = widen(keys, s.H, s.N, s.d);
+    SnapKV snap(q.data(), s.H * s.G, s.w, s.d, s.G);
+    snap.kernel_size = s.kernel;
+    snap.placement = kvscore::QueryPlacement::after_cache;
+    CHECK(snap.protected_recent() == 0);
+    const std::vector<double> e = ref_snapkv(r, q, s.H * s.G, s.w, s.kernel, true);
+    const std::vector<double> tol = rel_tol(r, q, s.H * s.G, s.w);
+    const KeysView<TestType> view(keys.data(), s.H, s.N, s.d, s.N * s.d, s.d);
+    for (const auto* isa : kvscore::simd::available_tables()) {
+      INFO("isa " << isa->name);
+      snap.isa = isa;
+      CHECK(compare(snap.score(view).data(), s.N, e, s.H, s.N, tol) == "");
+    }
+    // The in-cache scores differ (causal mask, an unpooled window): the mode is not a no-op.
+    if (s.w <= s.N) {
+      snap.placement = kvscore::QueryPlacement::in_cache;
+      CHECK(snap.protected_recent() == s.w);
+      CHECK(compare(snap.score(view).data(), s.N, e, s.H, s.N, tol) != "");
+    } else {
+      snap.placement = kvscore::QueryPlacement::in_cache;
+      CHECK_THROWS_WITH(snap.score(view), Contains("window " + std::to_string(s.w) + " > tokens"));
     }
   }
 }

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "kvscore/scorers/scorer_base.hpp"
+
 namespace kvscore::cli {
 
 inline constexpr int kExitOk = 0;
@@ -57,6 +59,16 @@ class Args {
 
 /// Strict base-10 integer: no spaces, no trailing characters, no overflow (UsageError naming `what`).
 std::int64_t parse_int(const std::string& text, const std::string& what);
+
+/// --query-placement in-cache|after-cache (snapkv, protokv, ojakv), `fallback` when absent;
+/// UsageError naming the value otherwise.
+inline QueryPlacement get_query_placement(const Args& args, const std::string& command, QueryPlacement fallback) {
+  if (!args.has("--query-placement")) return fallback;
+  const std::string v = args.required("--query-placement");
+  if (v != "in-cache" && v != "after-cache")
+    throw UsageError(command + ": --query-placement: '" + v + "' (expected in-cache or after-cache)");
+  return parse_query_placement(v);
+}
 
 /// Writes to `path` through a temporary file in the same directory and a rename, so a
 /// failed run never leaves a partial output behind.

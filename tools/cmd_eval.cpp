@@ -43,13 +43,17 @@ const char* const kEvalUsage =
     "  --keep LIST         keep fractions in (0, 1] (default 0.1,0.25,0.5); per-head budget =\n"
     "                      nearest integer to keep x tokens (halves up), at least 1\n"
     "  --sinks S           always keep the first S tokens per head (default 0; streaming_llm: 4)\n"
-    "  --recent R          always keep the last R tokens per head (default 0; snapkv: >= n_q)\n"
+    "  --recent R          always keep the last R tokens per head (default 0)\n"
     "  --alloc A           per-head (default) | adakv: how selection methods spread the budget\n"
     "  --budget-rounding R nearest (default: n = the integer nearest f*N) | floor (n = floor(f*N),\n"
     "                      the papers' M = floor((1 - rho) N) and kvpress's count); n >= 1 either way\n"
     "  --window W          windowed-l2 window in tokens (default 4096)\n"
     "  --window-tail T     windowed-l2: merge (default: a tail < W/2 joins the window before it) |\n"
     "                      own (the paper's Alg. 2: the tail is its own window)\n"
+    "  --query-placement P after-cache (default: Q follows the cache; snapkv, protokv and ojakv\n"
+    "                      see every key, no causal mask, nothing protected beyond --recent) |\n"
+    "                      in-cache (Q are the cache's last n_q positions: causal mask, the\n"
+    "                      last n_q tokens protected; prefill compression as kvpress runs it)\n"
     "  --threads N         threads for scoring and metrics (default 1; 0 = OpenMP default)\n"
     "  -h, --help          this help\n"
     "Methods that cannot run at a budget (e.g. sinks + recent above it) are skipped and listed.\n";
@@ -58,7 +62,7 @@ const std::vector<FlagSpec> kEvalFlags = {
     {"--keys", true},   {"--values", true}, {"--queries", true}, {"--out", true},   {"--svg", true},
     {"--group", true},  {"--methods", true}, {"--keep", true},   {"--sinks", true}, {"--recent", true},
     {"--alloc", true},  {"--window", true}, {"--window-tail", true}, {"--threads", true},
-    {"--budget-rounding", true},
+    {"--budget-rounding", true}, {"--query-placement", true},
 };
 
 namespace {
@@ -155,6 +159,7 @@ int cmd_eval(const Args& args) {
   const std::string tail = args.get("--window-tail", "merge");
   if (tail != "own" && tail != "merge") throw UsageError("eval: --window-tail: '" + tail + "' (expected own or merge)");
   opt.method.window_tail = parse_window_tail(tail);
+  opt.method.placement = get_query_placement(args, "eval", QueryPlacement::after_cache);
   const int threads = int(args.get_int("--threads", 1, 0, 4096));
   opt.threads = threads;
   opt.method.threads = threads;

@@ -42,6 +42,10 @@ const std::string kScoreUsageText = std::string(
     "  --queries Q.npy   snapkv, protokv (required): the last w post-RoPE queries [q_heads, w, head_dim],\n"
     "                    '<f4'; query i sits at position tokens - w + i; the last w tokens are\n"
     "                    the window (protect them when selecting: select --recent w)\n"
+    "  --query-placement in-cache|after-cache\n"
+    "                    snapkv, protokv: the queries are the cache's last w positions (in-cache,\n"
+    "                    default: causal mask, protect --recent w) or follow the cache (after-cache:\n"
+    "                    every query sees every key, nothing to protect, w may exceed the tokens)\n"
     "  --group G         snapkv, protokv: GQA group size, must equal q_heads / heads (default: that)\n"
     "  --isa NAME        pin the SIMD kernel table (scalar, sse2, avx2, avx512, ...;\n"
     "                    see 'kvscore version'); default: the best this CPU supports\n"
@@ -53,7 +57,7 @@ const std::vector<FlagSpec> kScoreFlags = {
     {"--method", true}, {"--keys", true},  {"--out", true}, {"--window", true},  {"--window-tail", true},
     {"--filters", true},
     {"--layer", true},  {"--filters-convention", true}, {"--isa", true},  {"--threads", true},
-    {"--queries", true}, {"--group", true},
+    {"--queries", true}, {"--group", true}, {"--query-placement", true},
     // --method protokv only (the same list as kProtoKVScoreFlags, which is not usable during static init)
     {"--seed", true},   {"--kappa", true}, {"--sat-candidates", true}, {"--lsh-bits", true}, {"--chunks", true},
     {"--bandwidth", true}, {"--psi", true},
@@ -83,6 +87,7 @@ struct Options {
   std::int64_t layer = 0;
   std::optional<FilterConvention> convention;  // --filters-convention; default by file type
   std::string queries_path;
+  QueryPlacement placement = QueryPlacement::in_cache;
   std::int64_t group = 0;  // 0: not given
   bool window_given = false;
   int threads = 0;
@@ -100,9 +105,10 @@ Options parse_options(const Args& args) {
   for (const char* f : {"--filters", "--layer", "--filters-convention"})
     if (args.has(f) && o.method != Method::qfilter)
       throw UsageError(std::string("score: ") + f + " applies only to --method qfilter");
-  if ((args.has("--queries") || args.has("--group")) && o.method != Method::snapkv)
-    throw UsageError(std::string("score: ") + (args.has("--queries") ? "--queries" : "--group") +
-                     " applies only to --method snapkv or protokv");
+  for (const char* f : {"--queries", "--group", "--query-placement"})
+    if (args.has(f) && o.method != Method::snapkv)
+      throw UsageError(std::string("score: ") + f + " applies only to --method snapkv or protokv");
+  o.placement = get_query_placement(args, "score", QueryPlacement::in_cache);
   if (args.has("--window-tail") && o.method != Method::windowed_l2)
     throw UsageError("score: --window-tail applies only to --method windowed-l2");
   o.window = args.get_int("--window", 4096, 1, INT64_MAX);
@@ -152,6 +158,7 @@ SnapKV load_snapkv(const Options& o) {
   try {
     SnapKV s(q.as<float>(), hq, w, dim);
     s.num_threads = o.threads;
+    s.placement = o.placement;
     return s;
   } catch (const std::invalid_argument& e) {
     rethrow_with_path(e, p);
@@ -211,10 +218,11 @@ Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::o
         throw std::invalid_argument("score: --group " + std::to_string(o.group) + " does not match q_heads / heads = " +
                                     std::to_string(s.q_heads()) + " / " + std::to_string(heads) + " = " +
                                     std::to_string(s.q_heads() / heads) + " (" + q + ", keys " + o.keys_path + ")");
-      if (s.window() > tokens)
+      if (s.placement == QueryPlacement::in_cache && s.window() > tokens)
         throw std::invalid_argument("score: " + q + " hold " + std::to_string(s.window()) +
                                     " queries per head, more than the " + std::to_string(tokens) + " tokens of keys " +
-                                    o.keys_path + " (the window is the last w tokens)");
+                                    o.keys_path + " (the window is the last w tokens; --query-placement "
+                                    "after-cache for queries that follow the cache)");
       return s.score(view);
     }
   }

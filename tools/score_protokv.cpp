@@ -30,7 +30,7 @@ const std::vector<FlagSpec> kProtoKVScoreFlags = {
 /// Lines for `kvscore score --help`.
 extern const char* const kProtoKVScoreUsage;
 const char* const kProtoKVScoreUsage =
-    "  protokv (--queries required, as for snapkv; protect the window: select --recent w):\n"
+    "  protokv (--queries, --query-placement as for snapkv; in-cache: select --recent w):\n"
     "  --seed S             RFF-LSH seed, integer >= 0 (default 0)\n"
     "  --kappa K            neighbourhood radius (default 5)\n"
     "  --sat-candidates P   SAT candidates, 0 <= P <= tokens (default 32)\n"
@@ -84,6 +84,7 @@ void run_score_protokv(const Args& args) {
   const std::string psi = args.get("--psi", "attention");
   if (psi != "sum" && psi != "mean" && psi != "attention")
     throw UsageError("score: --psi must be sum, mean or attention (got '" + psi + "')");
+  const QueryPlacement placement = get_query_placement(args, "score", QueryPlacement::in_cache);
   if (args.has("--isa")) {
     try {
       simd::set_active_isa(args.required("--isa"));
@@ -127,6 +128,7 @@ void run_score_protokv(const Args& args) {
     pk.chunks = chunks;
     pk.sat_candidates = p;
     pk.bandwidth = bandwidth;
+    pk.placement = placement;
     pk.psi = psi == "mean" ? ProtoKV::Psi::mean : psi == "attention" ? ProtoKV::Psi::attention : ProtoKV::Psi::sum;
     if (keys.descr == npy::descr_of<float>()) scores = score_keys<float>(pk, keys);
     else if (keys.descr == npy::descr_of<half>()) scores = score_keys<half>(pk, keys);

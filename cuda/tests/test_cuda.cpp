@@ -180,6 +180,10 @@ TEST_CASE("cuda: arguments are checked before anything is launched", "[cuda][hos
   const std::vector<float> queries(2 * 16 * 8, 0.5f);
   const kvscore::SnapKV snap(queries.data(), 2, 16, 8);
   REQUIRE_THROWS_WITH(kc::score(snap, keys, kc::DeviceScoresView(fake, 2, 10)), Contains("window 16 > tokens 10"));
+  kvscore::SnapKV after = snap;  // queries that follow the cache: CPU only, rejected by name
+  after.placement = kvscore::QueryPlacement::after_cache;
+  REQUIRE_THROWS_WITH(kc::score(after, keys, kc::DeviceScoresView(fake, 2, 10)), Contains("after_cache"));
+  REQUIRE_THROWS_WITH(kc::score_workspace_bytes(after, keys), Contains("after_cache"));
   const kc::DeviceScoresView s(fake, 2, 10);
   REQUIRE_THROWS_WITH(kc::select_workspace_bytes(s, kvscore::Budget::per_head(11)), Contains("11"));
   kvscore::SelectOptions o;

@@ -215,6 +215,9 @@ TEST_CASE("cuda ojakv: OjaResidual validates like the CPU object and scores like
                       Contains("scores shape (2, 39) does not match keys (2, 40)"));
   const kc::DeviceKeysView<float> dk3(fake, 3, N, d, N * d, d);
   REQUIRE_THROWS_WITH(kc::score(gpu_obj, dk3, kc::DeviceScoresView(fake, 3, N)), Contains("keys have 3 heads"));
+  kc::OjaResidual after = gpu_obj;  // queries that follow the cache: CPU only, rejected by name
+  after.placement = kvscore::QueryPlacement::after_cache;
+  REQUIRE_THROWS_WITH(kc::score(after, dk2, kc::DeviceScoresView(fake, H, N)), Contains("after_cache"));
 }
 
 TEST_CASE("cuda ojakv: the device formula q.k - (U^T q).(U^T k) reproduces the CPU residual score", "[cuda][host]") {

@@ -358,7 +358,7 @@ class OjaProjector {
 
 /// e_t = 1/|W_t| Σ_{(g,i) ∈ W_t} |q_{g,i}^T (k_t − U_k U_k^T k_t)| / √d (ojakv.txt §5.1), higher =
 /// keep at full rank. W_t: the group's window queries that see t (query i of w sits at position
-/// N − w + i, causal). Invalid keys score −inf. Feed it to kvscore::select (sinks, recent,
+/// N − w + i, causal; with `placement = QueryPlacement::after_cache` every query sees every t). Invalid keys score −inf. Feed it to kvscore::select (sinks, recent,
 /// budgets, AdaKV work as for any scorer).
 class OjaResidual : public ScorerOptions {
  public:
@@ -402,6 +402,10 @@ class OjaResidual : public ScorerOptions {
 
   std::int64_t window() const noexcept { return window_; }
 
+  /// The queries are the cache's last `window` positions (default: causal, query i sees
+  /// t <= N - w + i) or follow the cache (every query sees every key; any window size).
+  QueryPlacement placement = QueryPlacement::in_cache;
+
   template <KeyCacheView View>
   void check(const View& keys) const {
     const std::string who = "kvscore::OjaResidual: ";
@@ -411,9 +415,10 @@ class OjaResidual : public ScorerOptions {
     if (keys.head_dim() != dim_)
       detail::throw_invalid(who + "keys have head_dim " + std::to_string(keys.head_dim()) + ", queries " +
                             std::to_string(dim_));
-    if (window_ > keys.tokens())
+    if (placement == QueryPlacement::in_cache && window_ > keys.tokens())
       detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " + std::to_string(keys.tokens()) +
-                            " (the window's queries sit at the last positions of the cache)");
+                            " (the window's queries sit at the last positions of the cache; set placement = "
+                            "QueryPlacement::after_cache for queries that follow the cache)");
   }
 
   template <KeyCacheView View>
@@ -438,7 +443,8 @@ class OjaResidual : public ScorerOptions {
   void score_head(const View& keys, std::int64_t h, float* out) const noexcept {
     using T = typename View::value_type;
     const std::int64_t d = dim_, n = keys.tokens(), w = window_;
-    const std::int64_t G = q_heads_ / std::int64_t(bases_.size()), P = n - w;
+    const std::int64_t G = q_heads_ / std::int64_t(bases_.size());
+    const std::int64_t P = placement == QueryPlacement::in_cache ? n - w : n;  // query i at P + i
     const Eigen::MatrixXd& u = bases_[std::size_t(h)];
     const auto qh = q_.middleRows(Eigen::Index(h * G * w), Eigen::Index(G * w));  // rows g*w + i
     const double inv_sqrt_d = 1.0 / std::sqrt(double(d));

@@ -193,28 +193,35 @@ class _QueryScorer(_Scorer):
 class SnapKV(_QueryScorer):
     """SnapKV (Li et al.): attention of the last `window` queries (the observation window, the
     last tokens of the cache), average-pooled with `kernel`; keep `protected_recent` recent tokens
-    in select(). At most the last `window` of the given queries are used."""
+    in select(). At most the last `window` of the given queries are used.
+    placement='after_cache': the queries follow the cache (a decode step, held-out queries): no
+    causal mask, the whole cache pooled, protected_recent = 0."""
 
     name = "snapkv"
 
-    def __init__(self, queries, window: int = 64, kernel: int = 5, *, threads: int = 0):
+    def __init__(self, queries, window: int = 64, kernel: int = 5, *, placement: str = "in_cache",
+                 threads: int = 0):
         a, _ = _arg(queries, "queries")
-        super().__init__(_k.SnapKV(a, window, kernel), threads)
-        self._options = {"window": window, "kernel": kernel, "threads": threads}
+        super().__init__(_k.SnapKV(a, window, kernel, placement=placement), threads)
+        self._options = {"window": window, "kernel": kernel, "placement": placement, "threads": threads}
 
 
 class ProtoKV(_QueryScorer):
     """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/protokv.md).
-    `window` = 0 uses every given query."""
+    `window` = 0 uses every given query. placement='after_cache': the queries follow the cache
+    (nothing protected, the window may exceed the cache); 'in_cache' (default) protects it."""
 
     name = "protokv"
 
     def __init__(self, queries, window: int = 0, *, kappa: int = 5, sat_candidates: int = 32, lsh_bits: int = 2,
-                 chunks: int = 496, bandwidth: float = 0.0, seed: int = 0, psi: str = "attention", threads: int = 0):
+                 chunks: int = 496, bandwidth: float = 0.0, seed: int = 0, psi: str = "attention",
+                 placement: str = "in_cache", threads: int = 0):
         a, _ = _arg(queries, "queries")
-        super().__init__(_k.ProtoKV(a, window, kappa, sat_candidates, lsh_bits, chunks, bandwidth, seed, psi), threads)
+        super().__init__(_k.ProtoKV(a, window, kappa, sat_candidates, lsh_bits, chunks, bandwidth, seed, psi,
+                                    placement=placement), threads)
         self._options = {"window": window, "kappa": kappa, "sat_candidates": sat_candidates, "lsh_bits": lsh_bits,
-                         "chunks": chunks, "bandwidth": bandwidth, "seed": seed, "psi": psi, "threads": threads}
+                         "chunks": chunks, "bandwidth": bandwidth, "seed": seed, "psi": psi, "placement": placement,
+                         "threads": threads}
 
 
 # ------------------------------------------------------------------ the method registry
@@ -292,16 +299,18 @@ def _f32_4d(x, name):
 
 def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, recent: int = 0,
              alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, window_tail: str = "merge",
-             budget_rounding: str = "nearest", threads: int = 1) -> dict:
+             budget_rounding: str = "nearest", query_placement: str = "after_cache", threads: int = 1) -> dict:
     """`kvscore eval` as a function: the same report (attention-mass recall, output error, top-k
     overlap, time per method and keep fraction), as a dict. K, V [layers, kv_heads, tokens, d],
     Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's precision).
-    budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest integer."""
+    budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest integer.
+    query_placement: Q follows the cache ('after_cache', default: snapkv, protokv and ojakv see every
+    key, nothing protected beyond `recent`) or is the cache's last n_q positions ('in_cache')."""
     if not isinstance(methods, str):
         methods = ",".join(methods)
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")
     return _json.loads(_k.evaluate_json(Kf, Vf, Qf, methods, [float(f) for f in keep], sinks, recent, alloc, alpha,
-                                        window, window_tail, budget_rounding, threads))
+                                        window, window_tail, budget_rounding, query_placement, threads))
 
 
 def synth(kind: str = "mixed", *, layers: int = 1, kv_heads: int = 4, group: int = 2, tokens: int = 2048,

@@ -347,24 +347,30 @@ NB_MODULE(_kvscore, m) {
   // ---- scorers with queries
   nb::class_<kvscore::SnapKV>(m, "SnapKV")
       .def("__init__",
-           [](kvscore::SnapKV* self, const Any& queries, std::int64_t window, std::int64_t kernel) {
+           [](kvscore::SnapKV* self, const Any& queries, std::int64_t window, std::int64_t kernel,
+              const std::string& placement) {
              if (window < 1) bad("SnapKV: window " + std::to_string(window) + " must be >= 1");
+             const kvscore::QueryPlacement where = kvscore::parse_query_placement(placement);
              Queries q = gather_queries(queries, "queries", window);
              new (self) kvscore::SnapKV(q.data.data(), q.heads, q.n, q.dim);
              self->kernel_size = kernel;
+             self->placement = where;
            },
-           "queries"_a, "window"_a = kvscore::SnapKV::kDefaultWindow, "kernel"_a = kvscore::SnapKV::kDefaultKernel)
+           "queries"_a, "window"_a = kvscore::SnapKV::kDefaultWindow, "kernel"_a = kvscore::SnapKV::kDefaultKernel,
+           nb::kw_only(), "placement"_a = "in_cache")
       .def_rw("num_threads", &kvscore::SnapKV::num_threads)
       .def_prop_ro("window", &kvscore::SnapKV::window)
       .def_ro("kernel", &kvscore::SnapKV::kernel_size)
       .def_prop_ro("protected_recent", &kvscore::SnapKV::protected_recent)
+      .def_prop_ro("placement", [](const kvscore::SnapKV& s) -> std::string { return kvscore::to_string(s.placement); })
       .def("score", [](const kvscore::SnapKV& s, const Any& k) { return score_any(s, k); }, "keys"_a);
 
   nb::class_<kvscore::ProtoKV>(m, "ProtoKV")
       .def("__init__",
            [](kvscore::ProtoKV* self, const Any& queries, std::int64_t window, std::int64_t kappa,
               std::int64_t sat_candidates, int lsh_bits, std::int64_t chunks, double bandwidth, std::uint64_t seed,
-              const std::string& psi) {
+              const std::string& psi, const std::string& placement) {
+             const kvscore::QueryPlacement where = kvscore::parse_query_placement(placement);
              Queries q = gather_queries(queries, "queries", window);
              new (self) kvscore::ProtoKV(q.data.data(), q.heads, q.n, q.dim);
              self->kappa = kappa;
@@ -373,6 +379,7 @@ NB_MODULE(_kvscore, m) {
              self->chunks = chunks;
              self->bandwidth = bandwidth;
              self->seed = seed;
+             self->placement = where;
              if (psi == "sum") self->psi = kvscore::ProtoKV::Psi::sum;
              else if (psi == "mean") self->psi = kvscore::ProtoKV::Psi::mean;
              else if (psi == "attention") self->psi = kvscore::ProtoKV::Psi::attention;
@@ -381,10 +388,11 @@ NB_MODULE(_kvscore, m) {
            "queries"_a, "window"_a = 0, "kappa"_a = kvscore::ProtoKV::kDefaultKappa,
            "sat_candidates"_a = kvscore::ProtoKV::kDefaultSatCandidates,
            "lsh_bits"_a = kvscore::ProtoKV::kDefaultLshBits, "chunks"_a = kvscore::ProtoKV::kDefaultChunks,
-           "bandwidth"_a = 0.0, "seed"_a = 0, "psi"_a = "attention")
+           "bandwidth"_a = 0.0, "seed"_a = 0, "psi"_a = "attention", nb::kw_only(), "placement"_a = "in_cache")
       .def_rw("num_threads", &kvscore::ProtoKV::num_threads)
       .def_prop_ro("window", &kvscore::ProtoKV::window)
       .def_prop_ro("protected_recent", &kvscore::ProtoKV::protected_recent)
+      .def_prop_ro("placement", [](const kvscore::ProtoKV& s) -> std::string { return kvscore::to_string(s.placement); })
       .def("score", [](const kvscore::ProtoKV& s, const Any& k) { return score_any(s, k); }, "keys"_a);
 
   // ---- selection and compaction
@@ -452,7 +460,7 @@ NB_MODULE(_kvscore, m) {
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
          std::int64_t sinks, std::int64_t recent, const std::string& alloc, double alpha, std::int64_t window,
-         const std::string& window_tail, const std::string& rounding, int threads) {
+         const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads) {
         auto c_f32 = [](const Any& a, const char* what) {
           if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
           if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
@@ -486,6 +494,7 @@ NB_MODULE(_kvscore, m) {
         o.method.select.alpha = alpha;
         o.method.window = window;
         o.method.window_tail = kvscore::parse_window_tail(window_tail);
+        o.method.placement = kvscore::parse_query_placement(placement);
         if (rounding != "nearest" && rounding != "floor")
           bad("evaluate: budget_rounding '" + rounding + "' must be 'nearest' or 'floor'");
         o.rounding = rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest;
@@ -499,7 +508,7 @@ NB_MODULE(_kvscore, m) {
         return json;
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
-      "window_tail"_a, "budget_rounding"_a, "threads"_a);
+      "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a);
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.
   m.def(

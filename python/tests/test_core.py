@@ -98,6 +98,44 @@ def test_snapkv_matches_numpy_reference():
     assert all(set(range(N - w, N)) <= set(row.tolist()) for row in sel)
 
 
+def test_snapkv_and_protokv_after_cache_placement():
+    # Queries that follow the cache (a decode step, a dump's held-out queries): no causal mask, the
+    # whole cache pooled, nothing protected, and more queries than tokens is fine.
+    H, G, N, d, w, ks = 2, 2, 40, 16, 50, 5
+    K = keys(H, N, d)
+    Q = RNG.standard_normal((H * G, w, d)).astype(np.float32)
+    snap = kvscore.SnapKV(Q, window=w, kernel=ks, placement="after_cache")
+    assert snap.protected_recent == 0
+    s = snap.score(K)
+    ref = np.zeros((H, N))
+    for hq in range(H * G):
+        h = hq // G
+        logits = Q[hq].astype(np.float64) @ K[h].astype(np.float64).T / np.sqrt(d)
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        ref[h] += np.convolve(np.pad(p.mean(0), ks // 2), np.ones(ks) / ks, mode="valid") / G
+    np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="window 50 > tokens 40"):
+        kvscore.SnapKV(Q, window=w).score(K)
+    proto = kvscore.ProtoKV(Q, placement="after_cache")
+    assert proto.protected_recent == 0
+    assert proto.score(K).shape == (H, N)
+    with pytest.raises(ValueError, match="'later'"):
+        kvscore.SnapKV(Q, window=w, placement="later")
+
+
+def test_evaluate_query_placement_default_is_after_cache():
+    D = kvscore.synth("mixed", tokens=256, queries=4, head_dim=32)
+    a = kvscore.evaluate(D["K"], D["V"], D["Q"], methods="snapkv,protokv", keep=[0.01])
+    b = kvscore.evaluate(D["K"], D["V"], D["Q"], methods="snapkv,protokv", keep=[0.01], query_placement="in_cache")
+    assert a["options"]["query_placement"] == "after-cache" and b["options"]["query_placement"] == "in-cache"
+    assert len(a["results"]) == 2 and not a["skipped"]
+    # in-cache protects the n_q = 4 window tokens, above the budget of 3
+    assert len(b["skipped"]) == 2 and "protect 4 tokens" in b["skipped"][0]["reason"]
+    with pytest.raises(ValueError, match="'inside'"):
+        kvscore.evaluate(D["K"], D["V"], D["Q"], methods="snapkv", query_placement="inside")
+
+
 # ------------------------------------------------------------------ arrays: dtypes, layouts, kinds
 
 def test_half_and_bfloat16_score_like_their_fp32_values():

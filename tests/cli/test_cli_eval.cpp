@@ -141,6 +141,25 @@ TEST_CASE("cli eval: budgets a method cannot meet are listed, not fatal", "[cli]
   CHECK(!std::filesystem::exists(rep + "2"));
 }
 
+TEST_CASE("cli eval: --query-placement after-cache (default) or in-cache, recorded in the report", "[cli][eval]") {
+  const std::string d = eval_data("one", "");
+  const std::string after = eval_dir().file("after.json"), in = eval_dir().file("in.json");
+  REQUIRE(eval_cli("eval " + eval_inputs(d) + " --methods snapkv --keep 0.1 --out " + after).rc == 0);
+  REQUIRE(eval_cli("eval " + eval_inputs(d) + " --methods snapkv --keep 0.1 --query-placement in-cache --out " + in)
+              .rc == 0);
+  const std::string a = cli_test::slurp(after), b = cli_test::slurp(in);
+  CHECK(a.find("\"query_placement\": \"after-cache\"") != std::string::npos);
+  CHECK(b.find("\"query_placement\": \"in-cache\"") != std::string::npos);
+  auto recall = [](const std::string& json) {
+    const std::size_t p = json.find("\"attention_mass_recall\": ");
+    return std::stod(json.substr(p + 25));
+  };
+  CHECK(recall(a) != recall(b));  // the mode changes what SnapKV keeps
+  cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --methods snapkv --query-placement later --out " +
+                                 eval_dir().file("bad.json")),
+                        "--query-placement: 'later' (expected in-cache or after-cache)");
+}
+
 TEST_CASE("cli eval: --budget-rounding floor gives the papers' budgets", "[cli][eval]") {
   const std::string d = eval_data("one", "");
   const std::string near = eval_dir().file("near.json"), flo = eval_dir().file("floor.json");

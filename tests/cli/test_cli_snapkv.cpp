@@ -125,6 +125,25 @@ TEST_CASE("cli snapkv: window = tokens is accepted", "[cli][snapkv]") {
   check_scores(path("s5.npy"), s.score(kvscore::KeysView<float>(k.data(), 1, 5, 4, 20, 4)));
 }
 
+TEST_CASE("cli snapkv: --query-placement after-cache scores as the library's after_cache mode, w > tokens "
+          "accepted",
+          "[cli][snapkv][placement]") {
+  const std::vector<float> k = randn(std::size_t(1 * 5 * 4), 31), q = randn(std::size_t(2 * 7 * 4), 32);
+  npy::save<float>(path("ka.npy"), {1, 5, 4}, k.data());
+  npy::save<float>(path("qa.npy"), {2, 7, 4}, q.data());
+  const std::string base = "score --method snapkv --keys " + path("ka.npy") + " --queries " + path("qa.npy");
+  const Result r = cli(base + " --query-placement after-cache --out " + path("sa.npy"));
+  REQUIRE(r.rc == 0);
+  kvscore::SnapKV s(q.data(), 2, 7, 4);
+  s.placement = kvscore::QueryPlacement::after_cache;
+  check_scores(path("sa.npy"), s.score(kvscore::KeysView<float>(k.data(), 1, 5, 4, 20, 4)));
+  check_bad(base + " --out " + path("bad_out.npy"), "more than the 5 tokens");  // in-cache (the default)
+  check_bad(base + " --query-placement inside --out " + path("bad_out.npy"), "'inside'");
+  check_bad("score --method knorm --keys " + path("ka.npy") + " --query-placement after-cache --out " +
+                path("bad_out.npy"),
+            "--query-placement applies only to --method snapkv or protokv");
+}
+
 TEST_CASE("cli snapkv: help lists the method and its flags", "[cli][snapkv]") {
   const Result r = cli("score --help");
   CHECK(r.rc == 0);

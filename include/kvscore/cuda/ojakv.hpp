@@ -216,6 +216,9 @@ class OjaResidual : public kvscore::OjaResidual {
     if (keys.head_dim() != dim_)
       kvscore::detail::throw_invalid(who + "keys have head_dim " + std::to_string(keys.head_dim()) + ", queries " +
                                      std::to_string(dim_));
+    if (placement != QueryPlacement::in_cache)
+      kvscore::detail::throw_invalid(who + "placement = QueryPlacement::after_cache runs on the CPU only (the GPU "
+                                     "kernel has the in-cache causal window)");
     if (window() > keys.tokens())
       kvscore::detail::throw_invalid(who + "window " + std::to_string(window()) + " > tokens " +
                                      std::to_string(keys.tokens()) +

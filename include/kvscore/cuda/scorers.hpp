@@ -79,8 +79,16 @@ void score(const S& s, const DeviceKeysView<T>& keys, const DeviceScoresView& ou
                           detail::merge_tail_of(s), detail::filters_of(s), ws, stream);
 }
 
+/// The GPU SnapKV has the in-cache causal window only.
+inline void snapkv_check_placement(const SnapKV& s) {
+  if (s.placement != QueryPlacement::in_cache)
+    kvscore::detail::throw_invalid("kvscore::cuda::score(SnapKV): placement = QueryPlacement::after_cache runs on "
+                                   "the CPU only (the GPU kernel has the in-cache causal window)");
+}
+
 template <class T>
 std::size_t score_workspace_bytes(const SnapKV& s, const DeviceKeysView<T>& keys) {
+  snapkv_check_placement(s);
   s.check(keys);
   return detail::snapkv_workspace_bytes(keys.heads(), keys.tokens(), keys.head_dim(), s.q_heads(), s.window());
 }
@@ -90,6 +98,7 @@ template <class T>
 void score(const SnapKV& s, const DeviceKeysView<T>& keys, const DeviceScoresView& out, Workspace ws = {},
            stream_t stream = nullptr) {
   detail::check_scores(keys, out, SnapKV::name);
+  snapkv_check_placement(s);
   s.check(keys);
   // q/√d rounded once, exactly as the CPU SnapKV does.
   const double inv_sqrt_d = 1.0 / std::sqrt(double(s.head_dim()));

@@ -62,6 +62,10 @@ struct MethodOptions {
   std::int64_t window = 4096;  ///< windowed-l2: window W (manifoldkv.txt Alg. 2 default)
   WindowTail window_tail = WindowTail::merge;  ///< windowed-l2: the final partial window (--window-tail)
   std::int64_t streaming_sinks = 4;  ///< streaming_llm sinks when select.sinks is 0 (Xiao et al.)
+  /// snapkv, protokv, ojakv: where the evaluation queries sit (--query-placement). A dump's
+  /// queries follow its cache (tools/dump_kv.py, kvscore synth), hence after_cache: no causal
+  /// mask, no protection beyond --recent. in_cache treats them as the cache's last n_q positions.
+  QueryPlacement placement = QueryPlacement::after_cache;
   int threads = 0;             ///< scorer threads (0 = OpenMP default)
 };
 

@@ -78,6 +78,7 @@ inline std::string to_json(const Report& r) {
        ", \"window\": " + std::to_string(m.window) +
        ", \"window_tail\": " + json_str(m.window_tail == WindowTail::merge ? "merge" : "own") +
        ", \"budget_rounding\": " + json_str(r.options.rounding == BudgetRounding::floor ? "floor" : "nearest") +
+       ", \"query_placement\": " + json_str(m.placement == QueryPlacement::in_cache ? "in-cache" : "after-cache") +
        ", \"keep\": [";
   for (std::size_t i = 0; i < r.options.keep.size(); ++i) o += (i ? ", " : "") + json_num(r.options.keep[i]);
   o += "], \"methods\": [";

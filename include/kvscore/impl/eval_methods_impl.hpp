@@ -53,6 +53,7 @@ KVSCORE_IMPL_INLINE Compressed ojakv_method(const LayerInput& in, std::int64_t n
   }
   OjaResidual res(in.queries, in.q_heads, in.n_queries, d, std::move(bases));
   res.num_threads = o.threads;
+  res.placement = o.placement;
   Compressed c = select_scores(res.score(keys), n, o);
   auto cache = std::make_shared<const OjaHybridCache>(OjaHybridCache::build(proj, keys, values, c.kept));
   const LayerInput layer = in;
@@ -99,10 +100,11 @@ KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
                  return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads),
                                 in.kv_heads, in.head_dim);
                })});
-  m.push_back({"snapkv", "SnapKV: attention of the evaluation queries as the observation window (kept)",
+  m.push_back({"snapkv", "SnapKV: pooled attention of the evaluation queries (in-cache: window kept)",
                [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
                  SnapKV s(in.queries, in.q_heads, in.n_queries, in.head_dim);
                  s.num_threads = o.threads;
+                 s.placement = o.placement;
                  return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
                }});
   m.push_back({"streaming_llm", "StreamingLLM: sinks + most recent tokens (per head)",
@@ -112,11 +114,12 @@ KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
                  c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
                  return c;
                }});
-  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (window protected)",
+  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (in-cache: window kept)",
                [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
                  ProtoKV p(in.queries, in.q_heads, in.n_queries, in.head_dim);
                  p.num_threads = o.threads;
-                 return select_scores(p.score(in.key_view()), n, o, in.n_queries);
+                 p.placement = o.placement;
+                 return select_scores(p.score(in.key_view()), n, o, p.protected_recent());
                }});
   m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
   m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",

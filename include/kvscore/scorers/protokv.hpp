@@ -126,6 +126,9 @@ class ProtoKV : public ScorerOptions {
   /// Cluster score ψ. Default attention: measured better than the sum on a real model's dump and
   /// on synthetic data (docs/protokv.md); the GPU path has sum and mean only.
   Psi psi = Psi::attention;
+  /// The queries are the cache's last `window` positions (default: the window is protected and
+  /// must fit the cache) or follow the cache (nothing protected). ψ uses no causal mask either way.
+  QueryPlacement placement = QueryPlacement::in_cache;
 
   /// queries: [q_heads][window][head_dim] row-major fp32, the post-RoPE queries of the last
   /// `window` positions; GQA groups contiguous (query heads h*G .. h*G+G-1 serve KV head h).
@@ -174,8 +177,9 @@ class ProtoKV : public ScorerOptions {
   std::int64_t window() const noexcept { return window_; }
   std::int64_t head_dim() const noexcept { return dim_; }
   std::int64_t group() const noexcept { return group_; }
-  /// The observation window, to protect in the selector: `SelectOptions::recent`.
-  std::int64_t protected_recent() const noexcept { return window_; }
+  /// The observation window, to protect in the selector (`SelectOptions::recent`); 0 when the
+  /// queries follow the cache.
+  std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }
 
   /// Throws std::invalid_argument unless these keys can be scored with these parameters.
   template <class View>
@@ -192,9 +196,10 @@ class ProtoKV : public ScorerOptions {
     if (keys.head_dim() != dim_)
       detail::throw_invalid(who + "queries have head_dim " + std::to_string(dim_) + " but keys have head_dim " +
                             std::to_string(keys.head_dim()));
-    if (window_ > n)
+    if (placement == QueryPlacement::in_cache && window_ > n)
       detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " + std::to_string(n) +
-                            " (the window's queries sit at the last positions of the cache)");
+                            " (the window's queries sit at the last positions of the cache; set placement = "
+                            "QueryPlacement::after_cache for queries that follow the cache)");
     if (n > kMaxTokens)
       detail::throw_invalid(who + "tokens " + std::to_string(n) + " > " + std::to_string(kMaxTokens) +
                             " (scores are exact integer ranks in fp32)");

@@ -11,6 +11,10 @@
 //                                                                       zero-padded, divisor k)
 //   score(t)   = x(t)                                      for t >= P   (the window, not pooled)
 //
+// With `placement = QueryPlacement::after_cache` (queries that follow the cache, e.g. a decode
+// step or held-out queries; scorer_base.hpp) P = N: every query sees every key, the whole
+// cache is pooled, and nothing is protected (`protected_recent()` = 0); any window size works.
+//
 // Decisions (docs/snapkv.md): pooling runs over the prefix [0, P) only (as kvpress does;
 // window scores never leak into the prefix). The window tokens get their own mean
 // attention x(t) — finite, never a sentinel; callers protect them with the selector's
@@ -51,6 +55,8 @@ class SnapKV : public ScorerOptions {
 
   /// Pooling kernel over the prefix: odd, >= 1 (1 = no pooling). Default 5.
   std::int64_t kernel_size = kDefaultKernel;
+  /// The queries are the cache's last `window` positions (default, kvpress) or follow the cache.
+  QueryPlacement placement = QueryPlacement::in_cache;
 
   /// queries: [q_heads][window][head_dim] row-major fp32, the post-RoPE queries of the last
   /// `window` positions (query i at position N - window + i). Copied. `group` = q_heads /
@@ -91,9 +97,9 @@ class SnapKV : public ScorerOptions {
   std::int64_t group() const noexcept { return group_; }
   /// Queries as given, [q_heads][window][head_dim].
   const std::vector<float>& queries() const noexcept { return queries_; }
-  /// Tokens at the end of the cache that SnapKV always keeps (the observation window):
-  /// pass it to the selector, `SelectOptions::recent = snap.protected_recent()`.
-  std::int64_t protected_recent() const noexcept { return window_; }
+  /// Tokens at the end of the cache that SnapKV always keeps (the observation window; 0 when
+  /// the queries follow the cache): pass it to the selector, `SelectOptions::recent`.
+  std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }
 
   /// Throws std::invalid_argument unless these keys can be scored with these queries.
   template <class View>
@@ -110,10 +116,11 @@ class SnapKV : public ScorerOptions {
     if (keys.head_dim() != dim_)
       detail::throw_invalid(who + "queries have head_dim " + std::to_string(dim_) + " but keys have head_dim " +
                             std::to_string(keys.head_dim()));
-    if (window_ > keys.tokens())
+    if (placement == QueryPlacement::in_cache && window_ > keys.tokens())
       detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " +
                             std::to_string(keys.tokens()) + " (the window's queries sit at the last " +
-                            std::to_string(window_) + " positions of the cache; pass at most N queries)");
+                            std::to_string(window_) + " positions of the cache; pass at most N queries, or set "
+                            "placement = QueryPlacement::after_cache for queries that follow the cache)");
     if (kernel_size < 1 || kernel_size % 2 == 0)
       detail::throw_invalid(who + "kernel_size must be odd and >= 1 (got " + std::to_string(kernel_size) + ")");
   }
@@ -174,7 +181,8 @@ class SnapKV : public ScorerOptions {
                   unsigned char* valid, float* mx, double* sum) const noexcept {
     using T = typename View::value_type;
     const simd::RowOps<T>& ops = table.ops<T>();
-    const std::int64_t n = keys.tokens(), w = window_, P = n - w;
+    const std::int64_t n = keys.tokens(), w = window_;
+    const std::int64_t P = placement == QueryPlacement::in_cache ? n - w : n;  // queries at P + i
     const std::int64_t G = q_heads_ / keys.heads(), nq = G * w;
     const float* qh = scaled_.data() + h * nq * dim_;  // the group's queries, [G][w][d]
     const std::int64_t C = chunk_rows(dim_, sizeof(T));

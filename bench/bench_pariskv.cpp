@@ -2,6 +2,8 @@
 // query per call, one thread, against an exact scan of the same fp16 keys with the library's
 // SIMD dot kernel (active kernel table) followed by kvscore::select_into (top-100), timed in the
 // same process as thread CPU time per query, in interleaved calls (see BM_pariskv).
+// KVSCORE_ISA pins both sides: the exact scan's kernel table and ParisKV's kernel set
+// (KVSCORE_ISA=avx2 on an AVX-512 machine measures the AVX2 code of both).
 //
 //   pariskv/<mode>/N<tokens>     counters: speedup_vs_exact (baseline seconds / ours, a plain
 //                                ratio), recall_at_100 (mean over the query set, against the

@@ -102,14 +102,18 @@ void run(FuzzedDataProvider& fdp) {
       FZ_CHECK(std::abs(r.scores[i] - dot) <= 1e-3 * mag + 1e-30, "reranked score != exact dot");
     }
   }
-  // Stage I collision scores: integers, identical on both kernel sets, in [0, 6B].
+  // Stage I collision scores: integers, identical on every kernel set, in [0, 6B].
   if (N > 0) {
     const double rho = opt.rho == 0 ? 0.5 : opt.rho;
     const auto c0 = idx->collision_scores(q.data(), rho, kvscore::pariskv::Kernels::portable);
     for (std::int32_t c : c0) FZ_CHECK(c >= 0 && c <= 6 * idx->subspaces(), "collision score out of range");
+    if (kvscore::pariskv::detail::avx2_ok()) {
+      const auto c1 = idx->collision_scores(q.data(), rho, kvscore::pariskv::Kernels::avx2);
+      FZ_CHECK(c0 == c1, "collision scores differ between the portable and avx2 kernel sets");
+    }
     if (kvscore::pariskv::detail::avx512_ok()) {
       const auto c1 = idx->collision_scores(q.data(), rho, kvscore::pariskv::Kernels::avx512);
-      FZ_CHECK(c0 == c1, "collision scores differ between kernel sets");
+      FZ_CHECK(c0 == c1, "collision scores differ between the portable and avx512 kernel sets");
     }
   }
 }

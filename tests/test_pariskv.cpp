@@ -127,19 +127,29 @@ double simpson(F f, double a, double b, int n) {
   return s * h / 3;
 }
 
-bool avx512() {
+/// Whether kernel set k runs on this CPU (asked through the public option check).
+bool runs(pk::Kernels k) {
   try {
     ParisKV idx(8);
-    std::vector<float> k(8, 1.f);
-    idx.append(k.data(), 1, 8);
+    std::vector<float> key(8, 1.f);
+    idx.append(key.data(), 1, 8);
     ParisKVSearch o;
     o.k = 1;
-    o.kernels = pk::Kernels::avx512;
+    o.kernels = k;
     idx.check_options(o, false, 0);
     return true;
   } catch (const std::invalid_argument&) {
     return false;
   }
+}
+bool avx512() { return runs(pk::Kernels::avx512); }
+
+/// The vector kernel sets this CPU runs (each is compared with the portable one).
+std::vector<pk::Kernels> vector_sets() {
+  std::vector<pk::Kernels> v;
+  for (pk::Kernels k : {pk::Kernels::avx2, pk::Kernels::avx512})
+    if (runs(k)) v.push_back(k);
+  return v;
 }
 
 }  // namespace
@@ -469,7 +479,7 @@ TEST_CASE("pariskv: collision scores follow the tier definition (brute force)", 
       if (rho == 1.0)
         for (auto s : S) CHECK(s >= B);
       for (auto s : S) CHECK((s >= 0 && s <= 6 * B));
-      if (avx512() && m == 8) CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::avx512) == S);
+      for (pk::Kernels k : vector_sets()) CHECK(idx.collision_scores(q.data(), rho, k) == S);
     }
   }
 }
@@ -495,7 +505,7 @@ TEST_CASE("pariskv: exact ties in <q_b, s> go to the lower pattern id (one-hot q
         idx.rotation().apply(x.data(), y.data());
         const std::vector<std::int32_t> want = brute_collisions(idx, y, rho);
         CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::portable) == want);
-        if (avx512() && m == 8) CHECK(idx.collision_scores(q.data(), rho, pk::Kernels::avx512) == want);
+        for (pk::Kernels k : vector_sets()) CHECK(idx.collision_scores(q.data(), rho, k) == want);
       }
   }
 }
@@ -610,13 +620,13 @@ TEST_CASE("pariskv: RSQ-IP estimator accuracy on random unit vectors", "[pariskv
   CHECK(rms > 1e-4);  // it is an estimate, not the exact product
   REQUIRE(nratio >= 8);
   CHECK(std::fabs(ratio_sum / nratio - 1.0) < 0.02);  // unbiased on the large products too
-  // the same estimates from the AVX-512 kernels, up to summation order
-  if (avx512()) {
+  // the same estimates, bit for bit, from every vector kernel set (one summation order)
+  for (pk::Kernels k : vector_sets()) {
     std::vector<float> est2(static_cast<std::size_t>(n));
     const auto q = gaussian(1, d, 100);
     idx.estimate(q.data(), est.data(), pk::Kernels::portable);
-    idx.estimate(q.data(), est2.data(), pk::Kernels::avx512);
-    for (std::int64_t i = 0; i < n; ++i) CHECK(std::fabs(est[std::size_t(i)] - est2[std::size_t(i)]) < 1e-5f);
+    idx.estimate(q.data(), est2.data(), k);
+    CHECK(est == est2);
   }
 }
 
@@ -780,13 +790,14 @@ TEST_CASE("pariskv: deterministic across runs, threads and repeated workspaces",
     idx1.search(Q.data() + i * d, o, ws, r);
     CHECK(r.positions == idx1.search(Q.data() + i * d, o).positions);
   }
-  // kernel sets agree on the candidates and nearly always on the top k
-  if (avx512()) {
+  // kernel sets agree on the candidates and on the top k, scores included
+  for (pk::Kernels k : vector_sets()) {
     ParisKVSearch a = o, p = o;
-    a.kernels = pk::Kernels::avx512;
+    a.kernels = k;
     p.kernels = pk::Kernels::portable;
     const auto x = idx1.search(Q.data(), a), y = idx1.search(Q.data(), p);
-    CHECK(recall(x.positions, y.positions) >= 0.98);
+    CHECK(x.positions == y.positions);
+    CHECK(x.scores == y.scores);
     // identical Stage I candidates: rescoring every candidate exactly (k' = C = 600) makes the
     // results equal exactly when the candidate sets are equal
     for (double beta : {0.1, 0.37}) {
@@ -907,4 +918,93 @@ TEST_CASE("pariskv: error paths name the offending value", "[pariskv]") {
   CHECK_THROWS_WITH(kvscore::pariskv_retrieve(view, Q.data(), 2, 3, 2, o), Contains("group 2 must divide the GQA group size 1"));
   o.k = 11;
   CHECK_THROWS_WITH(kvscore::pariskv_retrieve(view, Q.data(), 2, 3, 1, o), Contains("k 11 out of range [0, 10]"));
+}
+
+// ------------------------------------------------------------------ kernel sets
+
+TEST_CASE("pariskv: every kernel set gives bit-identical collisions, estimates and results", "[pariskv][simd]") {
+  // Record layouts differ by (head_dim, m): P < 16 (one coordinate per lane, idle lanes), B < 16
+  // (lanes share a subspace's weight), B = 16, B > 16 (several lane groups); odd head_dims pad.
+  struct Shape {
+    std::int64_t d, m;
+  };
+  for (Shape sh : {Shape{8, 8}, Shape{8, 2}, Shape{12, 4}, Shape{64, 8}, Shape{64, 16}, Shape{96, 8}, Shape{128, 8},
+                   Shape{128, 2}, Shape{128, 16}, Shape{256, 4}}) {
+    INFO("head_dim = " << sh.d << ", m = " << sh.m);
+    ParisKVConfig cfg;
+    cfg.m = sh.m;
+    ParisKV idx(sh.d, cfg);
+    Structured st(77 + std::uint64_t(sh.d), 1.0, sh.d);
+    std::vector<float> K;
+    const std::int64_t n = 777;  // not a multiple of the 32/64-key vector blocks
+    st.keys(n, K);
+    idx.append(K.data(), n, sh.d);
+    const auto q = st.query(K, 3, n);
+    std::vector<float> ep(static_cast<std::size_t>(n)), ev(static_cast<std::size_t>(n));
+    idx.estimate(q.data(), ep.data(), pk::Kernels::portable);
+    // the portable order, spelled out once more in fp64 from the public encoding, agrees to fp32 rounding
+    double worst = 0;
+    {
+      std::vector<float> x(static_cast<std::size_t>(sh.d)), y(static_cast<std::size_t>(idx.padded_dim()));
+      double qn = 0, mq = 0;
+      for (float v : q) qn += double(v) * v;
+      qn = std::sqrt(qn);
+      for (std::int64_t j = 0; j < sh.d; ++j) x[std::size_t(j)] = float(q[std::size_t(j)] / qn);
+      idx.rotation().apply(x.data(), y.data());
+      std::vector<double> mu(static_cast<std::size_t>(sh.d), 0.0);
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j < sh.d; ++j) mu[std::size_t(j)] += K[std::size_t(i * sh.d + j)] / double(n);
+      for (std::int64_t j = 0; j < sh.d; ++j) mq += mu[std::size_t(j)] * q[std::size_t(j)];
+      for (std::int64_t i = 0; i < n; ++i) {
+        double e = 0;
+        for (std::int64_t b = 0; b < idx.subspaces(); ++b) {
+          double dot = 0;
+          for (std::int64_t j = b * sh.m; j < (b + 1) * sh.m; ++j)
+            dot += double(idx.code_value(idx.code(i, j))) * y[std::size_t(j)];
+          e += double(idx.weight(i, b)) * dot;
+        }
+        worst = std::max(worst, std::fabs(e * qn + mq - ep[std::size_t(i)]) / qn);
+      }
+    }
+    CHECK(worst < 1e-4);
+    for (pk::Kernels k : vector_sets()) {
+      INFO("kernel set " << (k == pk::Kernels::avx2 ? "avx2" : "avx512"));
+      idx.estimate(q.data(), ev.data(), k);
+      CHECK(ev == ep);
+      CHECK(idx.collision_scores(q.data(), 0.2, k) == idx.collision_scores(q.data(), 0.2, pk::Kernels::portable));
+      ParisKVSearch a, p;
+      a.k = p.k = 20;
+      a.kernels = k;
+      p.kernels = pk::Kernels::portable;
+      const auto x = idx.search(q.data(), a), y = idx.search(q.data(), p);
+      CHECK(x.positions == y.positions);
+      CHECK(x.scores == y.scores);
+      CHECK(x.candidates == y.candidates);
+    }
+  }
+}
+
+TEST_CASE("pariskv: the ISA pin governs Kernels::best", "[pariskv][simd]") {
+  namespace simd = kvscore::simd;
+  const std::string before = simd::active_table().name;
+  simd::set_active_isa("scalar");
+  CHECK(pk::detail::resolve_kernels(pk::Kernels::best, "t") == pk::detail::KernelSet::portable);
+  // a forced set still runs (it is the caller's explicit choice), and an unsupported one is named
+  CHECK(pk::detail::resolve_kernels(pk::Kernels::portable, "t") == pk::detail::KernelSet::portable);
+  for (const simd::KernelTable* t : simd::available_tables()) {
+    simd::set_active_isa(t->name);
+    const auto got = pk::detail::resolve_kernels(pk::Kernels::best, "t");
+    const int level = simd::isa_level(t->name);
+    INFO("table " << t->name);
+    if (level <= 1) CHECK(got == pk::detail::KernelSet::portable);
+    if (level == 2) CHECK(got == (runs(pk::Kernels::avx2) ? pk::detail::KernelSet::avx2 : pk::detail::KernelSet::portable));
+    if (level == 3) CHECK(got != pk::detail::KernelSet::portable);
+  }
+  simd::set_active_isa(before);
+  if (!runs(pk::Kernels::avx512)) {
+    ParisKV idx(8);
+    ParisKVSearch o;
+    o.kernels = pk::Kernels::avx512;
+    CHECK_THROWS_WITH(idx.check_options(o, false, 0), Catch::Contains("avx512 kernel set"));
+  }
 }

@@ -696,6 +696,20 @@ TEST_CASE("select: sampled window guesses that miss are caught", "[select][prope
   }
 }
 
+TEST_CASE("select: the ISA pin governs SelectKernels::best", "[select][simd]") {
+  namespace simd = kvscore::simd;
+  const std::string before = simd::active_table().name;
+  for (const simd::KernelTable* t : simd::available_tables()) {
+    simd::set_active_isa(t->name);
+    const std::string got = kvscore::select_kernels_name();
+    INFO("table " << t->name);
+    const int level = simd::isa_level(t->name);
+    if (level <= 1) CHECK(got == "portable");
+    if (level == 2) CHECK(got != "avx512");
+  }
+  simd::set_active_isa(before);
+}
+
 TEST_CASE("select: kernel sets", "[select]") {
   using kvscore::SelectKernels;
   CHECK(kvscore::select_kernels_supported(SelectKernels::best));

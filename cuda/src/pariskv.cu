@@ -404,8 +404,10 @@ struct RsqArgs {
   Consts k;
 };
 
-/// RSQ-IP of one candidate per thread, in the CPU portable kernel's order: per subspace the
-/// products value(code_j)·q̃_j summed in j order, then Σ_b w_b·dot_b in b order, times ‖q‖.
+/// RSQ-IP of one candidate per thread, in the CPU kernels' one order (simd/pariskv_kernels.hpp,
+/// "The estimate"): coordinates in segments of len inside a subspace, a fused chain per
+/// segment, a fused chain per lane over the lane groups (segment s is lane s mod 16), the fixed
+/// 16-lane tree, times ‖q‖. Explicit __fmaf_rn/__fadd_rn: nvcc must not contract differently.
 __global__ void __launch_bounds__(kBlock) rsq_ip(RsqArgs a, const float* qrot, const float* qnorm,
                                                  const long long* cand, float* est) {
   __shared__ float q[512];
@@ -419,25 +421,23 @@ __global__ void __launch_bounds__(kBlock) rsq_ip(RsqArgs a, const float* qrot, c
   const long long pos = cand[r * a.C + c];
   const std::uint8_t* cp = a.codes + (h * a.cap + pos) * a.cb;
   const float* wp = a.w + (h * a.cap + pos) * a.B;
-  const long long per_group = 32 / a.m;  // m divides 32 (m <= 8, a power of two)
-  float e = 0.f;
-  for (long long g = 0; g < a.pc / 32; ++g) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(cp + g * 16));
-    std::uint8_t bytes[16];
-    std::memcpy(bytes, &u, 16);
-    const long long b0 = g * per_group, b1 = min(a.B, b0 + per_group);
-    for (long long b = b0; b < b1; ++b) {
-      float dot = 0.f;
-      for (long long j = b * a.m; j < (b + 1) * a.m; ++j) {
-        const long long rr = j - 32 * g;
-        const std::uint8_t byte = bytes[rr % 16];
-        const float prod = value[rr < 16 ? byte & 15 : byte >> 4] * q[j];
-        dot += prod;
-      }
-      e += wp[b] * dot;
+  const long long P = a.B * a.m, len = P >= 16 ? min(a.m, P / 16) : 1, S = P / len;
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = 0.f;
+  for (long long seg = 0; seg < S; ++seg) {
+    float part = 0.f;
+    for (long long t = 0; t < len; ++t) {
+      const long long j = seg * len + t, rr = j % 32;
+      const std::uint8_t byte = __ldg(cp + (j / 32) * 16 + rr % 16);
+      part = __fmaf_rn(value[rr < 16 ? byte & 15 : byte >> 4], q[j], part);
     }
+    s[seg % 16] = __fmaf_rn(__ldg(wp + seg * len / a.m), part, s[seg % 16]);
   }
-  est[r * a.C + c] = e * qnorm[r];
+  float t8[8], t4[4];
+  for (int l = 0; l < 8; ++l) t8[l] = __fadd_rn(s[l], s[l + 8]);
+  for (int l = 0; l < 4; ++l) t4[l] = __fadd_rn(t8[l], t8[l + 4]);
+  const float e = __fadd_rn(__fadd_rn(t4[0], t4[2]), __fadd_rn(t4[1], t4[3]));
+  est[r * a.C + c] = __fmul_rn(e, qnorm[r]);
 }
 
 /// positions[r][i] = cand[r][top[r][i]]; scores = estimate + ⟨μ, q⟩ (fp64, as the CPU).

@@ -32,9 +32,9 @@
 //
 // Determinism: one query runs on one thread; every step is a fixed sequence of fp32/fp64 and
 // integer operations, so results are identical across runs and thread counts (the multi-head
-// helper parallelises over heads only). The AVX-512 and portable kernel sets may differ in the
-// last bits of the RSQ-IP estimates (different summation order); the collision scores are
-// integers and identical.
+// helper parallelises over heads only). The kernel sets (portable, AVX2, AVX-512: see
+// kvscore/simd/pariskv_kernels.hpp; Kernels::best follows the KVSCORE_ISA pin) give bit-identical
+// collision scores, estimates and results.
 // Errors: std::invalid_argument naming the value — keys or queries with a NaN/Inf element or
 // a squared norm that overflows fp32 (the library's invalid-row rule; an append is atomic, a
 // rejected batch leaves the index unchanged), head_dim outside [1, 4096], m not a power of two
@@ -56,17 +56,11 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define KVSCORE_PARISKV_X86 1
-#endif
-
-#include "kvscore/detail/cpu.hpp"
 #include "kvscore/detail/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/simd/dispatch.hpp"
+#include "kvscore/simd/pariskv_kernels.hpp"
 #include "kvscore/view.hpp"
 
 namespace kvscore {
@@ -252,183 +246,7 @@ inline std::int64_t candidate_count(double beta, std::int64_t n, std::int64_t re
 inline constexpr int kTiers = 6;
 inline constexpr int kTierPercent[kTiers] = {5, 15, 30, 50, 75, 100};
 
-/// Kernel sets of the search (tests and comparisons force one; `best` picks at run time).
-enum class Kernels { best, avx512, portable };
-
 namespace detail {
-
-#if defined(KVSCORE_PARISKV_X86)
-// GCC's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their _mm512_undefined_*
-// self-initialisations) when inlined into target-attribute functions.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#define KVSCORE_PARISKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,popcnt,bmi,bmi2")))
-#define KVSCORE_PARISKV_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,popcnt,bmi,bmi2")))
-inline bool cpu_has_vbmi() noexcept {
-  const auto& f = kvscore::detail::cpu();
-  if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)) return false;
-  unsigned a, b, c, d;
-  if (__get_cpuid_max(0, nullptr) < 7) return false;
-  __cpuid_count(7, 0, a, b, c, d);
-  return (c & (1u << 1)) != 0 && (b & (1u << 3)) != 0 && (b & (1u << 8)) != 0;  // VBMI, BMI1, BMI2
-}
-#else
-inline bool cpu_has_vbmi() noexcept { return false; }
-#endif
-
-/// Whether the AVX-512 set (F, BW, VL, DQ, VBMI, BMI1/2) runs on this CPU.
-inline bool avx512_ok() noexcept {
-  static const bool ok = cpu_has_vbmi();
-  return ok;
-}
-
-// ---- Stage I: collision scores for a block-major id layout [block][B][64].
-
-template <class Id, class S>
-void collide_portable(const Id* ids, std::int64_t blocks, std::int64_t B, std::int64_t ncentroids, const std::uint8_t* tbl,
-                      S* out) noexcept {
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    S acc[64] = {};
-    const Id* p = ids + blk * B * 64;
-    for (std::int64_t b = 0; b < B; ++b) {
-      const std::uint8_t* t = tbl + b * ncentroids;
-      for (int l = 0; l < 64; ++l) acc[l] = S(acc[l] + t[p[b * 64 + l]]);
-    }
-    std::memcpy(out + blk * 64, acc, sizeof(acc));
-  }
-}
-
-#if defined(KVSCORE_PARISKV_X86)
-/// 64 keys at a time: a 256-entry byte table lookup = two 128-entry vpermi2b + a blend on bit 7.
-KVSCORE_PARISKV_VBMI inline void collide_vbmi(const std::uint8_t* ids, std::int64_t blocks, std::int64_t B,
-                                              const std::uint8_t* tbl, std::uint8_t* out) noexcept {
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    __m512i acc = _mm512_setzero_si512();
-    const std::uint8_t* p = ids + blk * B * 64;
-    for (std::int64_t b = 0; b < B; ++b) {
-      const std::uint8_t* t = tbl + b * 256;
-      const __m512i id = _mm512_loadu_si512(p + b * 64);
-      const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), id, _mm512_loadu_si512(t + 64));
-      const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), id, _mm512_loadu_si512(t + 192));
-      acc = _mm512_add_epi8(acc, _mm512_mask_blend_epi8(_mm512_movepi8_mask(id), lo, hi));
-    }
-    _mm512_storeu_si512(out + blk * 64, acc);
-  }
-}
-#endif
-
-// ---- Candidate selection on small-range integer scores (bucket top-k, deterministic).
-
-/// Threshold T and the number of keys equal to T to take (lowest positions first) so that
-/// exactly c keys are kept: those with S > T plus the first `need_eq` with S == T.
-template <class S>
-void bucket_threshold(const S* s, std::int64_t n, std::int64_t c, std::int64_t max_score, std::vector<std::int64_t>& hist,
-                      std::int64_t* T, std::int64_t* need_eq) {
-  hist.assign(std::size_t(max_score + 1) * 4, 0);
-  std::int64_t* h0 = hist.data();
-  std::int64_t* h1 = h0 + (max_score + 1);
-  std::int64_t* h2 = h1 + (max_score + 1);
-  std::int64_t* h3 = h2 + (max_score + 1);
-  std::int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {  // four sub-histograms: no store-to-load stalls on repeated bins
-    ++h0[s[i]];
-    ++h1[s[i + 1]];
-    ++h2[s[i + 2]];
-    ++h3[s[i + 3]];
-  }
-  for (; i < n; ++i) ++h0[s[i]];
-  std::int64_t above = 0;
-  for (std::int64_t v = max_score; v >= 0; --v) {
-    const std::int64_t cnt = h0[v] + h1[v] + h2[v] + h3[v];
-    if (above + cnt >= c) {
-      *T = v;
-      *need_eq = c - above;
-      return;
-    }
-    above += cnt;
-  }
-  *T = 0;
-  *need_eq = c - above;  // unreachable for c <= n
-}
-
-template <class S>
-std::int64_t bucket_collect_portable(const S* s, std::int64_t n, std::int64_t T, std::int64_t need_eq,
-                                     std::int64_t* out) noexcept {
-  std::int64_t j = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const bool take = std::int64_t(s[i]) > T || (std::int64_t(s[i]) == T && need_eq > 0);
-    if (std::int64_t(s[i]) == T && need_eq > 0) --need_eq;
-    if (take) out[j++] = i;
-  }
-  return j;
-}
-
-#if defined(KVSCORE_PARISKV_X86)
-/// #{i < n : s[i] >= t}, 64 bytes per step (masked tail).
-KVSCORE_PARISKV_VBMI inline std::int64_t count_ge_avx512(const std::uint8_t* s, std::int64_t n, std::uint8_t t) noexcept {
-  const __m512i tv = _mm512_set1_epi8(char(t));
-  std::int64_t c = 0, i = 0;
-  for (; i + 64 <= n; i += 64) c += __builtin_popcountll(_mm512_cmpge_epu8_mask(_mm512_loadu_si512(s + i), tv));
-  if (i < n) {
-    const __mmask64 m = (~std::uint64_t(0)) >> (64 - (n - i));
-    c += __builtin_popcountll(_mm512_mask_cmpge_epu8_mask(m, _mm512_maskz_loadu_epi8(m, s + i), tv));
-  }
-  return c;
-}
-
-/// The same threshold as bucket_threshold by bisection on counts (about log2(6B) passes of
-/// compare + popcount instead of a scalar histogram).
-KVSCORE_PARISKV_VBMI inline void bucket_threshold_avx512(const std::uint8_t* s, std::int64_t n, std::int64_t c,
-                                                         std::int64_t max_score, std::int64_t* T,
-                                                         std::int64_t* need_eq) noexcept {
-  std::int64_t lo = 0, hi = max_score + 1;  // count_ge(lo) = n >= c > count_ge(hi) = 0
-  while (hi - lo > 1) {
-    const std::int64_t mid = (lo + hi) / 2;
-    (count_ge_avx512(s, n, std::uint8_t(mid)) >= c ? lo : hi) = mid;
-  }
-  *T = lo;
-  *need_eq = c - (lo + 1 > max_score ? 0 : count_ge_avx512(s, n, std::uint8_t(lo + 1)));
-}
-
-KVSCORE_PARISKV_VBMI inline std::int64_t bucket_collect_avx512(const std::uint8_t* s, std::int64_t n, std::int64_t T,
-                                                               std::int64_t need_eq, std::int64_t* out) noexcept {
-  const __m512i t = _mm512_set1_epi8(char(T));
-  std::int64_t j = 0, i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m512i v = _mm512_loadu_si512(s + i);
-    std::uint64_t gt = _mm512_cmpgt_epu8_mask(v, t);
-    std::uint64_t eq = _mm512_cmpeq_epu8_mask(v, t);
-    if (need_eq <= 0) {
-      eq = 0;
-    } else {
-      const std::int64_t ne = __builtin_popcountll(eq);
-      if (ne > need_eq) eq = _pdep_u64((std::uint64_t(1) << need_eq) - 1, eq);  // the lowest need_eq of them
-      need_eq -= std::min(ne, need_eq);
-    }
-    std::uint64_t m = gt | eq;
-    while (m) {
-      out[j++] = i + __builtin_ctzll(m);
-      m &= m - 1;
-    }
-  }
-  for (; i < n; ++i) {
-    const bool take = std::int64_t(s[i]) > T || (std::int64_t(s[i]) == T && need_eq > 0);
-    if (std::int64_t(s[i]) == T && need_eq > 0) --need_eq;
-    if (take) out[j++] = i;
-  }
-  return j;
-}
-#endif
-
-// ---- Stage II: RSQ-IP estimates.
-//
-// Codes of one key: Pc/2 bytes (Pc = padded dim rounded up to 32); coordinate j = 32g + r
-// lives in byte 16g + (r mod 16), low nibble for r < 16, high nibble otherwise — so one
-// 16-byte load widened to 16 int32 gives the codes of 16 coordinates (low nibbles; vpermps
-// reads only the low 4 index bits) and a shift by 4 gives the next 16.
 
 /// A flip set in the best-first enumeration of sign patterns (Stage I); ordered by cost, then id.
 struct PatternNode {
@@ -438,83 +256,6 @@ struct PatternNode {
     return a.cost > b.cost || (a.cost == b.cost && a.id > b.id);
   }
 };
-
-struct RerankPlan {
-  const std::uint8_t* codes;  ///< [N][cb]
-  std::int64_t cb;            ///< code bytes per key
-  const float* w;             ///< [N][B] (+32 padding floats)
-  std::int64_t B, m, pc;
-  const float* qrot;   ///< [pc], zero past the padded dim
-  const float* value;  ///< 16 code values ±a[t]
-  const std::int32_t* widx;  ///< [pc/16][16] lane -> subspace - first
-  const std::int32_t* wfirst;  ///< [pc/16] first subspace of each 16-lane group
-  float qnorm;
-};
-
-inline float rsq_ip_portable_one(const RerankPlan& p, std::int64_t i) noexcept {
-  const std::uint8_t* c = p.codes + i * p.cb;
-  const float* w = p.w + i * p.B;
-  float prod[kMaxHeadDim];
-  for (std::int64_t g = 0; g < p.pc / 32; ++g)
-    for (std::int64_t r = 0; r < 16; ++r) {
-      const std::uint8_t byte = c[g * 16 + r];
-      prod[32 * g + r] = p.value[byte & 15] * p.qrot[32 * g + r];
-      prod[32 * g + 16 + r] = p.value[byte >> 4] * p.qrot[32 * g + 16 + r];
-    }
-  float est = 0.f;
-  for (std::int64_t b = 0; b < p.B; ++b) {
-    float dot = 0.f;
-    for (std::int64_t j = b * p.m; j < (b + 1) * p.m; ++j) dot += prod[j];
-    est += w[b] * dot;
-  }
-  return est * p.qnorm;
-}
-
-#if defined(KVSCORE_PARISKV_X86)
-KVSCORE_PARISKV_AVX512 inline float rsq_ip_avx512_one(const RerankPlan& p, std::int64_t i) noexcept {
-  const std::uint8_t* c = p.codes + i * p.cb;
-  const float* w = p.w + i * p.B;
-  const __m512 vt = _mm512_loadu_ps(p.value);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (std::int64_t g = 0; g < p.pc / 32; ++g) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16)));
-    const __m512 vlo = _mm512_permutexvar_ps(bytes, vt);
-    const __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), vt);
-    const std::int64_t gl = 2 * g, gh = 2 * g + 1;
-    const __m512 wl = _mm512_permutexvar_ps(_mm512_loadu_si512(p.widx + gl * 16), _mm512_loadu_ps(w + p.wfirst[gl]));
-    const __m512 wh = _mm512_permutexvar_ps(_mm512_loadu_si512(p.widx + gh * 16), _mm512_loadu_ps(w + p.wfirst[gh]));
-    acc0 = _mm512_fmadd_ps(_mm512_mul_ps(vlo, _mm512_loadu_ps(p.qrot + gl * 16)), wl, acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_mul_ps(vhi, _mm512_loadu_ps(p.qrot + gh * 16)), wh, acc1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * p.qnorm;
-}
-KVSCORE_PARISKV_AVX512 inline void rsq_ip_avx512(const RerankPlan& p, const std::int64_t* cand, std::int64_t n,
-                                                 float* out) noexcept {
-  for (std::int64_t c = 0; c < n; ++c) {
-    if (c + 8 < n) {  // the next candidates' codes and weights are scattered: fetch them early
-      const std::int64_t nx = cand != nullptr ? cand[c + 8] : c + 8;
-      _mm_prefetch(reinterpret_cast<const char*>(p.codes + nx * p.cb), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.w + nx * p.B), _MM_HINT_T0);
-    }
-    out[c] = rsq_ip_avx512_one(p, cand != nullptr ? cand[c] : c);
-  }
-}
-#endif
-
-inline void rsq_ip(const RerankPlan& p, const std::int64_t* cand, std::int64_t n, float* out, bool vec) noexcept {
-#if defined(KVSCORE_PARISKV_X86)
-  if (vec) {
-    rsq_ip_avx512(p, cand, n, out);
-    return;
-  }
-#endif
-  (void)vec;
-  for (std::int64_t c = 0; c < n; ++c) out[c] = rsq_ip_portable_one(p, cand != nullptr ? cand[c] : c);
-}
-
-#if defined(KVSCORE_PARISKV_X86) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 [[noreturn]] inline void fail(const std::string& what) { throw std::invalid_argument(what); }
 
@@ -560,8 +301,8 @@ class ParisKV {
  public:
   /// Scratch buffers of search(); one per thread, reused (grows, never shrinks).
   struct Workspace {
-    std::vector<float> qrot, x, est, exact;
-    std::vector<std::uint8_t> tbl, s8;
+    std::vector<float> qrot, qt, x, est, exact;
+    std::vector<std::uint8_t> tbl, s8, lists;
     std::vector<std::uint16_t> s16;
     std::vector<std::int64_t> hist, cand, top, offsets, sel;
     std::vector<unsigned char> select_ws;
@@ -585,7 +326,14 @@ class ParisKV {
     B_ = p_ / m_;
     nc_ = std::int64_t(1) << m_;
     pc_ = (p_ + 31) / 32 * 32;
-    cb_ = pc_ / 2;
+    // Stage II records (pariskv_kernels.hpp, "Record of one key"): segments of len coordinates
+    // inside one subspace, 16 segments per lane group
+    len_ = p_ >= 16 ? std::min(m_, p_ / 16) : 1;
+    groups_ = std::max<std::int64_t>(1, (p_ / len_) / 16);
+    cb_ = groups_ * ((len_ + 1) / 2) * 16;
+    stride_ = cb_ + 4 * B_;
+    for (std::int64_t l = 0; l < 16; ++l)
+      wlane_[std::size_t(l)] = std::int32_t(std::min(l * len_ / m_, B_ - 1));  // lane -> subspace in group 0
     codebook_ = pariskv::lloyd_max(int(m_), cfg.codebook_iterations);
     for (int t = 0; t < 7; ++t) tau_[std::size_t(t)] = float(codebook_.thresholds[std::size_t(t)]);
     for (int t = 0; t < 8; ++t) {
@@ -593,14 +341,7 @@ class ParisKV {
       value_[std::size_t(t + 8)] = -float(codebook_.centres[std::size_t(t)]);
     }
     pop_.assign(std::size_t(B_ * nc_), 0);
-    w_.assign(kWPad, 0.f);
-    widx_.resize(std::size_t(pc_));
-    wfirst_.resize(std::size_t(pc_ / 16));
-    for (std::int64_t g = 0; g < pc_ / 16; ++g) {
-      const std::int64_t first = (16 * g) / m_;
-      wfirst_[std::size_t(g)] = std::int32_t(first);
-      for (std::int64_t l = 0; l < 16; ++l) widx_[std::size_t(16 * g + l)] = std::int32_t((16 * g + l) / m_ - first);
-    }
+    rec_.assign(kRecPad, 0);
   }
 
   std::int64_t head_dim() const noexcept { return d_; }
@@ -612,16 +353,18 @@ class ParisKV {
   const pariskv::Rotation& rotation() const noexcept { return rot_; }
   const ParisKVConfig& config() const noexcept { return cfg_; }
 
-  /// Index bytes per key: B centroid ids (1 byte each for m ≤ 8, else 2), P/2 bytes of 4-bit
-  /// codes (rounded up to 16 bytes), B fp32 weights.
-  std::int64_t key_bytes() const noexcept { return B_ * id_bytes() + cb_ + 4 * B_; }
+  /// Index bytes per key: B centroid ids (1 byte each for m ≤ 8, else 2) and the Stage II
+  /// record: P/2 bytes of 4-bit codes (at least 16) and B fp32 weights.
+  std::int64_t key_bytes() const noexcept { return B_ * id_bytes() + stride_; }
+  /// Bytes of one key's Stage II record (codes, then weights).
+  std::int64_t record_bytes() const noexcept { return stride_; }
   /// Bytes of one fp16 key (the cache the index summarises): 2·head_dim.
   std::int64_t fp16_key_bytes() const noexcept { return 2 * d_; }
   /// All index memory in use: per-key data (ids padded to blocks of 64 keys) plus the fixed
   /// part (cluster populations, rotation, tables).
   std::size_t memory_bytes() const noexcept {
-    return ids8_.size() + 2 * ids16_.size() + codes_.size() + 4 * w_.size() + 8 * pop_.size() +
-           4 * rot_.scaled_signs().size() + 4 * (widx_.size() + wfirst_.size()) + 4 * mu_.size() + sizeof(*this);
+    return ids8_.size() + 2 * ids16_.size() + rec_.size() + 8 * pop_.size() + 4 * rot_.scaled_signs().size() +
+           4 * mu_.size() + sizeof(*this);
   }
 
   // ---- read access to the encoding (tests, tools)
@@ -631,10 +374,14 @@ class ParisKV {
   }
   /// 4-bit code of rotated coordinate j of key i: bit 3 = negative, bits 0-2 = magnitude bin.
   std::uint8_t code(std::int64_t i, std::int64_t j) const noexcept {
-    const std::uint8_t byte = codes_[std::size_t(i * cb_ + (j / 32) * 16 + (j % 32) % 16)];
-    return (j % 32) < 16 ? byte & 15 : byte >> 4;
+    const std::uint8_t byte = rec_[std::size_t(i * stride_ + code_byte(j))];
+    return (j % len_) % 2 == 0 ? byte & 15 : byte >> 4;
   }
-  float weight(std::int64_t i, std::int64_t b) const noexcept { return w_[std::size_t(i * B_ + b)]; }
+  float weight(std::int64_t i, std::int64_t b) const noexcept {
+    float w;
+    std::memcpy(&w, rec_.data() + i * stride_ + cb_ + 4 * b, sizeof(float));
+    return w;
+  }
   std::int64_t population(std::int64_t b, std::uint32_t id) const noexcept { return pop_[std::size_t(b * nc_ + id)]; }
   /// Value of a 4-bit code (±a[t]).
   float code_value(std::uint8_t c) const noexcept { return value_[c & 15]; }
@@ -725,7 +472,7 @@ class ParisKV {
                             " needs the full-precision keys (rows is null)");
     if (opt.rerank_exact > 0 && n_ > 1 && row_stride < d_)
       pariskv::detail::fail(who + ": row_stride " + std::to_string(row_stride) + " < head_dim " + std::to_string(d_));
-    use_avx512(opt.kernels, who);
+    pariskv::detail::resolve_kernels(opt.kernels, who);
   }
 
   /// The paper's pipeline (no exact rerank; opt.rerank_exact must be 0).
@@ -802,7 +549,8 @@ class ParisKV {
       std::fill(out, out + n_, 0.f);
       return;
     }
-    pariskv::detail::rsq_ip(plan(ws, qn), nullptr, n_, out, use_avx512(kernels, "kvscore::ParisKV::estimate"));
+    pariskv::detail::rsq_ip(pariskv::detail::resolve_kernels(kernels, "kvscore::ParisKV::estimate"), plan(ws, qn), nullptr,
+                            n_, out);
     if (!mu_.empty()) {
       const float c = float(center_dot(q));
       for (std::int64_t i = 0; i < n_; ++i) out[i] += c;
@@ -817,8 +565,8 @@ class ParisKV {
     check_ratio(rho, "rho", "kvscore::ParisKV::collision_scores");
     std::vector<std::int32_t> s(std::size_t(n_), 0);
     if (n_ == 0 || qn == 0.f) return s;
-    const bool vec = use_avx512(kernels, "kvscore::ParisKV::collision_scores");
-    if (collide(ws, pariskv::ratio_count(rho, n_), vec))
+    const auto set = pariskv::detail::resolve_kernels(kernels, "kvscore::ParisKV::collision_scores");
+    if (collide(ws, pariskv::ratio_count(rho, n_), set))
       for (std::int64_t i = 0; i < n_; ++i) s[std::size_t(i)] = ws.s8[std::size_t(i)];
     else
       for (std::int64_t i = 0; i < n_; ++i) s[std::size_t(i)] = ws.s16[std::size_t(i)];
@@ -826,7 +574,8 @@ class ParisKV {
   }
 
  private:
-  static constexpr std::size_t kWPad = 32;  // floats after the last key's weights (vector over-read)
+  // bytes after the last record: the vector kernels read 16 weights per lane group (B < 16)
+  static constexpr std::size_t kRecPad = 64;
 
   std::int64_t id_bytes() const noexcept { return m_ <= 8 ? 1 : 2; }
 
@@ -862,8 +611,7 @@ class ParisKV {
     const std::int64_t blocks = (total + 63) / 64;
     if (m_ <= 8) ids8_.resize(std::size_t(blocks * B_ * 64), 0);
     else ids16_.resize(std::size_t(blocks * B_ * 64), 0);
-    codes_.reserve(std::size_t(total * cb_));
-    w_.reserve(std::size_t(total * B_) + kWPad);
+    rec_.reserve(std::size_t(total * stride_) + kRecPad);
   }
 
   template <class T>
@@ -881,10 +629,8 @@ class ParisKV {
     rot_.apply(x, y);
     const std::int64_t i = n_;
     const std::size_t id_base = std::size_t((i / 64) * B_ * 64 + i % 64);
-    const std::size_t c0 = codes_.size();
-    codes_.resize(c0 + std::size_t(cb_), 0);
-    std::uint8_t* code = codes_.data() + c0;
-    w_.resize(w_.size() - kWPad);  // drop the padding, append B weights, pad again
+    rec_.resize(rec_.size() + std::size_t(stride_), 0);  // the padding moves to the end
+    std::uint8_t* code = rec_.data() + i * stride_;
     for (std::int64_t b = 0; b < B_; ++b) {
       const float* u = y + b * m_;
       double r2 = 0;
@@ -900,15 +646,15 @@ class ParisKV {
         while (t < 7 && au >= tau_[std::size_t(t)]) ++t;
         alpha += double(value_[std::size_t(t)]) * double(au);
         const std::uint8_t c = std::uint8_t(t | (v < 0.f ? 8 : 0));
-        const std::int64_t jj = b * m_ + j, g = jj / 32, rr = jj % 32;
-        code[g * 16 + rr % 16] |= rr < 16 ? c : std::uint8_t(c << 4);
+        const std::int64_t jj = b * m_ + j;
+        code[code_byte(jj)] |= (jj % len_) % 2 == 0 ? c : std::uint8_t(c << 4);
       }
       if (m_ <= 8) ids8_[id_base + std::size_t(b * 64)] = std::uint8_t(id);
       else ids16_[id_base + std::size_t(b * 64)] = std::uint16_t(id);
       ++pop_[std::size_t(b * nc_ + id)];
-      w_.push_back(rb > 0 ? float(norm * rb / alpha) : 0.f);
+      const float w = rb > 0 ? float(norm * rb / alpha) : 0.f;
+      std::memcpy(code + cb_ + 4 * b, &w, sizeof(float));
     }
-    w_.resize(w_.size() + kWPad, 0.f);
     ++n_;
   }
 
@@ -917,12 +663,10 @@ class ParisKV {
       pariskv::detail::fail(who + ": " + name + " must be in (0, 1] (got " + std::to_string(x) + ")");
   }
 
-  bool use_avx512(pariskv::Kernels k, const std::string& who) const {
-    if (k == pariskv::Kernels::portable) return false;
-    const bool ok = pariskv::detail::avx512_ok();
-    if (k == pariskv::Kernels::avx512 && !ok)
-      pariskv::detail::fail(who + ": the avx512 kernel set (AVX-512 F/BW/VL/DQ/VBMI) is not supported by this CPU");
-    return ok;
+  /// Byte of rotated coordinate j in a record (its nibble: low for even j % len).
+  std::int64_t code_byte(std::int64_t j) const noexcept {
+    const std::int64_t seg = j / len_;
+    return (seg / 16) * ((len_ + 1) / 2) * 16 + ((j % len_) / 2) * 16 + seg % 16;
   }
 
   /// Validates q, writes the rotated unit query (pc floats, zero tail) into ws.qrot; returns ‖q‖.
@@ -934,18 +678,24 @@ class ParisKV {
     const double qn = std::sqrt(sq);
     ws.x.resize(std::size_t(d_));
     ws.qrot.assign(std::size_t(pc_), 0.f);
+    ws.qt.assign(std::size_t(groups_ * len_ * 16), 0.f);
     if (qn == 0) return 0.f;
     for (std::int64_t j = 0; j < d_; ++j) ws.x[std::size_t(j)] = float(double(q[j]) / qn);
     rot_.apply(ws.x.data(), ws.qrot.data());
+    // Stage II's transposed copy: qt[g][t][l] = coordinate t of segment 16g + l
+    for (std::int64_t j = 0; j < p_; ++j) {
+      const std::int64_t seg = j / len_;
+      ws.qt[std::size_t(((seg / 16) * len_ + j % len_) * 16 + seg % 16)] = ws.qrot[std::size_t(j)];
+    }
     return float(qn);
   }
 
   pariskv::detail::RerankPlan plan(const Workspace& ws, float qn) const noexcept {
-    return {codes_.data(), cb_, w_.data(), B_, m_, pc_, ws.qrot.data(), value_.data(), widx_.data(), wfirst_.data(), qn};
+    return {rec_.data(), stride_, groups_, len_, cb_, ws.qt.data(), value_.data(), wlane_.data(), qn};
   }
 
   /// Stage I into ws.s8 (returns true) or ws.s16 (false), for `collided` = ⌈ρN⌉ keys per subspace.
-  bool collide(Workspace& ws, std::int64_t collided, bool vec) const {
+  bool collide(Workspace& ws, std::int64_t collided, pariskv::detail::KernelSet set) const {
     // tier limits: tier t holds the clusters whose better-ranked clusters hold < ⌈collided·r_t⌉ keys
     std::int64_t limit[pariskv::kTiers];
     for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;
@@ -1027,16 +777,18 @@ class ParisKV {
     }
     const std::int64_t blocks = (n_ + 63) / 64;
     const bool small = m_ <= 8 && 6 * B_ <= 255;
-#if defined(KVSCORE_PARISKV_X86)
-    if (vec && small && m_ == 8) {
-      ws.s8.resize(std::size_t(blocks * 64));
-      pariskv::detail::collide_vbmi(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
-      return true;
-    }
-#endif
-    (void)vec;
     if (small) {
       ws.s8.resize(std::size_t(blocks * 64));
+#if defined(KVSCORE_PARISKV_X86)
+      if (m_ == 8 && set == pariskv::detail::KernelSet::avx512) {
+        pariskv::detail::collide_avx512(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
+        return true;
+      }
+      if (m_ == 8 && set == pariskv::detail::KernelSet::avx2) {
+        pariskv::detail::collide_avx2(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data(), ws.lists);
+        return true;
+      }
+#endif
       pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s8.data());
       return true;
     }
@@ -1064,7 +816,7 @@ class ParisKV {
                    ParisKVResult& out) const {
     const std::string who = "kvscore::ParisKV::search";
     check_options(opt, rows != nullptr, row_stride);
-    const bool vec = use_avx512(opt.kernels, who);
+    const auto set = pariskv::detail::resolve_kernels(opt.kernels, who);
     const float qn = prepare_query(q, ws, who);
     out.positions.clear();
     out.scores.clear();
@@ -1082,30 +834,19 @@ class ParisKV {
     const std::int64_t C = pariskv::candidate_count(opt.beta, n_, kk);
 
     // Stage I: collision scores and the C best keys (ties: lower position)
-    const bool s8 = collide(ws, pariskv::ratio_count(rho, n_), vec);
     ws.cand.resize(std::size_t(C));
-    std::int64_t thr = 0, need_eq = 0, got = 0;
-    if (s8) {
-#if defined(KVSCORE_PARISKV_X86)
-      if (vec) {
-        pariskv::detail::bucket_threshold_avx512(ws.s8.data(), n_, C, 6 * B_, &thr, &need_eq);
-        got = pariskv::detail::bucket_collect_avx512(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
-      } else
-#endif
-      {
-        pariskv::detail::bucket_threshold(ws.s8.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
-        got = pariskv::detail::bucket_collect_portable(ws.s8.data(), n_, thr, need_eq, ws.cand.data());
-      }
+    if (collide(ws, pariskv::ratio_count(rho, n_), set)) {
+      pariskv::detail::bucket_top_u8(set, ws.s8.data(), n_, C, 6 * B_, ws.hist, ws.cand.data());
     } else {
-      pariskv::detail::bucket_threshold(ws.s16.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
-      got = pariskv::detail::bucket_collect_portable(ws.s16.data(), n_, thr, need_eq, ws.cand.data());
+      std::int64_t thr = 0, need_eq = 0;
+      pariskv::detail::bucket_threshold_portable(ws.s16.data(), n_, C, 6 * B_, ws.hist, &thr, &need_eq);
+      pariskv::detail::bucket_collect_portable(ws.s16.data(), n_, thr, need_eq, ws.cand.data());
     }
-    (void)got;  // == C by construction
     out.candidates = C;
 
     // Stage II: RSQ-IP on the candidates, top kk
     ws.est.resize(std::size_t(C));
-    pariskv::detail::rsq_ip(plan(ws, qn), ws.cand.data(), C, ws.est.data(), vec);
+    pariskv::detail::rsq_ip(set, plan(ws, qn), ws.cand.data(), C, ws.est.data());
     top_of(ws.est.data(), C, kk, ws);
     if (opt.rerank_exact == 0) {
       // ranked on the estimates of ⟨k − μ, q⟩; the reported scores add the constant ⟨μ, q⟩
@@ -1144,15 +885,16 @@ class ParisKV {
   ParisKVConfig cfg_;
   pariskv::Rotation rot_;
   pariskv::Codebook codebook_;
-  std::int64_t d_ = 0, p_ = 0, m_ = 0, B_ = 0, nc_ = 0, pc_ = 0, cb_ = 0, n_ = 0;
+  std::int64_t d_ = 0, p_ = 0, m_ = 0, B_ = 0, nc_ = 0, pc_ = 0, n_ = 0;
+  std::int64_t len_ = 0, groups_ = 0, cb_ = 0, stride_ = 0;  ///< Stage II record layout
+  std::array<std::int32_t, 16> wlane_{};                    ///< lane -> weight within its group
   std::array<float, 7> tau_{};
   std::array<float, 16> value_{};  ///< code -> ±a[t] (bit 3 = negative)
   std::vector<std::uint8_t> ids8_;     ///< [block][B][64] for m <= 8
   std::vector<std::uint16_t> ids16_;   ///< [block][B][64] for m > 8
-  std::vector<std::uint8_t> codes_;    ///< [N][cb]
-  std::vector<float> w_;               ///< [N][B] + kWPad
+  /// [N][stride] records (codes, weights) + kRecPad, 64-byte aligned
+  std::vector<std::uint8_t, xsimd::aligned_allocator<std::uint8_t, 64>> rec_;
   std::vector<std::int64_t> pop_;      ///< [B][2^m] keys per cluster
-  std::vector<std::int32_t> widx_, wfirst_;
   std::vector<float> mu_;              ///< key mean subtracted before encoding (empty: none)
 };
 

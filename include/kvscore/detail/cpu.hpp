@@ -11,6 +11,7 @@ namespace kvscore::detail {
 struct CpuFeatures {
   bool avx = false, f16c = false, fma = false, avx2 = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
+  bool avx512vbmi = false, popcnt = false, bmi1 = false, bmi2 = false;
 };
 
 inline CpuFeatures detect_cpu() noexcept {
@@ -27,6 +28,7 @@ inline CpuFeatures detect_cpu() noexcept {
   f.avx = ymm_state && (c & (1u << 28));
   f.f16c = f.avx && (c & (1u << 29));
   f.fma = f.avx && (c & (1u << 12));
+  f.popcnt = (c & (1u << 23)) != 0;
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
     f.avx2 = f.avx && (b & (1u << 5));
@@ -34,6 +36,9 @@ inline CpuFeatures detect_cpu() noexcept {
     f.avx512dq = f.avx512f && (b & (1u << 17));
     f.avx512bw = f.avx512f && (b & (1u << 30));
     f.avx512vl = f.avx512f && (b & (1u << 31));
+    f.avx512vbmi = f.avx512f && (c & (1u << 1));
+    f.bmi1 = (b & (1u << 3)) != 0;
+    f.bmi2 = (b & (1u << 8)) != 0;
   }
 #endif
   return f;

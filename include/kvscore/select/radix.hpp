@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "kvscore/detail/cpu.hpp"
+#include "kvscore/simd/dispatch.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_SELECT_X86 1
@@ -819,8 +820,7 @@ struct Passes {
 inline bool avx512_usable() noexcept {
 #if KVSCORE_SELECT_X86
   const CpuFeatures& f = cpu();
-  static const bool bmi2 = __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
-  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && bmi2;
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.bmi2 && f.popcnt;
 #else
   return false;
 #endif
@@ -828,11 +828,18 @@ inline bool avx512_usable() noexcept {
 
 inline bool avx2_usable() noexcept {
 #if KVSCORE_SELECT_X86
-  static const bool bmi2 = __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
-  return cpu().avx2 && bmi2;
+  const CpuFeatures& f = cpu();
+  return f.avx2 && f.bmi2 && f.popcnt;
 #else
   return false;
 #endif
+}
+
+/// What SelectKernels::best runs: the widest set this CPU has, capped by the ISA pin
+/// (KVSCORE_ISA / simd::set_active_isa, simd::isa_cap) like every kernel family.
+inline int best_select_set() {
+  const int cap = simd::isa_cap();
+  return cap >= 3 && avx512_usable() ? 3 : cap >= 2 && avx2_usable() ? 2 : 0;
 }
 
 }  // namespace kvscore::detail::sel
@@ -840,7 +847,7 @@ inline bool avx2_usable() noexcept {
 namespace kvscore {
 
 /// Kernel set of kvscore::select (SelectOptions::kernels). `best` picks AVX-512, then AVX2,
-/// then portable C++ from CPUID; the others force one set (for tests and comparisons) and
+/// then portable C++ from CPUID, no wider than a KVSCORE_ISA pin; the others force one set (for tests and comparisons) and
 /// throw std::invalid_argument when this CPU cannot run it. Every set gives the same result.
 enum class SelectKernels { best, avx512, avx2, portable };
 
@@ -854,11 +861,11 @@ inline bool select_kernels_supported(SelectKernels k) noexcept {
 }
 
 /// Name of the set `best` resolves to on this CPU ("avx512", "avx2" or "portable").
-inline const char* select_kernels_name(SelectKernels k = SelectKernels::best) noexcept {
-  if (k == SelectKernels::best)
-    k = detail::sel::avx512_usable() ? SelectKernels::avx512
-        : detail::sel::avx2_usable() ? SelectKernels::avx2
-                                     : SelectKernels::portable;
+inline const char* select_kernels_name(SelectKernels k = SelectKernels::best) {
+  if (k == SelectKernels::best) {
+    const int set = detail::sel::best_select_set();
+    k = set == 3 ? SelectKernels::avx512 : set == 2 ? SelectKernels::avx2 : SelectKernels::portable;
+  }
   return k == SelectKernels::avx512 ? "avx512" : k == SelectKernels::avx2 ? "avx2" : "portable";
 }
 
@@ -868,7 +875,7 @@ namespace kvscore::detail::sel {
 
 /// The passes for kernel set `k` (already checked with select_kernels_supported).
 template <class Src>
-const Passes<Src>& passes(SelectKernels k) noexcept {
+const Passes<Src>& passes(SelectKernels k) {
   static const Passes<Src> portable{&minmax_portable, &keep_digit_portable, &fill_portable, &lane_sums_portable,
                                     &hist_top_portable<Src>, &window_portable<Src>, &collect_portable<Src>,
                                     &count_portable<Src>, &tally_portable<Src>, "portable"};
@@ -879,8 +886,10 @@ const Passes<Src>& passes(SelectKernels k) noexcept {
   static const Passes<Src> avx2{&minmax_avx2, &keep_digit_avx2, &fill_portable, &lane_sums_portable,
                                 &hist_top_avx2<Src>, &window_avx2<Src>, &collect_avx2<Src>,
                                 &count_avx2<Src>, &tally_avx2<Src>, "avx2"};
-  if (k == SelectKernels::best) k = avx512_usable() ? SelectKernels::avx512 : avx2_usable() ? SelectKernels::avx2
-                                                                                             : SelectKernels::portable;
+  if (k == SelectKernels::best) {
+    const int set = best_select_set();
+    k = set == 3 ? SelectKernels::avx512 : set == 2 ? SelectKernels::avx2 : SelectKernels::portable;
+  }
   if (k == SelectKernels::avx512) return avx512;
   if (k == SelectKernels::avx2) return avx2;
 #endif

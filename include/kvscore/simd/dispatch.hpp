@@ -63,6 +63,11 @@ inline std::atomic<const KernelTable*>& active_slot() noexcept {
   static std::atomic<const KernelTable*> slot{nullptr};
   return slot;
 }
+/// Whether KVSCORE_ISA or set_active_isa() chose the table (false: the best one by default).
+inline std::atomic<bool>& pinned_flag() noexcept {
+  static std::atomic<bool> pinned{false};
+  return pinned;
+}
 inline const KernelTable& checked_table(std::string_view name, const char* who) {
   const KernelTable* t = find_table(name);
   if (t == nullptr)
@@ -77,8 +82,9 @@ inline const KernelTable& active_table() {
   const KernelTable* t = detail::active_slot().load(std::memory_order_acquire);
   if (t != nullptr) return *t;
   const char* env = std::getenv("KVSCORE_ISA");
-  t = (env != nullptr && *env != '\0') ? &detail::checked_table(env, "KVSCORE_ISA")
-                                       : available_tables().back();
+  const bool pinned = env != nullptr && *env != '\0';
+  t = pinned ? &detail::checked_table(env, "KVSCORE_ISA") : available_tables().back();
+  if (pinned) detail::pinned_flag().store(true, std::memory_order_relaxed);
   detail::active_slot().store(t, std::memory_order_release);
   return *t;
 }
@@ -87,6 +93,25 @@ inline const KernelTable& active_table() {
 inline void set_active_isa(std::string_view name) {
   detail::active_slot().store(&detail::checked_table(name, "kvscore::simd::set_active_isa"),
                               std::memory_order_release);
+  detail::pinned_flag().store(true, std::memory_order_relaxed);
+}
+
+/// Instruction-set level of a table name: 0 scalar, 1 up to SSE4/AVX (no AVX2), 2 AVX2 + FMA,
+/// 3 AVX-512 (xsimd arch names such as "fma3+avx2" or "avx512bw" map by what they contain).
+inline int isa_level(std::string_view name) noexcept {
+  if (name == "scalar") return 0;
+  if (name.find("avx512") != std::string_view::npos) return 3;
+  if (name.find("avx2") != std::string_view::npos) return 2;
+  return 1;
+}
+
+/// The highest instruction-set level the kernel families outside the row tables (ParisKV's
+/// search, the selector passes) may use: the active table's when KVSCORE_ISA / set_active_isa()
+/// pinned it, otherwise unlimited (each family then takes the best its CPU check allows, also
+/// in header-only builds whose own table is only as wide as their compile flags).
+inline int isa_cap() {
+  const KernelTable& t = active_table();
+  return detail::pinned_flag().load(std::memory_order_relaxed) ? isa_level(t.name) : 3;
 }
 
 }  // namespace kvscore::simd

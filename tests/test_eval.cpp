@@ -70,7 +70,7 @@ void eval_register_once(const std::string& name, eval::MethodFn fn) {
 
 TEST_CASE("eval: registry names, 'all', unknown and repeated methods", "[eval]") {
   const auto all = eval::resolve_methods("all");
-  for (const char* m : {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm", "protokv", "pariskv", "ojakv", "oracle"})
+  for (const char* m : {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm", "protokv", "pariskv", "pariskv-flat", "ojakv", "oracle"})
     CHECK(std::find(all.begin(), all.end(), m) != all.end());
   CHECK(eval::resolve_methods("l2,knorm") == std::vector<std::string>{"l2", "knorm"});
   CHECK_THROWS_WITH(eval::resolve_methods("l2,foo"), Contains("unknown method 'foo'") && Contains("knorm"));
@@ -318,4 +318,27 @@ TEST_CASE("eval: the queries follow the cache by default - snapkv, protokv and o
   REQUIRE(b.skipped.size() == 2);
   CHECK_THAT(b.skipped[0].reason, Contains("protect 4 tokens"));
   CHECK_THAT(eval::to_json(b), Contains("\"query_placement\": \"in-cache\""));
+}
+
+TEST_CASE("eval: pariskv keeps its zones, pariskv-flat retrieves the whole budget", "[eval][pariskv]") {
+  const EvalFixture F;
+  const eval::LayerInput& in = F.layers[0];
+  for (std::int64_t n : {std::int64_t(3), std::int64_t(40), in.tokens / 2}) {
+    INFO("n = " << n);
+    const eval::ParisKVZones z = eval::pariskv_zones(n);
+    CHECK(z.sinks == std::min<std::int64_t>(4, n));
+    CHECK(z.local == std::min<std::int64_t>(256, (n - z.sinks) / 2));
+    const eval::Compressed c = eval::pariskv_method(in, n, eval::MethodOptions{});
+    const eval::Compressed f = eval::pariskv_flat_method(in, n, eval::MethodOptions{});
+    REQUIRE(c.per_query.size() == std::size_t(in.q_heads * in.n_queries));
+    for (std::size_t i = 0; i < c.per_query.size(); ++i) {
+      const auto& p = c.per_query[i];
+      REQUIRE(p.size() == std::size_t(n));
+      CHECK(std::is_sorted(p.begin(), p.end()));
+      CHECK(std::adjacent_find(p.begin(), p.end()) == p.end());
+      for (std::int64_t t = 0; t < z.sinks; ++t) CHECK(p[std::size_t(t)] == t);
+      for (std::int64_t t = 0; t < z.local; ++t) CHECK(p[p.size() - 1 - std::size_t(t)] == in.tokens - 1 - t);
+      CHECK(f.per_query[i].size() == std::size_t(n));
+    }
+  }
 }

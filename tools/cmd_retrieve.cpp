@@ -29,7 +29,7 @@ const char* const kRetrieveUsage =
     "                      '<u2' (bfloat16 bit patterns)\n"
     "  --queries Q.npy     queries [q_heads, n_queries, head_dim], '<f4'; q_heads = kv_heads x G\n"
     "  --topk K            positions per query, 1 <= K <= tokens\n"
-    "  --out I.npy         int64 [q_heads, n_queries, K], each row ascending\n"
+    "  --out I.npy         int64 [q_heads, n_queries, K], each row ascending ([.., S + K + L] with zones)\n"
     "  --group G           GQA group size, must equal q_heads / kv_heads (default: that); the G\n"
     "                      query heads of a KV head are searched once with their mean query and\n"
     "                      all G rows get that result\n"
@@ -37,13 +37,17 @@ const char* const kRetrieveUsage =
     "  --rho R             collision ratio in (0, 1] (default: by length, 0.5 .. 0.2)\n"
     "  --rerank-exact K2   rescore the best K2 >= K RSQ-IP candidates exactly with the keys\n"
     "                      (default: off; 3K is a good choice)\n"
+    "  --sinks S           zones (docs/pariskv.md, decode-time cache): every row also holds the\n"
+    "  --local L           first S and the last L positions, and the top K are retrieved from\n"
+    "                      the tokens between them (index over [S, tokens - L)); rows are\n"
+    "                      S + K + L long. Default 0 and 0: no zones\n"
     "  --threads N         threads over heads (default 0 = OpenMP default); results do not depend on it\n"
     "  -h, --help          this help\n";
 
 const std::vector<FlagSpec> kRetrieveFlags = {
     {"--keys", true}, {"--queries", true}, {"--topk", true},         {"--out", true},
     {"--group", true}, {"--beta", true},   {"--rerank-exact", true}, {"--rho", true},
-    {"--threads", true},
+    {"--threads", true}, {"--sinks", true}, {"--local", true},
 };
 
 namespace {
@@ -74,12 +78,42 @@ void save_i64_atomic(const std::string& path, const std::vector<std::int64_t>& s
   }
 }
 
+/// Retrieval from the tokens [S, N − L) of every head; each row is then 0..S−1, the K retrieved
+/// positions, N−L..N−1 (ascending, as the zones do not overlap).
 template <class T>
 std::vector<std::int64_t> run(const npy::Array& keys, const npy::Array& q, std::int64_t group, const ParisKVSearch& opt,
-                              int threads) {
-  const std::int64_t H = keys.shape[0], N = keys.shape[1], d = keys.shape[2];
-  const KeysView<T> view(keys.as<T>(), H, N, d, std::max<std::int64_t>(N, 1) * d, d);
-  return pariskv_retrieve(view, q.as<float>(), q.shape[0], q.shape[1], group, opt, ParisKVConfig{}, threads);
+                              int threads, std::int64_t S, std::int64_t L) {
+  const std::int64_t H = keys.shape[0], N = keys.shape[1], d = keys.shape[2], M = N - S - L;
+  if (S + L > 0) {  // the index sees only the middle: check every key here, by its own position
+    const T* k = keys.as<T>();
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < N; ++t) {
+        float sq = 0.f;
+        for (std::int64_t j = 0; j < d; ++j) {
+          const float v = to_float(k[(h * N + t) * d + j]);
+          if (!std::isfinite(v))
+            throw std::invalid_argument("retrieve: head " + std::to_string(h) + ", key " + std::to_string(t) +
+                                        " has a non-finite value " + std::to_string(v) + " at element " + std::to_string(j));
+          sq += v * v;
+        }
+        if (!std::isfinite(sq))
+          throw std::invalid_argument("retrieve: head " + std::to_string(h) + ", key " + std::to_string(t) +
+                                      " has a squared norm that overflows fp32");
+      }
+  }
+  const KeysView<T> view(keys.as<T>() + S * d, H, M, d, std::max<std::int64_t>(N, 1) * d, d);
+  const std::vector<std::int64_t> mid =
+      pariskv_retrieve(view, q.as<float>(), q.shape[0], q.shape[1], group, opt, ParisKVConfig{}, threads);
+  if (S == 0 && L == 0) return mid;
+  const std::int64_t rows = q.shape[0] * q.shape[1], K = opt.k;
+  std::vector<std::int64_t> out;
+  out.reserve(std::size_t(rows * (S + K + L)));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t t = 0; t < S; ++t) out.push_back(t);
+    for (std::int64_t i = 0; i < K; ++i) out.push_back(S + mid[std::size_t(r * K + i)]);
+    for (std::int64_t t = N - L; t < N; ++t) out.push_back(t);
+  }
+  return out;
 }
 
 }  // namespace
@@ -112,9 +146,14 @@ int cmd_retrieve(const Args& args) {
     throw std::invalid_argument(kp + ": keys [" + std::to_string(H) + ", " + std::to_string(N) + ", " +
                                 std::to_string(d) + "] need kv_heads >= 1 and head_dim in [1, " +
                                 std::to_string(kMaxHeadDim) + "]");
-  if (topk > N)
-    throw std::invalid_argument("retrieve: --topk " + std::to_string(topk) + " exceeds the " + std::to_string(N) +
-                                " tokens of " + kp);
+  const std::int64_t S = args.get_int("--sinks", 0, 0, INT64_MAX), L = args.get_int("--local", 0, 0, INT64_MAX);
+  if (S > N || L > N - S)
+    throw std::invalid_argument("retrieve: --sinks " + std::to_string(S) + " + --local " + std::to_string(L) +
+                                " exceed the " + std::to_string(N) + " tokens of " + kp);
+  if (topk > N - S - L)
+    throw std::invalid_argument("retrieve: --topk " + std::to_string(topk) + " exceeds the " +
+                                std::to_string(N - S - L) + " tokens of " + kp +
+                                (S + L > 0 ? " between the zones (tokens - sinks - local)" : ""));
   const npy::Array q = npy::load(qp);
   if (q.shape.size() != 3)
     throw std::invalid_argument(qp + ": queries must have shape [q_heads, n_queries, head_dim], got " +
@@ -135,10 +174,10 @@ int cmd_retrieve(const Args& args) {
                                 std::to_string(Hq) + " / " + std::to_string(H) + " = " + std::to_string(G));
 
   std::vector<std::int64_t> idx;
-  if (f32) idx = run<float>(keys, q, G, opt, threads);
-  else if (f16) idx = run<half>(keys, q, G, opt, threads);
-  else idx = run<bfloat16>(keys, q, G, opt, threads);
-  save_i64_atomic(out, {Hq, nq, topk}, idx.data());
+  if (f32) idx = run<float>(keys, q, G, opt, threads, S, L);
+  else if (f16) idx = run<half>(keys, q, G, opt, threads, S, L);
+  else idx = run<bfloat16>(keys, q, G, opt, threads, S, L);
+  save_i64_atomic(out, {Hq, nq, S + topk + L}, idx.data());
   return kExitOk;
 }
 

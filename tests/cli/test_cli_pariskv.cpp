@@ -136,6 +136,38 @@ TEST_CASE("cli pariskv: retrieve equals the library", "[cli][pariskv]") {
     }
 }
 
+TEST_CASE("cli pariskv: retrieve --sinks --local adds the zones to every row", "[cli][pariskv]") {
+  keys();
+  queries();
+  const std::int64_t S = 4, L = 50, K = 10;
+  REQUIRE(cli("retrieve --keys " + path("k.npy") + " --queries " + path("q.npy") +
+              " --topk 10 --sinks 4 --local 50 --out " + path("z.npy")).rc == 0);
+  const npy::Array out = npy::load(path("z.npy"));
+  REQUIRE(out.shape == std::vector<std::int64_t>{HQ, NQ, S + K + L});
+  // the middle of each row is the library's retrieval over the keys [S, N - L), shifted by S
+  kvscore::ParisKVSearch o;
+  o.k = K;
+  const auto mid = kvscore::pariskv_retrieve(
+      kvscore::KeysView<float>(keys().data() + S * D, H, N - S - L, D, N * D, D), queries().data(), HQ, NQ, HQ / H, o);
+  const std::int64_t* got = out.as<std::int64_t>();
+  for (std::int64_t r = 0; r < HQ * NQ; ++r) {
+    const std::int64_t* row = got + r * (S + K + L);
+    for (std::int64_t t = 0; t < S; ++t) CHECK(row[t] == t);
+    for (std::int64_t i = 0; i < K; ++i) CHECK(row[S + i] == S + mid[std::size_t(r * K + i)]);
+    for (std::int64_t t = 0; t < L; ++t) CHECK(row[S + K + t] == N - L + t);
+    for (std::int64_t i = 1; i < S + K + L; ++i) CHECK(row[i - 1] < row[i]);
+  }
+  const std::string Q = " --queries " + path("q.npy"), O = " --out " + path("bad.npy"), Kf = " --keys " + path("k.npy");
+  check_bad("retrieve" + Kf + Q + " --topk 10 --sinks 400 --local 400" + O, "--sinks 400 + --local 400 exceed the 700 tokens");
+  check_bad("retrieve" + Kf + Q + " --topk 650 --sinks 4 --local 50" + O, "--topk 650 exceeds the 646 tokens");
+  check_bad("retrieve" + Kf + Q + " --topk 10 --local -1" + O, "--local");
+  // a NaN in the sink zone is named by its own position
+  auto kn = keys();
+  kn[std::size_t((1 * N + 2) * D + 7)] = std::numeric_limits<float>::quiet_NaN();
+  npy::save<float>(path("kz.npy"), {H, N, D}, kn.data());
+  check_bad("retrieve --keys " + path("kz.npy") + Q + " --topk 5 --sinks 4" + O, "head 1, key 2 has a non-finite value nan at element 7");
+}
+
 TEST_CASE("cli pariskv: codebook prints thresholds and centres", "[cli][pariskv]") {
   const cli_test::Result r = cli("pariskv-codebook --m 8");
   REQUIRE(r.rc == 0);

@@ -121,7 +121,14 @@ Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOption
 
 /// ParisKV as retrieval: one index per KV head (built inside the timed call), one top-n search
 /// per (query head, query) with the paper's length-adaptive (beta, rho); no protection.
+/// The evaluator's ParisKV zones for a per-head budget n: sinks min(4, n), local window
+/// min(256, ⌊(n − sinks)/2⌋), and n − sinks − local retrieved per query (docs/evaluate.md).
+struct ParisKVZones {
+  std::int64_t sinks = 0, local = 0;
+};
+ParisKVZones pariskv_zones(std::int64_t n) noexcept;
 Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
+Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
 
 /// The methods `--methods all` runs, in report order.
 std::vector<Method> builtin_methods();

@@ -64,7 +64,7 @@ KVSCORE_IMPL_INLINE Compressed ojakv_method(const LayerInput& in, std::int64_t n
   return c;
 }
 
-KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
+KVSCORE_IMPL_INLINE Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
   Compressed c;
   c.per_query.resize(std::size_t(in.q_heads * in.n_queries));
   ParisKVSearch so;
@@ -78,6 +78,41 @@ KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t
       for (std::int64_t i = 0; i < in.n_queries; ++i) {
         index.search(in.query(hq, i), so, ws, r);
         c.per_query[std::size_t(hq * in.n_queries + i)] = r.positions;
+      }
+  }
+  return c;
+}
+
+KVSCORE_IMPL_INLINE ParisKVZones pariskv_zones(std::int64_t n) noexcept {
+  ParisKVZones z;
+  z.sinks = std::min<std::int64_t>(4, n);
+  z.local = std::min<std::int64_t>(256, (n - z.sinks) / 2);
+  return z;
+}
+
+KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
+  // the decode-time layout (kvscore::ParisKVCache): sinks + local window always attended, the
+  // rest of the budget retrieved per query from an index of the tokens between them
+  const ParisKVZones z = pariskv_zones(n);
+  const std::int64_t S = z.sinks, L = z.local, k = n - S - L, R = in.tokens - S - L;
+  Compressed c;
+  c.per_query.resize(std::size_t(in.q_heads * in.n_queries));
+  ParisKVSearch so;
+  so.k = std::min(k, R);
+  ParisKV::Workspace ws;
+  ParisKVResult r;
+  for (std::int64_t h = 0; h < in.kv_heads; ++h) {
+    ParisKV index(in.head_dim);
+    if (R > 0) index.append(in.keys + (h * in.tokens + S) * in.head_dim, R, in.head_dim);
+    for (std::int64_t hq = h * in.group(); hq < (h + 1) * in.group(); ++hq)
+      for (std::int64_t i = 0; i < in.n_queries; ++i) {
+        std::vector<std::int64_t>& out = c.per_query[std::size_t(hq * in.n_queries + i)];
+        for (std::int64_t t = 0; t < S; ++t) out.push_back(t);
+        if (so.k > 0) {
+          index.search(in.query(hq, i), so, ws, r);
+          for (std::int64_t p : r.positions) out.push_back(S + p);
+        }
+        for (std::int64_t t = in.tokens - L; t < in.tokens; ++t) out.push_back(t);
       }
   }
   return c;
@@ -121,7 +156,11 @@ KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
                  p.placement = o.placement;
                  return select_scores(p.score(in.key_view()), n, o, p.protected_recent());
                }});
-  m.push_back({"pariskv", "ParisKV: per-query top-n retrieval (collision votes + RSQ-IP rerank)", pariskv_method});
+  m.push_back({"pariskv",
+               "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval of the rest",
+               pariskv_method});
+  m.push_back({"pariskv-flat", "ParisKV without zones: per-query top-n retrieval over the whole cache",
+               pariskv_flat_method});
   m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
                ojakv_method});
   m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});

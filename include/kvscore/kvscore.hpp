@@ -7,6 +7,7 @@
 #include "kvscore/ojakv.hpp"
 #include "kvscore/paged.hpp"
 #include "kvscore/pariskv.hpp"
+#include "kvscore/pariskv_cache.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"

@@ -5,12 +5,21 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <ctime>
 #include <map>
 #include <vector>
 
 #include "kvscore/kvscore.hpp"
 
 namespace kvbench {
+
+/// CPU time of the calling thread (s): the benchmarks' interleaved ratios use it, so time spent
+/// descheduled on a shared machine counts for neither side.
+inline double thread_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 /// Deterministic synthetic keys [tokens][d] (one head): a shared mean direction plus
 /// noise, a few large-norm tokens, like real post-RoPE keys. Cached per shape and type.

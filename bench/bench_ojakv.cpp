@@ -22,11 +22,7 @@
 
 namespace {
 
-double thread_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+using kvbench::thread_seconds;
 
 Eigen::MatrixXd as_matrix(const std::vector<float>& k, std::int64_t n, std::int64_t d) {
   return Eigen::Map<const kvscore::oja::RowMajorF>(k.data(), n, d).cast<double>();

@@ -38,13 +38,9 @@
 
 namespace {
 
-constexpr std::int64_t kDim = 128, kTopK = 100, kQueries = 16;
+using kvbench::thread_seconds;
 
-double thread_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+constexpr std::int64_t kDim = 128, kTopK = 100, kQueries = 16;
 
 struct Data {
   std::vector<kvscore::half> keys;       // [N][d]

@@ -32,13 +32,9 @@
 
 namespace {
 
-constexpr std::int64_t kDim = 128, kQueries = 8, kTop = 100;
+using kvbench::thread_seconds;
 
-double thread_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+constexpr std::int64_t kDim = 128, kQueries = 8, kTop = 100;
 
 struct Setup {
   std::vector<kvscore::half> keys, values;  // [N + steps][d]

@@ -5,6 +5,8 @@
 #include <kvscore/pariskv_cache.hpp>
 #include <kvscore/synth.hpp>
 
+#include "test_support.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -166,16 +168,8 @@ TEST_CASE("pariskv cache: 64K decode steps on drifting keys against brute force"
   // checked against the exact top-100 of the retrieval zone, and the attention output against
   // full attention over the whole cache. The static reference is an index of the prefill only
   // (what a cache without updates would search).
-  kvscore::synth::Spec spec;
-  spec.kind = kvscore::synth::Kind::drift;
-  spec.kv_heads = 1;
-  spec.group = 1;
-  spec.queries = 1;
-  spec.head_dim = 64;
   const std::int64_t d = 64, prefill = 4096, steps = 65536, N = prefill + steps;
-  spec.tokens = N;
-  spec.seed = 5;
-  const kvscore::synth::Data data = kvscore::synth::generate(spec);
+  const kvscore::synth::Data data = test_support::drift_head(N, d, 5);
   const std::vector<float>& K = data.keys;
   const std::vector<float>& V = data.values;
   ParisKVCacheConfig cfg;  // the defaults, with an exact rerank of 300 (keys are resident)

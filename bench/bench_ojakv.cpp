@@ -8,15 +8,28 @@
 //   ojakv/decode/T<T>/d<d>/r<r>            one iteration = T pushes (one update); counters:
 //       speedup_vs_svd_recompute (an exact SVD of the N = 32768-token history every T tokens,
 //       per token, over ours per token), tokens_per_second
+//   ojakv/cache/N<n>                       generation with the hybrid store: one KV head,
+//       d = 128, r_k = r_v = 32, T = 128, 10% of each block at full rank, a cache of n tokens
+//       (the keys of kvbench::keys, values likewise). One iteration = T appends, i.e. one block
+//       with its close (Oja update, rebase of every code, residual rule, encoding). Counters:
+//       speedup_vs_full    one exact attention step over the same n fp32 rows (Eigen GEMV logits,
+//                          softmax, value sum) / the time per appended token (append only: the
+//                          store's attention is the reference path, next counter)
+//       attention_vs_full  OjaHybridCache::attention (the fp64 reference path, which reconstructs
+//                          every row) / the same exact step: > 1 means slower
+//       bytes_per_token    memory(h, 2) / tokens (fp16 store), full_bytes_per_token 2·d·2
 #include <cmath>
 #include <cstdint>
 #include <ctime>
+#include <algorithm>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include <kvscore/ojakv.hpp>
+#include <kvscore/select.hpp>
 
 #include "bench_common.hpp"
 
@@ -116,12 +129,82 @@ void BM_decode(benchmark::State& state) {
   state.counters["speedup_vs_svd_recompute"] = benchmark::Counter(ex.svd_s / double(T) / ours_per_token);
 }
 
+struct CacheSetup {
+  std::vector<float> keys, values;  // [n + extra][d]
+  std::unique_ptr<kvscore::OjaHybridCache> cache;
+  std::vector<kvscore::OjaProjector> proj;
+  std::int64_t n = 0, row = 0;
+};
+
+void BM_cache(benchmark::State& state, std::int64_t n) {
+  const std::int64_t d = 128, r = 32, T = 128;
+  static std::map<std::int64_t, std::unique_ptr<CacheSetup>> all;
+  auto& slot = all[n];
+  if (!slot) {
+    slot = std::make_unique<CacheSetup>();
+    CacheSetup& S = *slot;
+    S.n = n;
+    const std::int64_t total = n + 64 * T;  // room for the timed appends
+    S.keys = kvbench::keys<float>(total, d);
+    S.values = kvbench::keys<float>(total, d);
+    std::rotate(S.values.begin(), S.values.begin() + 7 * d, S.values.end());  // not the keys themselves
+    const kvscore::KeysView<float> kv(S.keys.data(), 1, n, d, total * d, d), vv(S.values.data(), 1, n, d, total * d, d);
+    S.proj.push_back(kvscore::OjaProjector::random(d, r, r, 5));
+    S.proj[0].prefill(kv, vv, 0);
+    const kvscore::OjaResidual rule(S.keys.data() + (n - 32) * d, 1, 32, d, {S.proj[0].key().basis()});
+    S.cache = std::make_unique<kvscore::OjaHybridCache>(kvscore::OjaHybridCache::build(
+        S.proj, kv, vv, kvscore::select(rule.score(kv), kvscore::Budget::per_head(kvscore::budget_from_ratio(n, 0.1)))));
+    S.row = n;
+  }
+  CacheSetup& S = *slot;
+  const std::int64_t total = std::int64_t(S.keys.size()) / d;
+  const float* q = S.keys.data() + (S.n / 2) * d;
+  auto full_step = [&] {  // exact attention over the first n rows
+    using Rows = Eigen::Map<const kvscore::oja::RowMajorF>;
+    const Eigen::VectorXf z = Rows(S.keys.data(), S.n, d) * Eigen::Map<const Eigen::VectorXf>(q, d) / std::sqrt(float(d));
+    const Eigen::VectorXf p = (z.array() - z.maxCoeff()).exp();
+    const Eigen::VectorXf o = Rows(S.values.data(), S.n, d).transpose() * p / p.sum();
+    benchmark::DoNotOptimize(o.data());
+  };
+  const double full_s = seconds_per_call(full_step);
+  const double ref_s = seconds_per_call([&] { benchmark::DoNotOptimize(S.cache->attention(0, q).data()); });
+  double cpu = 0;
+  std::int64_t appended = 0;
+  for (auto _ : state) {
+    if (S.row + T > total) {
+      state.SkipWithError("ojakv/cache: out of prepared rows");
+      break;
+    }
+    const double t0 = thread_seconds();
+    for (std::int64_t i = 0; i < T; ++i, ++S.row) {
+      const float* k = S.keys.data() + S.row * d;
+      S.cache->append(S.proj, k, S.values.data() + S.row * d, k, 1);
+    }
+    cpu += thread_seconds() - t0;
+    appended += T;
+  }
+  if (appended == 0) return;
+  const double per_token = cpu / double(appended);
+  const kvscore::OjaMemory m = S.cache->memory(0, 2);
+  state.SetItemsProcessed(appended);
+  state.counters["speedup_vs_full"] = benchmark::Counter(full_s / per_token);
+  state.counters["attention_vs_full"] = benchmark::Counter(ref_s / full_s);
+  state.counters["us_per_token"] = benchmark::Counter(per_token * 1e6);
+  state.counters["bytes_per_token"] = benchmark::Counter(double(m.hybrid_bytes) / double(S.cache->tokens()));
+  state.counters["full_bytes_per_token"] = benchmark::Counter(double(2 * d * 2));
+}
+
 const int registered = [] {
   for (std::int64_t p : {1, 4}) {
     const std::string name = "ojakv/prefill/N32768/d128/r64/p" + std::to_string(p);
     benchmark::RegisterBenchmark(name.c_str(), BM_prefill)->Args({32768, 128, 64, p})->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("ojakv/decode/T128/d128/r64", BM_decode)->Args({128, 128, 64})->Unit(benchmark::kMicrosecond);
+  for (std::int64_t n : {32768, 131072, 1048576})
+    benchmark::RegisterBenchmark(("ojakv/cache/N" + std::to_string(n)).c_str(),
+                                 [n](benchmark::State& s) { BM_cache(s, n); })
+        ->Iterations(16)
+        ->Unit(benchmark::kMillisecond);
   return 0;
 }();
 

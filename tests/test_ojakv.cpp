@@ -192,6 +192,30 @@ TEST_CASE("ojakv: one prefill step equals the formula (eigen-solver lambda1, Gra
   CHECK(basis.last_steps() == 1);
 }
 
+TEST_CASE("ojakv: the paper prefill is one step at 0.10 / lambda1 (ojakv.txt Alg. 1)", "[ojakv]") {
+  const Eigen::Index n = 64, d = 12, r = 3;
+  const Mat x = planted(n, gram_schmidt(gaussian(d, 4, 31)), linspace(4, 1, 4), 0.3, 32);
+  const std::vector<float> xf = to_f32(x);
+  const OjaOptions o = OjaOptions::paper();
+  CHECK(o.eta_prefill == 0.10);
+  CHECK(o.prefill_iterations == 1);
+  OjaBasis basis = OjaBasis::random(d, r, 6, o);
+  const Mat u0 = basis.basis();
+  REQUIRE(basis.prefill(one_head(xf, n, d), 0) == n);
+  Mat xp(n / 4, d);  // pool = 4
+  for (Eigen::Index i = 0; i < n / 4; ++i)
+    for (Eigen::Index j = 0; j < d; ++j) {
+      double acc = 0;
+      for (Eigen::Index k = 0; k < 4; ++k) acc += double(xf[std::size_t((4 * i + k) * d + j)]);
+      xp(i, j) = acc / 4;
+    }
+  const Mat c = xp.transpose() * xp / double(n / 4);
+  const double lam = Eigen::SelfAdjointEigenSolver<Mat>(c).eigenvalues().maxCoeff();
+  const Mat expect = gram_schmidt(u0 + (0.10 / lam) * (c * u0 - u0 * u0.transpose() * c * u0));
+  CHECK((basis.basis() - expect).cwiseAbs().maxCoeff() < 1e-9);
+  CHECK(basis.last_steps() == 1);
+}
+
 TEMPLATE_TEST_CASE("ojakv: prefill recovers a planted subspace from a random start", "[ojakv]", float, kvscore::half,
                    kvscore::bfloat16) {
   const std::int64_t n = 4096, d = 64, r = 8;

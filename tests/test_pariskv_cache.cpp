@@ -254,14 +254,7 @@ TEST_CASE("pariskv cache: RoPE-rotated keys (post-RoPE inputs) are retrieved lik
   const std::int64_t d = 64, N = 6000;
   const auto K0 = ramp(N, d, 11);
   const auto V = ramp(N, d, 12);
-  auto rope = [&](float* x, std::int64_t pos) {
-    for (std::int64_t i = 0; i < d / 2; ++i) {
-      const double th = double(pos) * std::pow(10000.0, -2.0 * double(i) / double(d));
-      const double a = x[2 * i], b = x[2 * i + 1];
-      x[2 * i] = float(a * std::cos(th) - b * std::sin(th));
-      x[2 * i + 1] = float(a * std::sin(th) + b * std::cos(th));
-    }
-  };
+  auto rope = [&](float* x, std::int64_t pos) { test_support::rope_rotate(x, d, pos); };
   auto run = [&](const std::vector<float>& K, bool rotated) {
     ParisKVCacheConfig cfg;
     cfg.search.rerank_exact = 300;

@@ -35,11 +35,15 @@ const char* const kOjaUsage =
     "                      e_t = mean_q |q.(k_t - U U^T k_t)| / sqrt(d) at full rank (needs --queries)\n"
     "  --reference U0.npy  '<f4' [heads, head_dim, R]: also print so = mean over heads of SO(U, U0)\n"
     "  --out-basis U.npy   '<f4' [heads, head_dim, R]: the key bases after the prefill update\n"
+    "  --prefill P         converged (default: up to 32 steps at eta 1.5, about the prompt's PCA) |\n"
+    "                      paper (ojakv.txt Alg. 1: one step at eta 0.10 from the --calib start,\n"
+    "                      which it needs); docs/ojakv.md says when each is better\n"
     "  -h, --help          this help\n";
 
 const std::vector<FlagSpec> kOjaFlags = {
     {"--keys", true},      {"--values", true},    {"--rank", true},      {"--calib", true},
     {"--queries", true},   {"--full-rank", true}, {"--reference", true}, {"--out-basis", true},
+    {"--prefill", true},
 };
 
 namespace {
@@ -66,6 +70,12 @@ Result run(const Args& args, const npy::Array& keys, const npy::Array* values, s
   const T* k = keys.as<T>();
   const KeysView<T> kv(k, H, N, d, N * d, d);
 
+  const std::string mode = args.get("--prefill", "converged");
+  if (mode != "converged" && mode != "paper")
+    throw UsageError("oja: --prefill must be converged or paper (got '" + mode + "')");
+  if (mode == "paper" && !args.has("--calib"))
+    throw UsageError("oja: --prefill paper needs --calib (one step from a calibrated start)");
+  const OjaOptions opt = mode == "paper" ? OjaOptions::paper() : OjaOptions{};
   std::vector<OjaBasis> kb;
   if (args.has("--calib")) {
     const std::string p = args.required("--calib");
@@ -77,7 +87,7 @@ Result run(const Args& args, const npy::Array& keys, const npy::Array* values, s
                                   std::to_string(d));
     for (std::int64_t h = 0; h < H; ++h)
       kb.push_back(OjaBasis::calibrate({{c.as<float>() + h * c.shape[1] * d, c.shape[1]}}, d,
-                                       oja::RankRule::fixed(rank)));
+                                       oja::RankRule::fixed(rank), opt));
   } else {
     for (std::int64_t h = 0; h < H; ++h) kb.push_back(OjaBasis::random(d, rank, std::uint64_t(h)));
   }

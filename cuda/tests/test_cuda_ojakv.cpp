@@ -145,14 +145,6 @@ void check_residual(const std::vector<float>& ref, const std::vector<float>& got
   }
 }
 
-kvscore::Selection empty_selection(std::int64_t H, std::int64_t N) {
-  kvscore::Selection s;
-  s.heads = H;
-  s.tokens = N;
-  s.offsets.assign(std::size_t(H + 1), 0);
-  return s;
-}
-
 }  // namespace
 
 // ================================================================ host-side (no GPU needed)
@@ -270,7 +262,7 @@ void compare_projection(std::int64_t H, std::int64_t N, std::int64_t d, std::int
   std::vector<kvscore::OjaProjector> proj;
   for (std::int64_t h = 0; h < H; ++h) proj.push_back(kvscore::OjaProjector::random(d, r, r, std::uint64_t(100 + h)));
   const kvscore::KeysView<T> kv(host.data(), H, N, d, L.hs, L.ts);
-  const auto cache = kvscore::OjaHybridCache::build(proj, kv, kv, empty_selection(H, N));
+  const auto cache = kvscore::OjaHybridCache::build(proj, kv, kv, kvscore::Selection::none(H, N));
   const std::vector<float> ub = kc::pack_key_bases(proj);
   const kc::DeviceBuffer dk = upload(host), du = upload(ub);
   kc::DeviceBuffer codes(std::size_t(H * N * r) * sizeof(float)), rec(std::size_t(H * N * d) * sizeof(float));

@@ -9,7 +9,9 @@
 //   OjaResidual   the full-rank score e_t = mean_{q in W_t} |q^T (k_t - U U^T k_t)| / sqrt(d)
 //                 [heads][tokens] (higher = keep full rank); pass it to kvscore::select.
 //   OjaHybridCache  codes K~ = K U_k, V~ = V U_v for most tokens, full rows for the selected
-//                 ones; reconstruction K^ = K~ U_k^T, reference attention, memory accounting.
+//                 ones; reconstruction K^ = K~ U_k^T, reference attention, memory accounting;
+//                 append() during generation (blocks of T tokens: basis update, rebase, the
+//                 residual rule on the block, codes in the new basis).
 //   residual_energy_ratio / subspace_overlap: RER and SO of ojakv.txt §4.
 //
 // Decisions (docs/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
@@ -36,6 +38,7 @@
 #include "kvscore/detail/compiled.hpp"
 #include "kvscore/detail/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/select.hpp"
 #include "kvscore/selection.hpp"
 #include "kvscore/view.hpp"
 
@@ -180,6 +183,17 @@ struct OjaOptions {
   int decode_iterations = 1;    ///< steps per decode update
   std::int64_t pool = 4;        ///< p: average pooling window (tokens), prefill and decode buffer
   std::int64_t period = 128;    ///< T: decode tokens per update
+
+  /// The paper's prefill (ojakv.txt Alg. 1, lines 3-4; η = 0.10 in its Table of settings): one
+  /// step at η = 0.10 from a calibrated start, instead of converging to the prompt's principal
+  /// subspace (the default: up to 32 steps at 1.5). η stays relative to λ̂1, kvscore's
+  /// normalisation, so the step does not depend on the keys' scale. docs/ojakv.md compares them.
+  static OjaOptions paper() noexcept {
+    OjaOptions o;
+    o.eta_prefill = 0.10;
+    o.prefill_iterations = 1;
+    return o;
+  }
 
   void validate(const char* who) const {
     auto bad = [&](const std::string& what) { detail::throw_invalid(std::string(who) + ": " + what); };
@@ -513,9 +527,34 @@ inline OjaMemory ojakv_memory(std::int64_t tokens, std::int64_t full_rank_tokens
   return m;
 }
 
+/// Decode-time policy of OjaHybridCache::append (docs/ojakv.md "Decode").
+struct OjaDecodeOptions {
+  /// Share of every closed block kept at full rank: budget_from_ratio(block, fraction) tokens
+  /// (nearest integer, at least 1 when > 0), the top of the block's residual scores.
+  double full_rank_fraction = 0.1;
+  /// true: every (k, v) goes into the projectors and each block closes with their update and a
+  /// rebase (OjaKV); false: the bases stay as built (the frozen / StaticPCA baseline).
+  bool adapt = true;
+
+  void validate(const char* who) const {
+    if (!(full_rank_fraction >= 0 && full_rank_fraction <= 1))
+      detail::throw_invalid(std::string(who) + ": full_rank_fraction must be in [0, 1] (got " +
+                            oja::num(full_rank_fraction) + ")");
+  }
+};
+
 /// The OjaKV store of one layer: per head, fp32 codes K~ = K U_k, V~ = V U_v of the low-rank
 /// tokens and the full rows of the selected tokens (`full_rank`, e.g. select() on OjaResidual
 /// scores). The bases are copied (fp32) at build time.
+///
+/// Generation (append): decoded tokens form blocks of T = the projectors' period. While a block
+/// is open its rows are held at full rank (they are the paper's buffer B_k, B_v, needed for the
+/// update anyway) together with the step queries. When it closes: the projectors update (Oja
+/// step + QR), every stored code is rebased into the new bases, the block's residual scores
+/// e_t (OjaResidual, the block's queries as the causal window) choose which of its tokens stay
+/// at full rank, and the rest become codes in the new bases. Head's arrays describe the closed
+/// (committed) tokens; the open block is counted by tokens(), pending(), memory(),
+/// reconstruct_*() and attention().
 class OjaHybridCache {
  public:
   struct Head {
@@ -547,6 +586,7 @@ class OjaHybridCache {
     c.tokens_ = N;
     c.dim_ = d;
     c.heads_.resize(std::size_t(H));
+    c.pend_.resize(std::size_t(H));
     for (std::int64_t h = 0; h < H; ++h) {
       const OjaProjector& p = proj[std::size_t(h)];
       if (p.head_dim() != d)
@@ -596,7 +636,12 @@ class OjaHybridCache {
   }
 
   std::int64_t heads() const noexcept { return std::int64_t(heads_.size()); }
-  std::int64_t tokens() const noexcept { return tokens_; }
+  /// Every token held: committed + pending.
+  std::int64_t tokens() const noexcept { return tokens_ + pending_; }
+  /// Tokens described by Head's arrays (prefill + closed blocks).
+  std::int64_t committed() const noexcept { return tokens_; }
+  /// Tokens of the open decode block (held at full rank until it closes).
+  std::int64_t pending() const noexcept { return pending_; }
   std::int64_t head_dim() const noexcept { return dim_; }
   const Head& head(std::int64_t h) const { return heads_.at(std::size_t(h)); }
 
@@ -614,11 +659,42 @@ class OjaHybridCache {
   /// the old subspace is gone already); full-rank rows are untouched. Cost O(n r r') per head.
   void rebase(std::int64_t h, const OjaProjector& p);
 
-  /// Memory of head h under this store (ojakv_memory with its ranks and full-rank count).
+  /// Memory of head h under this store (ojakv_memory with its ranks and full-rank count; the
+  /// open block's tokens are full-rank tokens).
   OjaMemory memory(std::int64_t h, std::int64_t bytes_per_scalar) const {
     const Head& hd = head(h);
-    return ojakv_memory(tokens_, std::int64_t(hd.full_pos.size()), dim_, hd.uk.cols(), hd.uv.cols(), bytes_per_scalar);
+    return ojakv_memory(tokens(), std::int64_t(hd.full_pos.size()) + pending_, dim_, hd.uk.cols(), hd.uv.cols(),
+                        bytes_per_scalar);
   }
+
+  /// Bytes head h holds now (element counts, not capacities): codes, full rows and bases (fp32),
+  /// 8-byte positions, the two per-token flags, and the open block's rows, queries and flags.
+  /// memory(h, 4) is the same store counted by the paper's formula (4-byte positions, no flags,
+  /// no queries); tests/test_ojakv.cpp compares the two.
+  std::int64_t stored_bytes(std::int64_t h) const {
+    const Head& hd = head(h);
+    const Pending& p = pend_.at(std::size_t(h));
+    const auto f = std::int64_t(sizeof(float));
+    return f * (hd.codes_k.size() + hd.codes_v.size() + hd.full_k.size() + hd.full_v.size() + hd.uk.size() +
+                hd.uv.size()) +
+           std::int64_t(sizeof(std::int64_t) * hd.full_pos.size() + hd.is_full.size() + hd.valid.size()) +
+           f * std::int64_t(p.k.size() + p.v.size() + p.q.size()) + std::int64_t(p.ok.size());
+  }
+
+  /// Decode: appends one token to every head. k, v: [heads][head_dim] (T = float, half or
+  /// bfloat16); q: the step's queries [q_heads][head_dim] fp32 (q_heads a multiple of heads,
+  /// GQA groups contiguous), the window of the residual rule. `proj` are the projectors the
+  /// cache was built from (or any with the same head_dim); with opt.adapt they receive (k, v)
+  /// and must have buffered exactly the open block (push decoded tokens through append only).
+  /// The block closes after T = proj[h].key().options().period tokens. Every argument is
+  /// checked before anything changes.
+  template <class T>
+  void append(std::vector<OjaProjector>& proj, const T* k, const T* v, const float* q, std::int64_t q_heads,
+              const OjaDecodeOptions& opt = {});
+
+  /// Closes the open block now (fewer than T tokens; with opt.adapt the projectors flush()).
+  /// No-op when no block is open.
+  void commit(std::vector<OjaProjector>& proj, const OjaDecodeOptions& opt = {});
 
  private:
   template <class View>
@@ -633,9 +709,66 @@ class OjaHybridCache {
 
   oja::RowMajorF reconstruct(std::int64_t h, bool keys) const;
 
+  /// The open decode block of one head: rows fp32 [n][d], queries [n][G][d], validity.
+  struct Pending {
+    std::vector<float> k, v, q;
+    std::vector<unsigned char> ok;
+    std::int64_t group = 0;  ///< G of the block (fixed while it is open)
+  };
+
+  void check_decode(const std::vector<OjaProjector>& proj, const OjaDecodeOptions& opt, const char* who) const;
+  void close_block(std::vector<OjaProjector>& proj, const OjaDecodeOptions& opt);
+
   std::vector<Head> heads_;
-  std::int64_t tokens_ = 0, dim_ = 0;
+  std::vector<Pending> pend_;
+  std::int64_t tokens_ = 0, dim_ = 0, pending_ = 0;
 };
+
+template <class T>
+void OjaHybridCache::append(std::vector<OjaProjector>& proj, const T* k, const T* v, const float* q,
+                            std::int64_t q_heads, const OjaDecodeOptions& opt) {
+  static_assert(is_element_type_v<T>, "OjaHybridCache::append: T must be float, half or bfloat16");
+  const char* who = "kvscore::OjaHybridCache::append";
+  const std::string w = std::string(who) + ": ";
+  check_decode(proj, opt, who);
+  if (k == nullptr || v == nullptr || q == nullptr)
+    detail::throw_invalid(w + (k == nullptr ? "k" : v == nullptr ? "v" : "q") + " is null");
+  const std::int64_t H = heads(), d = dim_;
+  if (q_heads <= 0 || q_heads % H != 0)
+    detail::throw_invalid(w + "q_heads " + std::to_string(q_heads) + " is not a positive multiple of the " +
+                          std::to_string(H) + " KV heads");
+  const std::int64_t G = q_heads / H;
+  if (pending_ > 0 && G != pend_[0].group)
+    detail::throw_invalid(w + "q_heads " + std::to_string(q_heads) + " changed inside the open block (it had " +
+                          std::to_string(pend_[0].group * H) + ")");
+  for (std::int64_t i = 0; i < q_heads * d; ++i)
+    if (!std::isfinite(q[i]))
+      detail::throw_invalid(w + "query value " + oja::num(q[i]) + " at [q head " + std::to_string(i / d) + ", dim " +
+                            std::to_string(i % d) + "] is not finite");
+  // Everything is checked; from here on nothing throws except allocation.
+  bool closes = false;
+  for (std::int64_t h = 0; h < H; ++h) {
+    Pending& p = pend_[std::size_t(h)];
+    p.group = G;
+    const T* kr = k + h * d;
+    const T* vr = v + h * d;
+    double sk = 0, sv = 0;
+    for (std::int64_t j = 0; j < d; ++j) {
+      const float a = to_float(kr[j]), b = to_float(vr[j]);
+      p.k.push_back(a);
+      p.v.push_back(b);
+      sk += double(a) * a;
+      sv += double(b) * b;
+    }
+    const double fmax = double(std::numeric_limits<float>::max());
+    p.ok.push_back((std::isfinite(sk) && sk <= fmax && std::isfinite(sv) && sv <= fmax) ? 1 : 0);
+    p.q.insert(p.q.end(), q + h * G * d, q + (h + 1) * G * d);
+    if (opt.adapt) proj[std::size_t(h)].push(kr, vr);
+    if (pending_ + 1 >= proj[std::size_t(h)].key().options().period) closes = true;
+  }
+  ++pending_;
+  if (closes) close_block(proj, opt);
+}
 
 }  // namespace kvscore
 

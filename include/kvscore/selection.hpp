@@ -20,6 +20,16 @@ struct Selection {
   std::span<const std::int64_t> head(std::int64_t h) const noexcept {
     return {positions.data() + offsets[std::size_t(h)], std::size_t(kept(h))};
   }
+
+  /// Nothing kept in any of `heads` heads of a `tokens`-token cache (e.g. an OjaHybridCache
+  /// with no full-rank tokens).
+  static Selection none(std::int64_t heads, std::int64_t tokens) {
+    Selection s;
+    s.heads = heads;
+    s.tokens = tokens;
+    s.offsets.assign(static_cast<std::size_t>(heads < 0 ? 0 : heads) + 1, 0);
+    return s;
+  }
 };
 
 }  // namespace kvscore

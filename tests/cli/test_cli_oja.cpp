@@ -138,6 +138,20 @@ TEST_CASE("cli oja: values, calibration and full-rank tokens", "[cli][ojakv]") {
   CHECK(cli_test::slurp(path("u2.npy")) == cli_test::slurp(path("u3.npy")));
   CHECK(value_of(full.out, "rer") < value_of(plain.out, "rer"));
   CHECK(value_of(full.out, "rer") > 0);
+  // --prefill paper: one step at eta 0.10 from the calibrated start, as the library does it
+  const cli_test::Result paper = cli("oja --keys " + path("k.npy") + " --rank 3 --calib " + path("cal.npy") +
+                                     " --prefill paper --out-basis " + path("u4.npy"));
+  INFO(paper.err);
+  REQUIRE(paper.rc == 0);
+  const npy::Array u4 = npy::load(path("u4.npy"));
+  for (std::int64_t h = 0; h < H; ++h) {
+    kvscore::OjaBasis b = kvscore::OjaBasis::calibrate({{cal.data() + h * 100 * D, 100}}, D,
+                                                       kvscore::oja::RankRule::fixed(3), kvscore::OjaOptions::paper());
+    b.prefill(kvscore::KeysView<float>(x.keys.data(), H, N, D, N * D, D), h);
+    for (std::int64_t j = 0; j < D; ++j)
+      for (std::int64_t c = 0; c < 3; ++c)
+        CHECK(u4.as<float>()[(h * D + j) * 3 + c] == float(b.basis()(j, c)));
+  }
 }
 
 TEST_CASE("cli oja: bad input gives exit 2 and one line", "[cli][ojakv]") {
@@ -148,6 +162,8 @@ TEST_CASE("cli oja: bad input gives exit 2 and one line", "[cli][ojakv]") {
   check_bad("oja" + k + " --rank 2", "missing required flag --out-basis");
   check_bad("oja" + k + " --rank 0" + out, "--rank must be > 0 (got 0)");
   check_bad("oja" + k + " --rank 17" + out, "--rank 17 exceeds head_dim 16");
+  check_bad("oja" + k + " --rank 2 --prefill paper" + out, "--prefill paper needs --calib");
+  check_bad("oja" + k + " --rank 2 --prefill fast" + out, "--prefill must be converged or paper (got 'fast')");
   check_bad("oja" + k + " --rank x" + out, "--rank");
   check_bad("oja" + k + " --rank 2 --full-rank 3" + out, "--full-rank needs --queries");
   check_bad("oja" + k + " --rank 2 --queries " + path("k.npy") + out, "--queries applies only with --full-rank");

@@ -97,49 +97,6 @@ Setup& setup(std::int64_t n) {
   return S;
 }
 
-/// Exact attention over the first n tokens: SIMD logits over every key, softmax, value sum.
-struct Full {
-  std::vector<float> logits, e, block, out, scratch;
-  double key_seconds = 0, kv_seconds = 0;
-  /// The read lower bound: one SIMD dot pass over the keys and one over the values.
-  void scan(const Setup& S, std::int64_t n, const float* q) {
-    const auto& dot = kvscore::simd::active_table().ops<kvscore::half>().dot;
-    scratch.resize(std::size_t(n));
-    const double t0 = thread_seconds();
-    dot(S.keys.data(), n, kDim, kDim, q, scratch.data());
-    dot(S.values.data(), n, kDim, kDim, q, scratch.data());
-    kv_seconds += thread_seconds() - t0;
-    benchmark::DoNotOptimize(scratch.data());
-  }
-  void run(const Setup& S, std::int64_t n, const float* q) {
-    const auto& tb = kvscore::simd::active_table();
-    logits.resize(std::size_t(n));
-    e.resize(std::size_t(n));
-    const double t0 = thread_seconds();
-    tb.ops<kvscore::half>().dot(S.keys.data(), n, kDim, kDim, q, logits.data());
-    key_seconds += thread_seconds() - t0;
-    const float scale = 1.f / std::sqrt(float(kDim));
-    float mx = -INFINITY;
-    for (auto& x : logits) mx = std::max(mx, x *= scale);
-    tb.exp_shifted(logits.data(), mx, n, e.data());
-    out.assign(std::size_t(kDim), 0.f);
-    double z = 0;
-    constexpr std::int64_t kBlock = 64;
-    block.resize(std::size_t(kBlock * kDim));
-    for (std::int64_t b = 0; b < n; b += kBlock) {
-      const std::int64_t m = std::min(kBlock, n - b);
-      kvscore::convert(S.values.data() + b * kDim, block.data(), std::size_t(m * kDim));
-      for (std::int64_t i = 0; i < m; ++i) {
-        const float p = e[std::size_t(b + i)];
-        z += p;
-        const float* v = block.data() + i * kDim;
-        for (std::int64_t j = 0; j < kDim; ++j) out[std::size_t(j)] += p * v[j];
-      }
-    }
-    for (auto& x : out) x = float(x / z);
-  }
-};
-
 void BM_decode(benchmark::State& state, std::int64_t n) {
   Setup& S = setup(n);
   auto& cache = *S.cache;
@@ -147,7 +104,7 @@ void BM_decode(benchmark::State& state, std::int64_t n) {
   std::vector<float> out(static_cast<std::size_t>(kDim));
   // quality on the prefilled cache: recall of the retrieved part
   double rec = 0;
-  Full full;
+  kvbench::FullAttention full;
   for (const auto& q : S.queries) {
     cache.attend(q.data(), out.data(), ws);
     const std::int64_t s0 = cache.retrieval_begin(), e0 = cache.local_begin();
@@ -186,9 +143,9 @@ void BM_decode(benchmark::State& state, std::int64_t n) {
     for (const auto& q : S.queries) {
       const std::int64_t t = cache.size();
       if (t >= limit) break;
-      full.scan(S, t, q.data());
+      full.scan(S.keys.data(), S.values.data(), t, kDim, q.data());
       const double a = thread_seconds();
-      full.run(S, t, q.data());
+      full.run(S.keys.data(), S.values.data(), t, kDim, q.data());
       const double b = thread_seconds();
       cache.append(S.keys.data() + t * kDim, S.values.data() + t * kDim);
       cache.attend(q.data(), out.data(), ws);

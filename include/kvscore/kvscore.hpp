@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kvscore/compact.hpp"
+#include "kvscore/contract.hpp"
 #include "kvscore/decoding.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/npy.hpp"

@@ -415,6 +415,9 @@ class OjaResidual : public ScorerOptions {
   }
 
   std::int64_t window() const noexcept { return window_; }
+  /// The window to protect in the selector (`SelectOptions::recent`), as SnapKV and ProtoKV: the
+  /// in-cache window's tokens are scored only by the queries after them; 0 after the cache.
+  std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }
 
   /// The queries are the cache's last `window` positions (default: causal, query i sees
   /// t <= N - w + i) or follow the cache (every query sees every key; any window size).

@@ -50,6 +50,7 @@ class ParisKVCache {
   static_assert(is_element_type_v<T>, "ParisKVCache: T must be float, half or bfloat16");
 
  public:
+  using value_type = T;  ///< element type of the stored keys and values
   struct Workspace {
     ParisKV::Workspace search;
     ParisKVResult result;

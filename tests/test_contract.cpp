@@ -1,0 +1,75 @@
+// The method contract (include/kvscore/contract.hpp): every method satisfies its concept
+// (static_assert, so a broken shape fails the build), things that are not methods do not, and
+// protected_recent(s) gives the selector what each scorer needs protected.
+#include <catch2/catch.hpp>
+
+#include <kvscore/contract.hpp>
+#include <kvscore/kvscore.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------- scorers
+static_assert(kvscore::Scorer<kvscore::KNorm>);
+static_assert(kvscore::Scorer<kvscore::KeyDiff>);
+static_assert(kvscore::Scorer<kvscore::ManifoldL2>);
+static_assert(kvscore::Scorer<kvscore::WindowedManifoldL2>);
+static_assert(kvscore::Scorer<kvscore::QFilter>);
+static_assert(kvscore::Scorer<kvscore::SnapKV>);
+static_assert(kvscore::Scorer<kvscore::ProtoKV>);
+static_assert(kvscore::Scorer<kvscore::OjaResidual>);
+// query-aware scorers tell the selector what to protect; the others need nothing
+static_assert(kvscore::QueryScorer<kvscore::SnapKV>);
+static_assert(kvscore::QueryScorer<kvscore::ProtoKV>);
+static_assert(kvscore::QueryScorer<kvscore::OjaResidual>);
+static_assert(!kvscore::QueryScorer<kvscore::KNorm>);
+static_assert(!kvscore::QueryScorer<kvscore::QFilter>);
+
+// ---------------------------------------------------------------- retrievers and stores
+static_assert(kvscore::Retriever<kvscore::ParisKVCache<float>>);
+static_assert(kvscore::Retriever<kvscore::ParisKVCache<kvscore::half>>);
+static_assert(kvscore::Retriever<kvscore::ParisKVCache<kvscore::bfloat16>>);
+static_assert(kvscore::HybridStore<kvscore::OjaHybridCache, kvscore::OjaProjector>);
+
+// ---------------------------------------------------------------- not methods
+struct NoName : kvscore::ScorerOptions {  // the right calls but no `name`
+  template <class V>
+  kvscore::Scores score(const V&) const;
+  template <class V>
+  void score(const V&, kvscore::ScoresView) const;
+};
+struct NoOptions {  // a name and the calls, but no threads / ISA options
+  static constexpr const char* name = "x";
+  template <class V>
+  kvscore::Scores score(const V&) const;
+  template <class V>
+  void score(const V&, kvscore::ScoresView) const;
+};
+static_assert(!kvscore::Scorer<NoName>);
+static_assert(!kvscore::Scorer<NoOptions>);
+static_assert(!kvscore::Scorer<kvscore::Selection>);
+static_assert(!kvscore::Scorer<int>);
+static_assert(!kvscore::Retriever<kvscore::ParisKV>);  // the index alone: no values, no select(q)
+static_assert(!kvscore::HybridStore<kvscore::OjaHybridCache, int>);
+
+}  // namespace
+
+TEST_CASE("contract: protected_recent follows each scorer's query placement", "[contract]") {
+  const std::int64_t qh = 4, w = 8, d = 16;
+  const std::vector<float> q(static_cast<std::size_t>(qh * w * d), 0.5f);
+  kvscore::SnapKV snap(q.data(), qh, w, d);
+  kvscore::ProtoKV proto(q.data(), qh, w, d);
+  const std::vector<Eigen::MatrixXd> bases(2, kvscore::oja::random_orthonormal(d, 4, 1));
+  kvscore::OjaResidual oja(q.data(), qh, w, d, bases);
+  CHECK(kvscore::protected_recent(kvscore::KNorm{}) == 0);
+  CHECK(kvscore::protected_recent(kvscore::KeyDiff{}) == 0);
+  CHECK(kvscore::protected_recent(snap) == w);
+  CHECK(kvscore::protected_recent(proto) == w);
+  CHECK(kvscore::protected_recent(oja) == w);
+  snap.placement = proto.placement = oja.placement = kvscore::QueryPlacement::after_cache;
+  CHECK(kvscore::protected_recent(snap) == 0);
+  CHECK(kvscore::protected_recent(proto) == 0);
+  CHECK(kvscore::protected_recent(oja) == 0);
+}

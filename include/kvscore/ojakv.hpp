@@ -374,8 +374,10 @@ class OjaProjector {
 /// keep at full rank. W_t: the group's window queries that see t (query i of w sits at position
 /// N − w + i, causal; with `placement = QueryPlacement::after_cache` every query sees every t). Invalid keys score −inf. Feed it to kvscore::select (sinks, recent,
 /// budgets, AdaKV work as for any scorer).
-class OjaResidual : public ScorerOptions {
+class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResidual> {
  public:
+  using detail::AllocatingScore<OjaResidual>::score;
+
   static constexpr const char* name = "ojakv-residual";
 
   /// queries: [q_heads][window][head_dim] row-major fp32 (copied); bases: U_k per KV head
@@ -446,12 +448,6 @@ class OjaResidual : public ScorerOptions {
     detail::for_each_head(keys.heads(), num_threads, [&](std::int64_t h) { score_head(keys, h, out.head(h)); });
   }
 
-  template <KeyCacheView View>
-  Scores score(const View& keys) const {
-    Scores s(keys.heads(), keys.tokens());
-    score(keys, s.view());
-    return s;
-  }
 
  private:
   static constexpr std::int64_t kChunk = 256;

@@ -99,8 +99,10 @@ struct ProtoKVHead {
   std::vector<std::int32_t> cluster_order;    ///< non-empty clusters, best first
 };
 
-class ProtoKV : public ScorerOptions {
+class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
  public:
+  using detail::AllocatingScore<ProtoKV>::score;
+
   static constexpr const char* name = "protokv";
   static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
 
@@ -137,16 +139,7 @@ class ProtoKV : public ScorerOptions {
           std::int64_t group = 0)
       : q_heads_(q_heads), window_(window), dim_(head_dim), group_(group) {
     const std::string who = "kvscore::ProtoKV: ";
-    if (q_heads <= 0) detail::throw_invalid(who + "q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
-    if (window <= 0) detail::throw_invalid(who + "window must be > 0 (got " + std::to_string(window) + ")");
-    if (head_dim <= 0 || head_dim > kMaxHeadDim)
-      detail::throw_invalid(who + "head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                            std::to_string(head_dim) + ")");
-    if (group < 0 || (group > 0 && q_heads % group != 0))
-      detail::throw_invalid(who + "group " + std::to_string(group) + " must be >= 0 and divide q_heads " +
-                            std::to_string(q_heads) + " (0 = q_heads / kv_heads of the keys)");
-    if (queries == nullptr) detail::throw_invalid(who + "queries is null");
-    detail::checked_mul(detail::checked_mul(q_heads, window, "kvscore::ProtoKV"), head_dim, "kvscore::ProtoKV");
+    detail::check_query_window("kvscore::ProtoKV", queries, q_heads, window, head_dim, group);
     qsum_.assign(std::size_t(q_heads * head_dim), 0.0);
     for (std::int64_t hq = 0; hq < q_heads; ++hq)
       for (std::int64_t m = 0; m < window; ++m)
@@ -229,12 +222,6 @@ class ProtoKV : public ScorerOptions {
                           [&](std::int64_t h) { run_head(table, keys, h, out.head(h), nullptr); });
   }
 
-  template <KeyCacheView View>
-  Scores score(const View& keys) const {
-    Scores s(keys.heads(), keys.tokens());
-    score(keys, s.view());
-    return s;
-  }
 
   /// Every intermediate of KV head h (same computation as score()).
   template <KeyCacheView View>

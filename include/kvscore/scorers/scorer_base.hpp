@@ -97,10 +97,47 @@ concept KeyCacheView = requires(const V& v, std::int64_t h) {
   v.for_each_run(h, [](const typename V::value_type*, std::int64_t, std::int64_t, std::int64_t) {});
 };
 
+namespace detail {
+
+/// `Scores score(keys)` for a scorer that has `score(keys, ScoresView)`: allocates the
+/// [heads][tokens] result and fills it. Derived classes bring it in with a using-declaration.
+template <class Derived>
+struct AllocatingScore {
+  template <KeyCacheView View>
+  Scores score(const View& keys) const {
+    Scores s(keys.heads(), keys.tokens());
+    static_cast<const Derived&>(*this).score(keys, s.view());
+    return s;
+  }
+};
+
+/// The constructor checks of a query-window scorer (SnapKV, ProtoKV): queries [q_heads][window]
+/// [head_dim] fp32, `group` 0 (derived from the keys) or a divisor of q_heads. `cls` names the
+/// class ("kvscore::SnapKV"). Returns q_heads·window·head_dim; the caller checks the values
+/// (each names a non-finite one in its own loop).
+inline std::int64_t check_query_window(const char* cls, const float* queries, std::int64_t q_heads, std::int64_t window,
+                                       std::int64_t head_dim, std::int64_t group) {
+  const std::string who = std::string(cls) + ": ";
+  if (q_heads <= 0) throw_invalid(who + "q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
+  if (window <= 0) throw_invalid(who + "window must be > 0 (got " + std::to_string(window) + ")");
+  if (head_dim <= 0 || head_dim > kMaxHeadDim)
+    throw_invalid(who + "head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " + std::to_string(head_dim) +
+                  ")");
+  if (group < 0 || (group > 0 && q_heads % group != 0))
+    throw_invalid(who + "group " + std::to_string(group) + " must be >= 0 and divide q_heads " + std::to_string(q_heads) +
+                  " (0 = q_heads / kv_heads of the keys)");
+  if (queries == nullptr) throw_invalid(who + "queries is null");
+  return checked_mul(checked_mul(q_heads, window, cls), head_dim, cls);
+}
+
+}  // namespace detail
+
 /// CRTP base: Derived provides `template <class View> void score_head(const simd::KernelTable&,
 /// const View& keys, std::int64_t h, float* out) const` (keys already validated).
 template <class Derived>
-struct ScorerBase : ScorerOptions {
+struct ScorerBase : ScorerOptions, detail::AllocatingScore<Derived> {
+  using detail::AllocatingScore<Derived>::score;
+
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     const Derived& self = static_cast<const Derived&>(*this);
@@ -110,13 +147,6 @@ struct ScorerBase : ScorerOptions {
     const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
     detail::for_each_head(keys.heads(), num_threads,
                           [&](std::int64_t h) { self.score_head(table, keys, h, out.head(h)); });
-  }
-
-  template <KeyCacheView View>
-  Scores score(const View& keys) const {
-    Scores s(keys.heads(), keys.tokens());
-    score(keys, s.view());
-    return s;
   }
 
   /// Extra validation hook (QFilter checks its filters against the keys).

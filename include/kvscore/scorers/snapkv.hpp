@@ -44,8 +44,10 @@
 namespace kvscore {
 
 
-class SnapKV : public ScorerOptions {
+class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
  public:
+  using detail::AllocatingScore<SnapKV>::score;
+
   static constexpr const char* name = "snapkv";
   static constexpr int passes = 2;  ///< reads of the keys per score()
   /// Observation window of the paper and of kvpress (queries the caller should capture).
@@ -65,17 +67,7 @@ class SnapKV : public ScorerOptions {
          std::int64_t group = 0)
       : q_heads_(q_heads), window_(window), dim_(head_dim), group_(group) {
     const std::string who = "kvscore::SnapKV: ";
-    if (q_heads <= 0) detail::throw_invalid(who + "q_heads must be > 0 (got " + std::to_string(q_heads) + ")");
-    if (window <= 0) detail::throw_invalid(who + "window must be > 0 (got " + std::to_string(window) + ")");
-    if (head_dim <= 0 || head_dim > kMaxHeadDim)
-      detail::throw_invalid(who + "head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                            std::to_string(head_dim) + ")");
-    if (group < 0 || (group > 0 && q_heads % group != 0))
-      detail::throw_invalid(who + "group " + std::to_string(group) + " must be >= 0 and divide q_heads " +
-                            std::to_string(q_heads) + " (0 = q_heads / kv_heads of the keys)");
-    if (queries == nullptr) detail::throw_invalid(who + "queries is null");
-    const std::int64_t total =
-        detail::checked_mul(detail::checked_mul(q_heads, window, "kvscore::SnapKV"), head_dim, "kvscore::SnapKV");
+    const std::int64_t total = detail::check_query_window("kvscore::SnapKV", queries, q_heads, window, head_dim, group);
     queries_.assign(queries, queries + total);
     scaled_.resize(std::size_t(total));
     const double inv_sqrt_d = 1.0 / std::sqrt(double(head_dim));
@@ -143,12 +135,6 @@ class SnapKV : public ScorerOptions {
     });
   }
 
-  template <KeyCacheView View>
-  Scores score(const View& keys) const {
-    Scores s(keys.heads(), keys.tokens());
-    score(keys, s.view());
-    return s;
-  }
 
  private:
   /// Rows per chunk: ~32 KB of keys, so a chunk stays in L1 while every query reads it.

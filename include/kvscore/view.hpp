@@ -3,7 +3,8 @@
 // A KeysView is heads x tokens x head_dim with element strides for head and token
 // and an inner stride of 1 (fixed in the type, so kernels vectorise over head_dim).
 // It wraps engine caches in place; a layout it cannot express is rejected with
-// std::invalid_argument, never copied.
+// std::invalid_argument, never copied. MutKeysView is its writable twin (what compact() moves
+// rows in).
 #pragma once
 
 #include <cstdint>
@@ -208,6 +209,50 @@ class Scores {
  private:
   std::vector<float> data_;
   std::int64_t heads_ = 0, tokens_ = 0;
+};
+
+/// Mutable strided view of one layer's keys or values [heads][tokens][head_dim], inner stride 1.
+/// Same constructors and validation as KeysView (it builds one from the same numbers); the
+/// memory must be writable.
+template <class T>
+class MutKeysView {
+ public:
+  using value_type = T;
+
+  MutKeysView() = default;
+  /// Element (h, t, j) at data[h*head_stride + t*token_stride + j].
+  MutKeysView(T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim, std::int64_t head_stride,
+              std::int64_t token_stride)
+      : view_(data, heads, tokens, head_dim, head_stride, token_stride), data_(data) {}
+
+  /// One batch row of an HF cache [batch, kv_heads, seq, head_dim]; `capacity` = allocated length (static cache).
+  static MutKeysView hf(T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
+                        std::int64_t seq, std::int64_t head_dim, std::int64_t capacity = -1) {
+    return MutKeysView(KeysView<T>::hf(layer, batch_index, batch, kv_heads, seq, head_dim, capacity));
+  }
+  /// Token-major cache [tokens, kv_heads, head_dim] (llama.cpp K cells, SGLang slots).
+  static MutKeysView token_major(T* data, std::int64_t tokens, std::int64_t kv_heads, std::int64_t head_dim) {
+    return MutKeysView(KeysView<T>::token_major(data, tokens, kv_heads, head_dim));
+  }
+
+  /// The read-only view (to score it).
+  const KeysView<T>& view() const noexcept { return view_; }
+  T* data() const noexcept { return data_; }
+  std::int64_t heads() const noexcept { return view_.heads(); }
+  std::int64_t tokens() const noexcept { return view_.tokens(); }
+  std::int64_t head_dim() const noexcept { return view_.head_dim(); }
+  std::int64_t head_stride() const noexcept { return view_.head_stride(); }
+  std::int64_t token_stride() const noexcept { return view_.token_stride(); }
+  bool empty() const noexcept { return view_.empty(); }
+  T* row(std::int64_t h, std::int64_t t) const noexcept {
+    return data_ + h * view_.head_stride() + t * view_.token_stride();
+  }
+
+ private:
+  // The view was built from a non-const pointer, so writing through it is well defined.
+  explicit MutKeysView(const KeysView<T>& v) : view_(v), data_(const_cast<T*>(v.data())) {}
+  KeysView<T> view_;
+  T* data_ = nullptr;
 };
 
 }  // namespace kvscore

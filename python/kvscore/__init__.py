@@ -26,7 +26,7 @@ __version__ = _k.__version__
 __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
     "calibrate_qfilters", "select", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
-    "OjaProjector", "METHODS", "ALIASES", "make_scorer", "method_name", "isa", "isas", "set_isa",
+    "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "make_scorer", "method_name", "isa", "isas", "set_isa",
 ]
 
 isa = _k.isa
@@ -350,6 +350,45 @@ class ParisKV:
         if one:
             pos, sc = pos[0], sc[0]
         return back(pos), back(sc)
+
+
+class ParisKVCache:
+    """ParisKV's decode-time cache of one KV head (docs/pariskv.md "Decode-time cache"): the first
+    `sinks` tokens, a ParisKV index over the middle and the last `local` tokens. append(keys,
+    values) takes [n, head_dim] rows of the cache's dtype (row-contiguous, read in place);
+    select(query) -> int64 positions (sinks, the top-k of the index, the local window; ascending);
+    attend(query) -> (float32 [head_dim] output, positions). Dense attention below
+    max(dense_min, sinks + local + 2k) tokens."""
+
+    _impls = {"float32": "ParisKVCacheF32", "float16": "ParisKVCacheF16", "bfloat16": "ParisKVCacheBF16"}
+
+    def __init__(self, head_dim: int, *, dtype: str = "float16", sinks: int = 4, local: int = 256,
+                 update_interval: int = 128, dense_min: int = 2000, k: int = 100, rerank_exact: int = 0):
+        if dtype not in self._impls:
+            raise ValueError(f"ParisKVCache: dtype '{dtype}' must be float32, float16 or bfloat16")
+        self.dtype = dtype
+        self._impl = getattr(_k, self._impls[dtype])(head_dim, sinks, local, update_interval, dense_min, k,
+                                                     rerank_exact)
+
+    size = property(lambda self: self._impl.size)
+    indexed = property(lambda self: self._impl.indexed)
+    retrieval_begin = property(lambda self: self._impl.retrieval_begin)
+    local_begin = property(lambda self: self._impl.local_begin)
+    memory_bytes = property(lambda self: self._impl.memory_bytes)
+
+    def append(self, keys, values) -> None:
+        k, _ = _arg(keys, "keys")
+        v, _ = _arg(values, "values")
+        self._impl.append(k, v)
+
+    def select(self, query):
+        q, back = _arg(query, "query")
+        return back(self._impl.select(q))
+
+    def attend(self, query):
+        q, back = _arg(query, "query")
+        out, pos = self._impl.attend(q)
+        return back(out), back(pos)
 
 
 class OjaProjector:

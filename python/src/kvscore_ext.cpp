@@ -262,6 +262,91 @@ nb::object basis_out(const kvscore::OjaBasis& b) {
   return nb::cast(to_numpy(std::move(v), {std::size_t(u.rows()), std::size_t(u.cols())}));
 }
 
+
+/// One query [head_dim] of a decode-time cache, as fp32.
+std::vector<float> cache_query(const Any& query, std::int64_t head_dim, const std::string& who) {
+  std::vector<float> q = f32_copy(query, who + ": query [head_dim]", 1);
+  if (std::int64_t(q.size()) != head_dim)
+    bad(who + ": query has " + std::to_string(q.size()) + " elements, head_dim is " + std::to_string(head_dim));
+  return q;
+}
+
+/// ParisKVCache<T> for one storage type: rows arrive as 2-D [n, head_dim] arrays of that type,
+/// row-contiguous (an engine's own layout), read in place; queries are copied to fp32.
+template <class T>
+void bind_pariskv_cache(nb::module_& m, const char* name, DT dt) {
+  using C = kvscore::ParisKVCache<T>;
+  const kvscore::ParisKVCacheConfig def;
+  nb::class_<C>(m, name)
+      .def("__init__",
+           [](C* self, std::int64_t head_dim, std::int64_t sinks, std::int64_t local, std::int64_t update_interval,
+              std::int64_t dense_min, std::int64_t k, std::int64_t rerank_exact) {
+             kvscore::ParisKVCacheConfig c;
+             c.sinks = sinks;
+             c.local = local;
+             c.update_interval = update_interval;
+             c.dense_min = dense_min;
+             c.search.k = k;
+             c.search.rerank_exact = rerank_exact;
+             new (self) C(head_dim, c);
+           },
+           "head_dim"_a, "sinks"_a = def.sinks, "local"_a = def.local, "update_interval"_a = def.update_interval,
+           "dense_min"_a = def.dense_min, "k"_a = def.search.k, "rerank_exact"_a = def.search.rerank_exact)
+      .def_prop_ro("size", &C::size)
+      .def_prop_ro("head_dim", &C::head_dim)
+      .def_prop_ro("indexed", &C::indexed)
+      .def_prop_ro("retrieval_begin", &C::retrieval_begin)
+      .def_prop_ro("local_begin", &C::local_begin)
+      .def_prop_ro("memory_bytes", &C::memory_bytes)
+      .def(
+          "append",
+          [dt](C& c, const Any& keys, const Any& values) {
+            const std::string who = "ParisKVCache.append";
+            for (const Any* a : {&keys, &values}) {
+              const char* what = a == &keys ? "keys" : "values";
+              if (a->ndim() != 2) bad(who + ": " + what + " must be 2-D [n, head_dim] (got " + std::to_string(a->ndim()) + " dimensions)");
+              if (dtype_of(*a, who) != dt) bad(who + ": " + what + " must have the cache's dtype");
+              if (std::int64_t(a->shape(1)) != c.head_dim())
+                bad(who + ": " + what + " have head_dim " + std::to_string(a->shape(1)) + ", the cache " + std::to_string(c.head_dim()));
+              if (a->shape(0) > 1 && (a->stride(1) != 1 || a->stride(0) != std::int64_t(a->shape(1))))
+                bad(who + ": " + what + " rows must be contiguous (strides [head_dim, 1]; no silent copy)");
+            }
+            if (keys.shape(0) != values.shape(0))
+              bad(who + ": " + std::to_string(keys.shape(0)) + " keys but " + std::to_string(values.shape(0)) + " values");
+            const T* k = static_cast<const T*>(keys.data());
+            const T* v = static_cast<const T*>(values.data());
+            nb::gil_scoped_release unlocked;
+            c.append(k, v, std::int64_t(keys.shape(0)));
+          },
+          "keys"_a, "values"_a)
+      .def(
+          "select",
+          [](const C& c, const Any& query) {
+            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.select");
+            std::vector<std::int64_t> pos;
+            {
+              nb::gil_scoped_release unlocked;
+              pos = c.select(q.data());
+            }
+            const std::size_t n = pos.size();
+            return to_numpy(std::move(pos), {n});
+          },
+          "query"_a)
+      .def(
+          "attend",
+          [](const C& c, const Any& query) {
+            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.attend");
+            std::vector<float> out(q.size());
+            typename C::Workspace ws;
+            {
+              nb::gil_scoped_release unlocked;
+              c.attend(q.data(), out.data(), ws);
+            }
+            const std::size_t n = ws.positions.size(), d = out.size();
+            return nb::make_tuple(to_numpy(std::move(out), {d}), to_numpy(std::move(ws.positions), {n}));
+          },
+          "query"_a);
+}
 }  // namespace
 
 NB_MODULE(_kvscore, m) {
@@ -635,6 +720,11 @@ NB_MODULE(_kvscore, m) {
                                   to_numpy(std::move(sc), {std::size_t(nq), std::size_t(k)}));
           },
           "queries"_a, "k"_a = 100, "beta"_a = 0.0, "rho"_a = 0.0);
+
+  // ---- ParisKVCache: one head's decode-time cache (sinks + index + local window)
+  bind_pariskv_cache<float>(m, "ParisKVCacheF32", DT::f32);
+  bind_pariskv_cache<kvscore::half>(m, "ParisKVCacheF16", DT::f16);
+  bind_pariskv_cache<kvscore::bfloat16>(m, "ParisKVCacheBF16", DT::bf16);
 
   // ---- OjaKV: one head's low-rank key/value projector
   nb::class_<kvscore::OjaProjector>(m, "OjaProjector")

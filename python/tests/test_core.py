@@ -330,6 +330,46 @@ def test_pariskv_recall_against_exact_search():
         idx.append(K[:, :32].copy())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_pariskv_cache_zones_and_attention(dtype):
+    N, d, S, L, k = 3000, 32, 4, 64, 20
+    K = RNG.standard_normal((N, d)).astype(np.float32)
+    K[:, :4] *= 4
+    V = RNG.standard_normal((N, d)).astype(np.float32)
+    c = kvscore.ParisKVCache(d, dtype=dtype, sinks=S, local=L, update_interval=32, dense_min=0, k=k,
+                             rerank_exact=200)
+    Kd, Vd = K.astype(dtype), V.astype(dtype)
+    c.append(Kd[:1000], Vd[:1000])
+    for t in range(1000, N):  # one token per decode step
+        c.append(torch.from_numpy(Kd[t:t + 1]), torch.from_numpy(Vd[t:t + 1]))
+    assert c.size == N and c.retrieval_begin == S
+    e = c.local_begin
+    assert L <= N - e < L + 32 and c.indexed == e - S
+    recall = []
+    Kf = Kd.astype(np.float64)
+    for i in range(8):
+        q = (K[100 + 300 * i] + 0.2 * RNG.standard_normal(d)).astype(np.float32)
+        pos = c.select(q)
+        assert np.all(np.diff(pos) > 0) and len(pos) == S + k + (N - e)
+        assert list(pos[:S]) == list(range(S)) and list(pos[S + k:]) == list(range(e, N))
+        exact = set(np.argsort(-(Kf[S:e] @ q), kind="stable")[:k] + S)
+        recall.append(len(exact & set(pos[S:S + k])) / k)
+        # attend = exact attention over the returned positions (fp64 reference, fp32 result)
+        out, pos2 = c.attend(q)
+        assert list(pos2) == list(pos)
+        z = Kf[pos] @ q / np.sqrt(d)
+        w = np.exp(z - z.max())
+        ref = (w / w.sum()) @ Vd.astype(np.float64)[pos]
+        np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
+    assert np.mean(recall) >= 0.8
+    with pytest.raises(ValueError, match="dtype"):
+        c.append(K[:1].astype(np.float64), V[:1].astype(np.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        c.append(np.zeros((4, 2 * d), dtype)[:, ::2], np.zeros((4, 2 * d), dtype)[:, ::2])
+    with pytest.raises(ValueError, match="head_dim"):
+        c.select(np.zeros(d + 1, np.float32))
+
+
 def test_oja_projector_prefill_finds_a_planted_subspace():
     d, r, N = 32, 4, 3000
     basis = np.linalg.qr(RNG.standard_normal((d, r)))[0]

@@ -129,8 +129,13 @@ std::int64_t rank_from_energy(const Eigen::VectorXd& s2, double eps);
 Mat calibrate(const std::vector<std::pair<const float*, std::int64_t>>& blocks, std::int64_t d,
               RankRule rule, const char* who);
 
-/// True when the fp32 squared norm of the row is finite (the project-wide validity rule),
-/// computed in fp64 and compared with FLT_MAX.
+/// The project-wide validity rule: a row's squared norm (accumulated in fp64) is finite and fits
+/// fp32 (<= FLT_MAX).
+inline bool row_ok(double squared_norm) noexcept {
+  return std::isfinite(squared_norm) && squared_norm <= double(std::numeric_limits<float>::max());
+}
+
+/// Widens a row to fp64 into `out`; true when it is valid (row_ok).
 template <class T>
 inline bool widen_row(const T* row, std::int64_t d, double* out) noexcept {
   double s = 0;
@@ -138,7 +143,7 @@ inline bool widen_row(const T* row, std::int64_t d, double* out) noexcept {
     out[j] = double(to_float(row[j]));
     s += out[j] * out[j];
   }
-  return std::isfinite(s) && s <= double(std::numeric_limits<float>::max());
+  return row_ok(s);
 }
 
 /// Accumulates rows into the pooled covariance: rows of the same window of p consecutive
@@ -448,7 +453,6 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
     detail::for_each_head(keys.heads(), num_threads, [&](std::int64_t h) { score_head(keys, h, out.head(h)); });
   }
 
-
  private:
   static constexpr std::int64_t kChunk = 256;
 
@@ -613,8 +617,7 @@ class OjaHybridCache {
           sk += double(k(t, j)) * k(t, j);
           sv += double(v(t, j)) * v(t, j);
         }
-        const double fmax = double(std::numeric_limits<float>::max());
-        hd.valid[std::size_t(t)] = (std::isfinite(sk) && sk <= fmax && std::isfinite(sv) && sv <= fmax) ? 1 : 0;
+        hd.valid[std::size_t(t)] = oja::row_ok(sk) && oja::row_ok(sv) ? 1 : 0;
       }
       oja::RowMajorF lk(N - nf, d), lv(N - nf, d);
       hd.full_k.resize(nf, d);
@@ -669,7 +672,7 @@ class OjaHybridCache {
   /// Bytes head h holds now (element counts, not capacities): codes, full rows and bases (fp32),
   /// 8-byte positions, the two per-token flags, and the open block's rows, queries and flags.
   /// memory(h, 4) is the same store counted by the paper's formula (4-byte positions, no flags,
-  /// no queries); tests/test_ojakv.cpp compares the two.
+  /// no queries); tests/test_ojakv_decode.cpp compares the two.
   std::int64_t stored_bytes(std::int64_t h) const {
     const Head& hd = head(h);
     const Pending& p = pend_.at(std::size_t(h));
@@ -745,7 +748,6 @@ void OjaHybridCache::append(std::vector<OjaProjector>& proj, const T* k, const T
       detail::throw_invalid(w + "query value " + oja::num(q[i]) + " at [q head " + std::to_string(i / d) + ", dim " +
                             std::to_string(i % d) + "] is not finite");
   // Everything is checked; from here on nothing throws except allocation.
-  bool closes = false;
   for (std::int64_t h = 0; h < H; ++h) {
     Pending& p = pend_[std::size_t(h)];
     p.group = G;
@@ -759,14 +761,12 @@ void OjaHybridCache::append(std::vector<OjaProjector>& proj, const T* k, const T
       sk += double(a) * a;
       sv += double(b) * b;
     }
-    const double fmax = double(std::numeric_limits<float>::max());
-    p.ok.push_back((std::isfinite(sk) && sk <= fmax && std::isfinite(sv) && sv <= fmax) ? 1 : 0);
+    p.ok.push_back(oja::row_ok(sk) && oja::row_ok(sv) ? 1 : 0);
     p.q.insert(p.q.end(), q + h * G * d, q + (h + 1) * G * d);
     if (opt.adapt) proj[std::size_t(h)].push(kr, vr);
-    if (pending_ + 1 >= proj[std::size_t(h)].key().options().period) closes = true;
   }
-  ++pending_;
-  if (closes) close_block(proj, opt);
+  // every basis has the same period (check_decode): it is the block length
+  if (++pending_ >= proj[0].key().options().period) close_block(proj, opt);
 }
 
 }  // namespace kvscore

@@ -241,9 +241,10 @@ KVSCORE_IMPL_INLINE void OjaHybridCache::check_decode(const std::vector<OjaProje
                                                       const char* who) const {
     const std::string w = std::string(who) + ": ";
     opt.validate(who);
+    if (heads_.empty()) detail::throw_invalid(w + "the cache has no heads");
     if (proj.size() != heads_.size())
       detail::throw_invalid(w + std::to_string(proj.size()) + " projectors for " + std::to_string(heads_.size()) + " heads");
-    const std::int64_t T = proj.empty() ? 0 : proj[0].key().options().period;
+    const std::int64_t T = proj[0].key().options().period;
     for (std::size_t h = 0; h < proj.size(); ++h) {
       const OjaProjector& p = proj[h];
       const std::string ph = "projector " + std::to_string(h);

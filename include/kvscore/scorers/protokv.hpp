@@ -222,7 +222,6 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
                           [&](std::int64_t h) { run_head(table, keys, h, out.head(h), nullptr); });
   }
 
-
   /// Every intermediate of KV head h (same computation as score()).
   template <KeyCacheView View>
   ProtoKVHead analyze(const View& keys, std::int64_t h) const {

@@ -135,7 +135,6 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
     });
   }
 
-
  private:
   /// Rows per chunk: ~32 KB of keys, so a chunk stays in L1 while every query reads it.
   static constexpr std::int64_t kMaxChunk = 512;

@@ -5,8 +5,10 @@
 
 #include <kvscore/contract.hpp>
 #include <kvscore/kvscore.hpp>
+#include <kvscore/methods.hpp>
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -32,6 +34,27 @@ static_assert(kvscore::Retriever<kvscore::ParisKVCache<float>>);
 static_assert(kvscore::Retriever<kvscore::ParisKVCache<kvscore::half>>);
 static_assert(kvscore::Retriever<kvscore::ParisKVCache<kvscore::bfloat16>>);
 static_assert(kvscore::HybridStore<kvscore::OjaHybridCache, kvscore::OjaProjector>);
+
+// ---------------------------------------------------------------- the registry (kvscore/methods.hpp)
+// Each scorer's S::name is its registry entry's CLI spelling, the entry names the type, and the
+// entry's kind agrees with the concept it satisfies.
+template <class S>
+constexpr bool registered_as(std::string_view cls) {
+  const kvscore::MethodInfo* m = kvscore::find_method_info(S::name);
+  return m != nullptr && m->cli == std::string_view(S::name) && m->cls == cls &&
+         (m->kind == kvscore::MethodKind::query_scorer) == kvscore::QueryScorer<S> && kvscore::is_scorer(*m);
+}
+static_assert(registered_as<kvscore::KNorm>("KNorm"));
+static_assert(registered_as<kvscore::KeyDiff>("KeyDiff"));
+static_assert(registered_as<kvscore::ManifoldL2>("ManifoldL2"));
+static_assert(registered_as<kvscore::WindowedManifoldL2>("WindowedManifoldL2"));
+static_assert(registered_as<kvscore::QFilter>("QFilter"));
+static_assert(registered_as<kvscore::SnapKV>("SnapKV"));
+static_assert(registered_as<kvscore::ProtoKV>("ProtoKV"));
+static_assert(kvscore::find_method_info("pariskv")->kind == kvscore::MethodKind::retriever);
+static_assert(kvscore::find_method_info("ojakv")->kind == kvscore::MethodKind::hybrid);
+// OjaResidual is a part of ojakv (its full-rank rule), not a method of its own
+static_assert(kvscore::find_method_info(kvscore::OjaResidual::name) == nullptr);
 
 // ---------------------------------------------------------------- not methods
 struct NoName : kvscore::ScorerOptions {  // the right calls but no `name`

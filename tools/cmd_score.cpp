@@ -17,13 +17,17 @@ extern const char* const kProtoKVScoreUsage;
 extern const std::vector<FlagSpec> kProtoKVScoreFlags;
 void run_score_protokv(const Args& args);
 
+// The scorers of kvscore/methods.hpp, in its order, under their CLI spelling.
+const std::string kScorerNames = method_list(is_scorer, " | ");
+
 const std::string kScoreUsageText = std::string(
     "usage: kvscore score --method METHOD --keys K.npy --out S.npy [options]\n"
     "\n"
     "Scores every token of one layer's key cache; writes float32 scores [heads, tokens].\n"
     "Higher score = more worth keeping.\n"
     "\n"
-    "  --method METHOD   knorm | keydiff | l2 | windowed-l2 | qfilter | snapkv | protokv\n"
+    "  --method METHOD   ") + kScorerNames + "\n" + std::string(
+    "                    (or another spelling of kvscore/methods.hpp: manifold_l2, ...)\n"
     "  --keys K.npy      keys [heads, tokens, head_dim]: '<f4' float32, '<f2' float16,\n"
     "                    or '<u2' (bfloat16 bit patterns); little-endian, C order\n"
     "  --out S.npy       output scores [heads, tokens], '<f4'\n"
@@ -67,15 +71,19 @@ namespace {
 
 enum class Method { knorm, keydiff, l2, windowed_l2, qfilter, snapkv };
 
+/// Any spelling kvscore/methods.hpp accepts for a scorer; protokv is handled before this.
 Method parse_method(const std::string& s) {
-  if (s == "knorm") return Method::knorm;
-  if (s == "keydiff") return Method::keydiff;
-  if (s == "l2") return Method::l2;
-  if (s == "windowed-l2") return Method::windowed_l2;
-  if (s == "qfilter") return Method::qfilter;
-  if (s == "snapkv") return Method::snapkv;
-  throw UsageError("score: unknown method '" + s +
-                   "' (expected knorm, keydiff, l2, windowed-l2, qfilter, snapkv or protokv)");
+  const MethodInfo* m = find_method_info(s);
+  if (m && m->name == "knorm") return Method::knorm;
+  if (m && m->name == "keydiff") return Method::keydiff;
+  if (m && m->name == "manifold_l2") return Method::l2;
+  if (m && m->name == "windowed_manifold_l2") return Method::windowed_l2;
+  if (m && m->name == "qfilter") return Method::qfilter;
+  if (m && m->name == "snapkv") return Method::snapkv;
+  const std::string names = method_list(is_scorer);
+  const std::size_t last = names.rfind(", ");
+  throw UsageError("score: " + (m ? "method '" + s + "' is not a scorer" : "unknown method '" + s + "'") +
+                   " (expected " + names.substr(0, last) + " or " + names.substr(last + 2) + ")");
 }
 
 struct Options {
@@ -232,7 +240,7 @@ Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::o
 }  // namespace
 
 int cmd_score(const Args& args) {
-  if (args.required("--method") == "protokv") {
+  if (const MethodInfo* m = find_method_info(args.required("--method")); m && m->name == "protokv") {
     run_score_protokv(args);
     return kExitOk;
   }

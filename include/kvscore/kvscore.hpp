@@ -4,6 +4,7 @@
 #include "kvscore/compact.hpp"
 #include "kvscore/contract.hpp"
 #include "kvscore/decoding.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/dtype.hpp"
 #include "kvscore/npy.hpp"
 #include "kvscore/ojakv.hpp"

@@ -26,7 +26,7 @@ __version__ = _k.__version__
 __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
     "calibrate_qfilters", "select", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
-    "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "make_scorer", "method_name", "isa", "isas", "set_isa",
+    "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
 ]
 
 isa = _k.isa
@@ -226,7 +226,10 @@ class ProtoKV(_QueryScorer):
 
 # ------------------------------------------------------------------ the method registry
 
-#: Canonical method names -> scorer class (query-agnostic ones take no arguments).
+#: kvscore/methods.hpp, the one list of methods (dicts: name, cli, aliases, kind, cls, header, doc, summary).
+REGISTRY = _k.methods()
+
+#: Canonical method names -> scorer class (query-agnostic ones take no arguments): the scorers of REGISTRY.
 METHODS = {
     "knorm": KNorm,
     "keydiff": KeyDiff,
@@ -236,9 +239,10 @@ METHODS = {
     "snapkv": SnapKV,
     "protokv": ProtoKV,
 }
-#: Other spellings (the CLI's and evaluator's) of the same methods.
-ALIASES = {"l2": "manifold_l2", "manifoldkv": "manifold_l2", "windowed-l2": "windowed_manifold_l2",
-           "windowed_l2": "windowed_manifold_l2"}
+#: Other spellings (the CLI's and evaluator's, and the registry's aliases) -> canonical name,
+#: for the scorers and streaming_llm.
+ALIASES = {s: m["name"] for m in REGISTRY if m["kind"] in ("scorer", "query_scorer", "selection_rule")
+           for s in [m["cli"], *m["aliases"]] if s != m["name"]}
 
 
 def method_name(name: str) -> str:

@@ -19,11 +19,13 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvscore/eval/evaluate.hpp"
 #include "kvscore/eval/report.hpp"
 #include "kvscore/kvscore.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/synth.hpp"
 #include "kvscore/version.hpp"
 
@@ -620,6 +622,29 @@ NB_MODULE(_kvscore, m) {
       },
       "keys"_a, "budget"_a, "reps"_a, "threads"_a);
   m.def("method_names", [] { return kvscore::eval::resolve_methods("all"); });
+  // kvscore/methods.hpp, the one list of methods: Python's METHODS and ALIASES are built from it.
+  m.def("methods", [] {
+    nb::list out;
+    for (const kvscore::MethodInfo& x : kvscore::kMethods) {
+      nb::dict d;
+      d["name"] = std::string(x.name);
+      d["cli"] = std::string(x.cli);
+      std::vector<std::string> aliases;
+      for (std::string_view a = x.aliases; !a.empty();) {
+        const std::size_t c = a.find(',');
+        aliases.emplace_back(a.substr(0, c));
+        a = c == std::string_view::npos ? std::string_view() : a.substr(c + 1);
+      }
+      d["aliases"] = aliases;
+      d["kind"] = std::string(kvscore::kind_name(x.kind));
+      d["cls"] = std::string(x.cls);
+      d["header"] = std::string(x.header);
+      d["doc"] = std::string(x.doc);
+      d["summary"] = std::string(x.summary);
+      out.append(d);
+    }
+    return out;
+  });
 
   m.def(
       "synth",

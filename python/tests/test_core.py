@@ -412,6 +412,19 @@ def test_budget_rounding_nearest_and_the_papers_floor():
         kvscore.budget_from_ratio(10, 0.5, "up")
 
 
+def test_registry_is_the_cpp_list():
+    # METHODS is exactly the scorers of kvscore/methods.hpp, each class under the registry's name
+    scorers = {m["name"]: m for m in kvscore.REGISTRY if m["kind"] in ("scorer", "query_scorer")}
+    assert set(kvscore.METHODS) == set(scorers)
+    for name, cls in kvscore.METHODS.items():
+        assert cls.name == name and cls.__name__ == scorers[name]["cls"]
+    for m in kvscore.REGISTRY:
+        if m["kind"] in ("scorer", "query_scorer", "selection_rule"):
+            for s in [m["cli"], *m["aliases"]]:
+                assert kvscore.method_name(s) == m["name"]
+    assert [m["cli"] for m in kvscore.REGISTRY] == list(kvscore._kvscore.method_names())
+
+
 def test_registry_names_and_aliases():
     assert kvscore.method_name("l2") == "manifold_l2"
     assert kvscore.method_name("windowed-l2") == "windowed_manifold_l2"

@@ -103,6 +103,10 @@ void check_all_methods(const std::string& keys_file, const std::vector<E>& keys)
       {"--method keydiff", expected(kvscore::KeyDiff{}, keys)},
       {"--method l2", expected(kvscore::ManifoldL2{}, keys)},
       {"--method windowed-l2", expected(kvscore::WindowedManifoldL2{}, keys)},
+      // the registry's other spellings (kvscore/methods.hpp) name the same scorers
+      {"--method manifold_l2", expected(kvscore::ManifoldL2{}, keys)},
+      {"--method manifoldkv", expected(kvscore::ManifoldL2{}, keys)},
+      {"--method windowed_manifold_l2 --window 10", expected(kvscore::WindowedManifoldL2{10}, keys)},
       {"--method windowed-l2 --window 10", expected(kvscore::WindowedManifoldL2{10}, keys)},
       {"--method=windowed-l2 --window=16 --threads 1", expected(kvscore::WindowedManifoldL2{16}, keys)},
       {"--method windowed-l2 --window 10 --window-tail merge",
@@ -259,6 +263,8 @@ TEST_CASE("cli: bad input gives exit 2 and one line", "[cli]") {
     check_bad(base + " --method=", "--method has an empty value");
     check_bad(base + " --method nope", "unknown method 'nope'");
     check_bad(base + " --method L2", "unknown method 'L2'");
+    check_bad(base + " --method ojakv", "method 'ojakv' is not a scorer");
+    check_bad(base + " --method streaming_llm", "is not a scorer (expected knorm, keydiff, l2");
     check_bad("version --verbose", "unknown flag '--verbose'");
   }
   SECTION("numbers") {

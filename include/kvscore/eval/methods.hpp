@@ -11,8 +11,9 @@
 // The evaluator times the whole call (scoring + selection), so a method should do all its
 // work inside it. `output` is called from several threads at once and must be const-safe.
 //
-// Adding a method (e.g. ProtoKV): one entry in builtin_methods() below, or at run time
-// register_method({"protokv", "summary", fn}) before evaluate().
+// The built-in methods are kvscore/methods.hpp's list, in its order, under their CLI spelling
+// (every alias resolves too); builtin_run() gives each its function. A method outside the
+// library is added at run time: register_method({"mine", "summary", fn}) before evaluate().
 #pragma once
 
 #include <algorithm>
@@ -22,9 +23,11 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvscore/detail/compiled.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"
 #include "kvscore/scorers/protokv.hpp"
@@ -103,6 +106,18 @@ MethodFn scorer_method(std::function<Scorer(const LayerInput&, const MethodOptio
   };
 }
 
+/// Query-scorer methods (SnapKV, ProtoKV): the evaluation queries as the window, the
+/// command line's placement, and the scorer's in-cache window protected.
+template <class Scorer>
+MethodFn query_scorer_method(std::function<Scorer(const LayerInput&)> make) {
+  return [make](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+    Scorer sc = make(in);
+    sc.num_threads = o.threads;
+    sc.placement = o.placement;
+    return select_scores(sc.score(in.key_view()), n, o, sc.protected_recent());
+  };
+}
+
 /// The oracle: keeps the tokens with the largest mean full-attention probability over the
 /// head's evaluation queries — the ceiling a query-agnostic eviction could reach (it sees
 /// the very queries it is scored on).
@@ -130,7 +145,11 @@ ParisKVZones pariskv_zones(std::int64_t n) noexcept;
 Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
 Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
 
-/// The methods `--methods all` runs, in report order.
+/// The evaluator's function for a method of kvscore/methods.hpp (by its canonical name);
+/// empty for a name it does not know.
+MethodFn builtin_run(std::string_view name);
+
+/// The methods `--methods all` runs, in report order: kMethods under their CLI spelling.
 std::vector<Method> builtin_methods();
 
 /// The registry (built-ins first); register_method() appends to it.
@@ -139,14 +158,25 @@ inline std::vector<Method>& registry() {
   return r;
 }
 
-/// Adds a method; a name already registered is an error.
+/// The registered method a spelling names: its registered name, or any spelling of a
+/// built-in (kvscore/methods.hpp: `manifold_l2`, `l2` and `manifoldkv` are one method).
+/// nullptr when none.
+inline const Method* lookup_method(const std::string& name) {
+  for (const Method& m : registry())
+    if (m.name == name) return &m;
+  if (const MethodInfo* info = find_method_info(name))
+    for (const Method& m : registry())
+      if (m.name == info->cli) return &m;
+  return nullptr;
+}
+
+/// Adds a method; a name already registered (or a spelling of a built-in) is an error.
 inline void register_method(Method m) {
   if (m.name.empty() || m.name.find(',') != std::string::npos || !m.run)
     throw std::invalid_argument("kvscore::eval::register_method: method name '" + m.name +
                                 "' must be non-empty without ',' and have a run function");
-  for (const Method& x : registry())
-    if (x.name == m.name)
-      throw std::invalid_argument("kvscore::eval::register_method: method '" + m.name + "' is already registered");
+  if (lookup_method(m.name))
+    throw std::invalid_argument("kvscore::eval::register_method: method '" + m.name + "' is already registered");
   registry().push_back(std::move(m));
 }
 
@@ -157,26 +187,29 @@ inline std::string method_names() {
 }
 
 inline const Method& find_method(const std::string& name) {
-  for (const Method& m : registry())
-    if (m.name == name) return m;
+  if (const Method* m = lookup_method(name)) return *m;
   throw std::invalid_argument("kvscore::eval: unknown method '" + name + "' (expected all or a comma list of " +
                               method_names() + ")");
 }
 
-/// "all" -> every registered method; "a,b" -> those (each known, no repeats).
+/// "all" -> every registered method; "a,b" -> those, spelled as given (each known, no method
+/// twice under any spelling).
 inline std::vector<std::string> resolve_methods(const std::string& spec) {
   std::vector<std::string> out;
   if (spec == "all") {
     for (const Method& m : registry()) out.push_back(m.name);
     return out;
   }
+  std::vector<const Method*> seen;
   std::size_t b = 0;
   for (;;) {
     const std::size_t e = spec.find(',', b);
     const std::string name = spec.substr(b, e == std::string::npos ? std::string::npos : e - b);
-    find_method(name);
-    if (std::find(out.begin(), out.end(), name) != out.end())
-      throw std::invalid_argument("kvscore::eval: method '" + name + "' is listed twice");
+    const Method* m = &find_method(name);
+    if (std::find(seen.begin(), seen.end(), m) != seen.end())
+      throw std::invalid_argument("kvscore::eval: method '" + name + "' is listed twice" +
+                                  (name == m->name ? std::string() : " (it is '" + m->name + "')"));
+    seen.push_back(m);
     out.push_back(name);
     if (e == std::string::npos) break;
     b = e + 1;

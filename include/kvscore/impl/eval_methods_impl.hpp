@@ -118,52 +118,50 @@ KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t
   return c;
 }
 
+KVSCORE_IMPL_INLINE MethodFn builtin_run(std::string_view name) {
+  if (name == "knorm") return scorer_method<KNorm>([](const LayerInput&, const MethodOptions&) { return KNorm{}; });
+  if (name == "keydiff")
+    return scorer_method<KeyDiff>([](const LayerInput&, const MethodOptions&) { return KeyDiff{}; });
+  if (name == "manifold_l2")
+    return scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; });
+  if (name == "windowed_manifold_l2")
+    return scorer_method<WindowedManifoldL2>(
+        [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window, o.window_tail); });
+  if (name == "qfilter")
+    return scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
+      return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads), in.kv_heads,
+                     in.head_dim);
+    });
+  if (name == "snapkv")
+    return query_scorer_method<SnapKV>([](const LayerInput& in) {
+      return SnapKV(in.queries, in.q_heads, in.n_queries, in.head_dim);
+    });
+  if (name == "protokv")
+    return query_scorer_method<ProtoKV>([](const LayerInput& in) {
+      return ProtoKV(in.queries, in.q_heads, in.n_queries, in.head_dim);
+    });
+  if (name == "streaming_llm")
+    return [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+      const StreamingLLM s{o.select.sinks > 0 ? o.select.sinks : o.streaming_sinks};
+      Compressed c;
+      c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
+      return c;
+    };
+  if (name == "pariskv") return pariskv_method;
+  if (name == "pariskv_flat") return pariskv_flat_method;
+  if (name == "ojakv") return ojakv_method;
+  if (name == "oracle") return oracle_method;
+  return {};
+}
+
 KVSCORE_IMPL_INLINE std::vector<Method> builtin_methods() {
   std::vector<Method> m;
-  m.push_back({"knorm", "K-norm: keep low-norm keys", scorer_method<KNorm>([](const LayerInput&, const MethodOptions&) {
-                 return KNorm{};
-               })});
-  m.push_back({"keydiff", "KeyDiff: keep keys least similar (cosine) to the mean direction",
-               scorer_method<KeyDiff>([](const LayerInput&, const MethodOptions&) { return KeyDiff{}; })});
-  m.push_back({"l2", "ManifoldKV: keep keys far (L2) from the centroid",
-               scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; })});
-  m.push_back({"windowed-l2", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)",
-               scorer_method<WindowedManifoldL2>(
-                   [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window, o.window_tail); })});
-  m.push_back({"qfilter", "Q-Filters: <k, f_h>, filters calibrated on the evaluation queries",
-               scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
-                 return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads),
-                                in.kv_heads, in.head_dim);
-               })});
-  m.push_back({"snapkv", "SnapKV: pooled attention of the evaluation queries (in-cache: window kept)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 SnapKV s(in.queries, in.q_heads, in.n_queries, in.head_dim);
-                 s.num_threads = o.threads;
-                 s.placement = o.placement;
-                 return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
-               }});
-  m.push_back({"streaming_llm", "StreamingLLM: sinks + most recent tokens (per head)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 const StreamingLLM s{o.select.sinks > 0 ? o.select.sinks : o.streaming_sinks};
-                 Compressed c;
-                 c.kept = s.select(in.kv_heads, in.tokens, Budget::per_head(n));
-                 return c;
-               }});
-  m.push_back({"protokv", "ProtoKV: prototype clusters scored by the evaluation queries (in-cache: window kept)",
-               [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-                 ProtoKV p(in.queries, in.q_heads, in.n_queries, in.head_dim);
-                 p.num_threads = o.threads;
-                 p.placement = o.placement;
-                 return select_scores(p.score(in.key_view()), n, o, p.protected_recent());
-               }});
-  m.push_back({"pariskv",
-               "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval of the rest",
-               pariskv_method});
-  m.push_back({"pariskv-flat", "ParisKV without zones: per-query top-n retrieval over the whole cache",
-               pariskv_flat_method});
-  m.push_back({"ojakv", "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
-               ojakv_method});
-  m.push_back({"oracle", "oracle: top mean full attention of the evaluation queries (ceiling)", oracle_method});
+  for (const MethodInfo& info : kMethods) {
+    MethodFn run = builtin_run(info.name);
+    if (!run)  // a method added to kvscore/methods.hpp without its evaluator entry (builtin_run)
+      throw std::logic_error("kvscore::eval: method '" + std::string(info.name) + "' has no evaluator entry");
+    m.push_back({std::string(info.cli), std::string(info.summary), std::move(run)});
+  }
   return m;
 }
 

@@ -1,0 +1,141 @@
+// kvscore/methods.hpp — the one list of kvscore's methods. The evaluator (eval/methods.hpp),
+// the CLI (`kvscore score`, `kvscore eval --methods`), the benchmarks and the Python package
+// (kvscore.METHODS / ALIASES) all read it; a test checks each of them against it, so adding a
+// method starts here and the tests name every front end that still lacks it.
+//
+// Names: `name` is the one name in code, Python and docs (the class's name in snake case).
+// `cli` is the spelling the CLI, the evaluator's report and the benchmark names print; it is
+// `name` except where an earlier contract fixed a short form (`kvscore score --method l2`,
+// issue 2; `pariskv-flat` in eval reports). Every spelling in `cli` and `aliases` is accepted
+// wherever a method is named. This header is metadata only: it includes no method, so any
+// floor may read it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace kvscore {
+
+/// What shape of method an entry is (the concepts of contract.hpp where one exists).
+enum class MethodKind {
+  scorer,          ///< Scorer: score(keys) -> Scores, query-agnostic
+  query_scorer,    ///< QueryScorer: scored by a window of queries, protects protected_recent()
+  selection_rule,  ///< a selector configuration without scores (StreamingLLM)
+  retriever,       ///< Retriever: per-query top-k over an index (ParisKV)
+  hybrid,          ///< HybridStore: full-rank tokens + low-rank codes (OjaKV)
+  reference,       ///< not a compression method: the evaluator's ceiling (oracle)
+};
+
+inline constexpr std::string_view kind_name(MethodKind k) noexcept {
+  switch (k) {
+    case MethodKind::scorer: return "scorer";
+    case MethodKind::query_scorer: return "query_scorer";
+    case MethodKind::selection_rule: return "selection_rule";
+    case MethodKind::retriever: return "retriever";
+    case MethodKind::hybrid: return "hybrid";
+    case MethodKind::reference: return "reference";
+  }
+  return "?";
+}
+
+struct MethodInfo {
+  std::string_view name;     ///< canonical: code, Python, docs
+  std::string_view cli;      ///< the CLI / report / benchmark spelling
+  std::string_view aliases;  ///< other accepted spellings, comma-separated ("" = none)
+  MethodKind kind;
+  std::string_view cls;      ///< the C++ type (kvscore::cls)
+  std::string_view header;   ///< include/<header>
+  std::string_view doc;      ///< docs/<doc>
+  std::string_view options;  ///< the CLI options it reads, comma-separated ("" = none)
+  std::string_view summary;  ///< one line for --help, the evaluator and the docs
+};
+
+/// Every method, in the evaluator's report order (`--methods all`).
+inline constexpr std::array<MethodInfo, 12> kMethods = {{
+    {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "knorm.md", "",
+     "K-norm: keep low-norm keys"},
+    {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "keydiff.md", "",
+     "KeyDiff: keep keys least similar (cosine) to the mean direction"},
+    {"manifold_l2", "l2", "manifoldkv,manifold-l2", MethodKind::scorer, "ManifoldL2",
+     "kvscore/scorers/manifold_l2.hpp", "manifoldkv.md", "", "ManifoldKV: keep keys far (L2) from the centroid"},
+    {"windowed_manifold_l2", "windowed-l2", "windowed_l2,windowed-manifoldkv", MethodKind::scorer,
+     "WindowedManifoldL2", "kvscore/scorers/windowed_manifold_l2.hpp", "windowed-manifoldkv.md",
+     "window,window-tail", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)"},
+    {"qfilter", "qfilter", "q-filters,qfilters", MethodKind::scorer, "QFilter", "kvscore/scorers/qfilter.hpp",
+     "qfilters.md", "filters,layer,filters-convention", "Q-Filters: <k, f_h>, filters calibrated on the queries"},
+    {"snapkv", "snapkv", "", MethodKind::query_scorer, "SnapKV", "kvscore/scorers/snapkv.hpp", "snapkv.md",
+     "queries,window,group,query-placement", "SnapKV: pooled attention of the window queries (in-cache: window kept)"},
+    {"streaming_llm", "streaming_llm", "streamingllm,streaming-llm", MethodKind::selection_rule, "StreamingLLM",
+     "kvscore/streaming_llm.hpp", "select.md", "sinks", "StreamingLLM: sinks + most recent tokens (per head)"},
+    {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "protokv.md",
+     "queries,window,group,query-placement,seed,kappa,sat-candidates,lsh-bits,chunks,bandwidth,psi",
+     "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)"},
+    {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp", "pariskv.md",
+     "sinks,local", "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
+    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKV", "kvscore/pariskv.hpp", "pariskv.md", "",
+     "ParisKV without zones: per-query top-n retrieval over the whole cache"},
+    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md", "",
+     "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)"},
+    {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md", "",
+     "oracle: top mean full attention of the evaluation queries (ceiling)"},
+}};
+
+/// True when `s` is one of the comma-separated spellings in `list`.
+inline constexpr bool in_list(std::string_view list, std::string_view s) noexcept {
+  while (!list.empty()) {
+    const std::size_t c = list.find(',');
+    if (list.substr(0, c) == s) return true;
+    if (c == std::string_view::npos) break;
+    list.remove_prefix(c + 1);
+  }
+  return false;
+}
+
+/// The entry a spelling (name, cli or alias) names; nullptr when none does.
+inline constexpr const MethodInfo* find_method_info(std::string_view spelling) noexcept {
+  if (spelling.empty()) return nullptr;
+  for (const MethodInfo& m : kMethods)
+    if (m.name == spelling || m.cli == spelling || in_list(m.aliases, spelling)) return &m;
+  return nullptr;
+}
+
+/// Every method's CLI spelling of the given kinds, ", "-separated (for messages and --help).
+template <class Pred>
+std::string method_list(Pred keep, std::string_view sep = ", ") {
+  std::string s;
+  for (const MethodInfo& m : kMethods)
+    if (keep(m)) s += std::string(s.empty() ? "" : sep) + std::string(m.cli);
+  return s;
+}
+
+/// The entry a spelling names; std::invalid_argument naming the spelling and the known names otherwise.
+inline const MethodInfo& method_info(std::string_view spelling) {
+  if (const MethodInfo* m = find_method_info(spelling)) return *m;
+  throw std::invalid_argument("kvscore: unknown method '" + std::string(spelling) + "' (expected one of " +
+                              method_list([](const MethodInfo&) { return true; }) + ")");
+}
+
+/// The methods that are scorers (query-agnostic or query-driven): what `kvscore score` runs.
+inline constexpr bool is_scorer(const MethodInfo& m) noexcept {
+  return m.kind == MethodKind::scorer || m.kind == MethodKind::query_scorer;
+}
+
+// Names are unique across all spellings: no spelling may name two methods.
+namespace detail {
+constexpr bool method_spellings_unique() {
+  for (const MethodInfo& a : kMethods)
+    for (const MethodInfo& b : kMethods) {
+      if (&a == &b) continue;
+      if (in_list(b.aliases, a.name) || in_list(b.aliases, a.cli) || a.name == b.name || a.cli == b.cli ||
+          a.name == b.cli)
+        return false;
+    }
+  return true;
+}
+static_assert(method_spellings_unique(), "kMethods: a spelling names two methods");
+}  // namespace detail
+
+}  // namespace kvscore

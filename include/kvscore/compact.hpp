@@ -45,12 +45,7 @@ namespace kvscore {
 /// A writable cache view compact() accepts: shape, and a writable row pointer per (head, token),
 /// distinct tokens of a head at disjoint memory. MutKeysView and MutPagedKeysView model it.
 template <class C>
-concept MutableCacheView = requires(const C& c, std::int64_t i) {
-  typename C::value_type;
-  requires is_element_type_v<typename C::value_type>;
-  { c.heads() } -> std::convertible_to<std::int64_t>;
-  { c.tokens() } -> std::convertible_to<std::int64_t>;
-  { c.head_dim() } -> std::convertible_to<std::int64_t>;
+concept MutableCacheView = CacheShape<C> && requires(const C& c, std::int64_t i) {
   { c.row(i, i) } -> std::same_as<typename C::value_type*>;
 };
 

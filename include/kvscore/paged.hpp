@@ -148,6 +148,8 @@ inline void check_paged_strides(const std::string& ctx, std::int64_t num_blocks,
 
 }  // namespace detail
 
+// The class preamble below (element check, value_type, default constructor, general form)
+// mirrors KeysView's in view.hpp on purpose: a paged view is a drop-in for a strided one.
 /// Read-only view of one sequence's keys (or values) in a paged pool: heads x tokens x head_dim.
 /// Row (h, t) is at data + block(t / bs) * block_stride + h * head_stride + (t % bs) * token_stride.
 template <class T>

@@ -35,21 +35,6 @@ struct PositionRange {
 
 namespace detail {
 
-inline void require_ascending(std::span<const std::int64_t> kept, std::int64_t tokens, const char* who) {
-  if (tokens < 0) throw_invalid(std::string(who) + ": tokens must be >= 0 (got " + std::to_string(tokens) + ")");
-  std::int64_t prev = -1;
-  for (std::size_t i = 0; i < kept.size(); ++i) {
-    const std::int64_t p = kept[i];
-    if (p < 0 || p >= tokens)
-      throw_invalid(std::string(who) + ": kept[" + std::to_string(i) + "] = " + std::to_string(p) +
-                    " out of range [0, " + std::to_string(tokens) + ")");
-    if (p <= prev)
-      throw_invalid(std::string(who) + ": kept positions must be strictly ascending (" + std::to_string(p) +
-                    " after " + std::to_string(prev) + ")");
-    prev = p;
-  }
-}
-
 inline std::vector<PositionRange> complement_ranges(std::span<const std::int64_t> kept, std::int64_t tokens) {
   std::vector<PositionRange> out;
   std::int64_t next = 0;  // first position not yet accounted for

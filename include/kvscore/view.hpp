@@ -7,6 +7,7 @@
 // rows in).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -211,19 +212,56 @@ class Scores {
   std::int64_t heads_ = 0, tokens_ = 0;
 };
 
+/// What every cache view has: an element type of kvscore's and a [heads][tokens][head_dim]
+/// shape. KeyCacheView (what a scorer reads) and MutableCacheView (what compact writes) refine it.
+template <class V>
+concept CacheShape = requires(const V& v) {
+  typename V::value_type;
+  requires is_element_type_v<typename V::value_type>;
+  { v.heads() } -> std::convertible_to<std::int64_t>;
+  { v.tokens() } -> std::convertible_to<std::int64_t>;
+  { v.head_dim() } -> std::convertible_to<std::int64_t>;
+};
+
+namespace detail {
+/// The shell of a writable view over a read-only one (MutKeysView here, cuda's
+/// DeviceMutKeysView): the read-only view to score, the writable pointer, the shape.
+template <class View>
+class WritableShell {
+ public:
+  using value_type = typename View::value_type;
+
+  /// The read-only view (to score it).
+  const View& view() const noexcept { return view_; }
+  value_type* data() const noexcept { return data_; }
+  std::int64_t heads() const noexcept { return view_.heads(); }
+  std::int64_t tokens() const noexcept { return view_.tokens(); }
+  std::int64_t head_dim() const noexcept { return view_.head_dim(); }
+  std::int64_t head_stride() const noexcept { return view_.head_stride(); }
+  std::int64_t token_stride() const noexcept { return view_.token_stride(); }
+
+ protected:
+  WritableShell() = default;
+  // `v` was built from the non-const `data`, so writing through it is well defined.
+  WritableShell(const View& v, value_type* data) : view_(v), data_(data) {}
+  View view_;
+  value_type* data_ = nullptr;
+};
+}  // namespace detail
+
 /// Mutable strided view of one layer's keys or values [heads][tokens][head_dim], inner stride 1.
 /// Same constructors and validation as KeysView (it builds one from the same numbers); the
 /// memory must be writable.
 template <class T>
-class MutKeysView {
- public:
-  using value_type = T;
+class MutKeysView : public detail::WritableShell<KeysView<T>> {
+  using Shell = detail::WritableShell<KeysView<T>>;
 
+ public:
   MutKeysView() = default;
   /// Element (h, t, j) at data[h*head_stride + t*token_stride + j].
   MutKeysView(T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim, std::int64_t head_stride,
               std::int64_t token_stride)
-      : view_(data, heads, tokens, head_dim, head_stride, token_stride), data_(data) {}
+      : Shell(KeysView<T>(data, heads, tokens, head_dim, head_stride, token_stride), data) {}
 
   /// One batch row of an HF cache [batch, kv_heads, seq, head_dim]; `capacity` = allocated length (static cache).
   static MutKeysView hf(T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
@@ -235,24 +273,14 @@ class MutKeysView {
     return MutKeysView(KeysView<T>::token_major(data, tokens, kv_heads, head_dim));
   }
 
-  /// The read-only view (to score it).
-  const KeysView<T>& view() const noexcept { return view_; }
-  T* data() const noexcept { return data_; }
-  std::int64_t heads() const noexcept { return view_.heads(); }
-  std::int64_t tokens() const noexcept { return view_.tokens(); }
-  std::int64_t head_dim() const noexcept { return view_.head_dim(); }
-  std::int64_t head_stride() const noexcept { return view_.head_stride(); }
-  std::int64_t token_stride() const noexcept { return view_.token_stride(); }
-  bool empty() const noexcept { return view_.empty(); }
+  bool empty() const noexcept { return this->view_.empty(); }
   T* row(std::int64_t h, std::int64_t t) const noexcept {
-    return data_ + h * view_.head_stride() + t * view_.token_stride();
+    return this->data_ + h * this->view_.head_stride() + t * this->view_.token_stride();
   }
 
  private:
   // The view was built from a non-const pointer, so writing through it is well defined.
-  explicit MutKeysView(const KeysView<T>& v) : view_(v), data_(const_cast<T*>(v.data())) {}
-  KeysView<T> view_;
-  T* data_ = nullptr;
+  explicit MutKeysView(const KeysView<T>& v) : Shell(v, const_cast<T*>(v.data())) {}
 };
 
 }  // namespace kvscore

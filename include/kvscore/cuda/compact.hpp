@@ -109,15 +109,12 @@ inline DeviceSelection upload(const Selection& sel, Workspace ws, stream_t strea
   copy_to_device_async(pos, sel.positions.data(), sel.positions.size() * sizeof(std::int64_t), stream);
   return {sel.heads, sel.tokens, off, pos};
 }
-}  // namespace detail
-
-/// Compacts one device cache tensor in place with a host Selection (validated first).
-template <class T>
-void compact(const DeviceMutKeysView<T>& cache, const Selection& sel, Workspace ws, const CompactOptions& opts = {},
-             stream_t stream = nullptr) {
+/// A host Selection validated against (heads, tokens) and its equal-length rule checked on the
+/// host (then switched off in `o`), uploaded to the workspace.
+inline DeviceSelection upload_checked(const Selection& sel, std::int64_t heads, std::int64_t tokens, CompactOptions& o,
+                                      Workspace ws, stream_t stream) {
   constexpr const char* who = "kvscore::cuda::compact";
-  kvscore::detail::require_valid_selection(sel, cache.heads(), cache.tokens(), who);
-  CompactOptions o = opts;
+  kvscore::detail::require_valid_selection(sel, heads, tokens, who);
   if (o.require_equal_lengths)
     for (std::int64_t h = 1; h < sel.heads; ++h)
       if (sel.kept(h) != sel.kept(0))
@@ -125,7 +122,17 @@ void compact(const DeviceMutKeysView<T>& cache, const Selection& sel, Workspace 
                                        " keeps " + std::to_string(sel.kept(h)) + " rows and head 0 keeps " +
                                        std::to_string(sel.kept(0)));
   o.require_equal_lengths = false;
-  const DeviceSelection d = detail::upload(sel, ws, stream, who);
+  return upload(sel, ws, stream, who);
+}
+
+}  // namespace detail
+
+/// Compacts one device cache tensor in place with a host Selection (validated first).
+template <class T>
+void compact(const DeviceMutKeysView<T>& cache, const Selection& sel, Workspace ws, const CompactOptions& opts = {},
+             stream_t stream = nullptr) {
+  CompactOptions o = opts;
+  const DeviceSelection d = detail::upload_checked(sel, cache.heads(), cache.tokens(), o, ws, stream);
   compact(cache, d, o, stream);
 }
 
@@ -133,17 +140,8 @@ void compact(const DeviceMutKeysView<T>& cache, const Selection& sel, Workspace 
 template <class T, class U>
 void compact(const DeviceMutKeysView<T>& keys, const DeviceMutKeysView<U>& values, const Selection& sel, Workspace ws,
              const CompactOptions& opts = {}, stream_t stream = nullptr) {
-  constexpr const char* who = "kvscore::cuda::compact";
-  kvscore::detail::require_valid_selection(sel, keys.heads(), keys.tokens(), who);
   CompactOptions o = opts;
-  if (o.require_equal_lengths)
-    for (std::int64_t h = 1; h < sel.heads; ++h)
-      if (sel.kept(h) != sel.kept(0))
-        kvscore::detail::throw_invalid(std::string(who) + ": require_equal_lengths, but head " + std::to_string(h) +
-                                       " keeps " + std::to_string(sel.kept(h)) + " rows and head 0 keeps " +
-                                       std::to_string(sel.kept(0)));
-  o.require_equal_lengths = false;
-  const DeviceSelection d = detail::upload(sel, ws, stream, who);
+  const DeviceSelection d = detail::upload_checked(sel, keys.heads(), keys.tokens(), o, ws, stream);
   compact(keys, values, d, o, stream);
 }
 

@@ -135,15 +135,16 @@ class DeviceKeysView {
 
 /// Writable device view of keys or values [heads][tokens][head_dim] (compaction).
 template <class T>
-class DeviceMutKeysView {
+class DeviceMutKeysView : public kvscore::detail::WritableShell<DeviceKeysView<T>> {
+  using Shell = kvscore::detail::WritableShell<DeviceKeysView<T>>;
+
  public:
-  using value_type = T;
   static constexpr MemorySpace space = MemorySpace::device;
 
   DeviceMutKeysView() = default;
   DeviceMutKeysView(T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
                     std::int64_t head_stride, std::int64_t token_stride)
-      : v_(data, heads, tokens, head_dim, head_stride, token_stride), data_(data) {}
+      : Shell(DeviceKeysView<T>(data, heads, tokens, head_dim, head_stride, token_stride), data) {}
   static DeviceMutKeysView hf(T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
                               std::int64_t seq, std::int64_t head_dim, std::int64_t capacity = -1) {
     const DeviceKeysView<T> v = DeviceKeysView<T>::hf(layer, batch_index, batch, kv_heads, seq, head_dim, capacity);
@@ -154,19 +155,6 @@ class DeviceMutKeysView {
     const DeviceKeysView<T> v = DeviceKeysView<T>::token_major(data, tokens, kv_heads, head_dim);
     return DeviceMutKeysView(data, v.heads(), v.tokens(), v.head_dim(), v.head_stride(), v.token_stride());
   }
-
-  /// The read-only view (to score it).
-  const DeviceKeysView<T>& view() const noexcept { return v_; }
-  T* data() const noexcept { return data_; }
-  std::int64_t heads() const noexcept { return v_.heads(); }
-  std::int64_t tokens() const noexcept { return v_.tokens(); }
-  std::int64_t head_dim() const noexcept { return v_.head_dim(); }
-  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
-  std::int64_t token_stride() const noexcept { return v_.token_stride(); }
-
- private:
-  DeviceKeysView<T> v_;
-  T* data_ = nullptr;
 };
 
 /// Device fp32 scores [heads][tokens], token stride 1 (ScoresView's rules).

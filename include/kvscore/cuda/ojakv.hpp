@@ -76,6 +76,25 @@ void oja_covariance(const KeysArg& rows, std::int64_t pool, Workspace ws, double
 namespace kvscore::cuda {
 
 namespace detail {
+/// `what` ("codes", "output") must be (heads, tokens, last), `last` named `last_name`.
+template <class View>
+void require_shape(const std::string& what, const View& v, const char* last_name, std::int64_t heads,
+                   std::int64_t tokens, std::int64_t last) {
+  if (v.heads() != heads || v.tokens() != tokens || v.head_dim() != last)
+    kvscore::detail::throw_invalid(what + " shape (" + std::to_string(v.heads()) + ", " + std::to_string(v.tokens()) +
+                                   ", " + std::to_string(v.head_dim()) + ") is not (heads, tokens, " + last_name +
+                                   ") = (" + std::to_string(heads) + ", " + std::to_string(tokens) + ", " +
+                                   std::to_string(last) + ")");
+}
+
+/// The bases' (heads, dim) must equal the other operand's: "bases are (.. heads, rank ..), codes (..)".
+inline void require_bases_match(const std::string& who, const char* dim_name, std::int64_t bh, std::int64_t bd,
+                                const char* other, std::int64_t oh, std::int64_t od) {
+  if (bh != oh || bd != od)
+    kvscore::detail::throw_invalid(who + "bases are (" + std::to_string(bh) + " heads, " + dim_name + " " +
+                                   std::to_string(bd) + "), " + other + " (" + std::to_string(oh) + " heads, " +
+                                   dim_name + " " + std::to_string(od) + ")");
+}
 
 inline void check_pool(std::int64_t pool, const char* who) {
   if (pool < 1) kvscore::detail::throw_invalid(std::string(who) + ": pool must be >= 1 (got " + std::to_string(pool) + ")");
@@ -144,15 +163,8 @@ template <class T>
 void project(const DeviceKeysView<T>& keys, const DeviceBasesView& bases, const DeviceMutKeysView<float>& codes,
              stream_t stream = nullptr) {
   const std::string who = "kvscore::cuda::project: ";
-  if (bases.heads() != keys.heads() || bases.head_dim() != keys.head_dim())
-    kvscore::detail::throw_invalid(who + "bases are (" + std::to_string(bases.heads()) + " heads, head_dim " +
-                                   std::to_string(bases.head_dim()) + "), keys (" + std::to_string(keys.heads()) +
-                                   " heads, head_dim " + std::to_string(keys.head_dim()) + ")");
-  if (codes.heads() != keys.heads() || codes.tokens() != keys.tokens() || codes.head_dim() != bases.rank())
-    kvscore::detail::throw_invalid(who + "codes shape (" + std::to_string(codes.heads()) + ", " +
-                                   std::to_string(codes.tokens()) + ", " + std::to_string(codes.head_dim()) +
-                                   ") is not (heads, tokens, rank) = (" + std::to_string(keys.heads()) + ", " +
-                                   std::to_string(keys.tokens()) + ", " + std::to_string(bases.rank()) + ")");
+  detail::require_bases_match(who, "head_dim", bases.heads(), bases.head_dim(), "keys", keys.heads(), keys.head_dim());
+  detail::require_shape(who + "codes", codes, "rank", keys.heads(), keys.tokens(), bases.rank());
   detail::oja_project(detail::keys_arg(keys), bases.data(), bases.rank(), codes.data(), codes.head_stride(),
                       codes.token_stride(), stream);
 }
@@ -161,15 +173,8 @@ void project(const DeviceKeysView<T>& keys, const DeviceBasesView& bases, const 
 inline void reconstruct(const DeviceKeysView<float>& codes, const DeviceBasesView& bases,
                         const DeviceMutKeysView<float>& out, stream_t stream = nullptr) {
   const std::string who = "kvscore::cuda::reconstruct: ";
-  if (bases.heads() != codes.heads() || bases.rank() != codes.head_dim())
-    kvscore::detail::throw_invalid(who + "bases are (" + std::to_string(bases.heads()) + " heads, rank " +
-                                   std::to_string(bases.rank()) + "), codes (" + std::to_string(codes.heads()) +
-                                   " heads, rank " + std::to_string(codes.head_dim()) + ")");
-  if (out.heads() != codes.heads() || out.tokens() != codes.tokens() || out.head_dim() != bases.head_dim())
-    kvscore::detail::throw_invalid(who + "output shape (" + std::to_string(out.heads()) + ", " +
-                                   std::to_string(out.tokens()) + ", " + std::to_string(out.head_dim()) +
-                                   ") is not (heads, tokens, head_dim) = (" + std::to_string(codes.heads()) + ", " +
-                                   std::to_string(codes.tokens()) + ", " + std::to_string(bases.head_dim()) + ")");
+  detail::require_bases_match(who, "rank", bases.heads(), bases.rank(), "codes", codes.heads(), codes.head_dim());
+  detail::require_shape(who + "output", out, "head_dim", codes.heads(), codes.tokens(), bases.head_dim());
   detail::oja_reconstruct(detail::keys_arg(codes), bases.data(), bases.head_dim(), out.data(), out.head_stride(),
                           out.token_stride(), stream);
 }
@@ -317,6 +322,12 @@ namespace detail {
 
 enum class OjaPhase { prefill, decode };
 
+inline std::vector<OjaBasis*> pointers(std::vector<OjaBasis>& bases) {
+  std::vector<OjaBasis*> p;
+  for (auto& b : bases) p.push_back(&b);
+  return p;
+}
+
 template <class T>
 std::vector<OjaUpdate> oja_update(const std::vector<OjaBasis*>& bases, const DeviceKeysView<T>& rows, Workspace ws,
                                   stream_t stream, OjaPhase phase, const char* who) {
@@ -363,9 +374,8 @@ std::vector<OjaUpdate> oja_update(const std::vector<OjaBasis*>& bases, const Dev
 template <class T>
 std::vector<OjaUpdate> prefill(std::vector<OjaBasis>& bases, const DeviceKeysView<T>& rows, Workspace ws,
                                stream_t stream = nullptr) {
-  std::vector<OjaBasis*> p;
-  for (auto& b : bases) p.push_back(&b);
-  return detail::oja_update(p, rows, ws, stream, detail::OjaPhase::prefill, "kvscore::cuda::prefill");
+  return detail::oja_update(detail::pointers(bases), rows, ws, stream, detail::OjaPhase::prefill,
+                            "kvscore::cuda::prefill");
 }
 
 /// The decode update of OjaBasis::push once `period` rows are in: `rows` holds those rows of
@@ -373,9 +383,8 @@ std::vector<OjaUpdate> prefill(std::vector<OjaBasis>& bases, const DeviceKeysVie
 template <class T>
 std::vector<OjaUpdate> decode_update(std::vector<OjaBasis>& bases, const DeviceKeysView<T>& rows, Workspace ws,
                                      stream_t stream = nullptr) {
-  std::vector<OjaBasis*> p;
-  for (auto& b : bases) p.push_back(&b);
-  return detail::oja_update(p, rows, ws, stream, detail::OjaPhase::decode, "kvscore::cuda::decode_update");
+  return detail::oja_update(detail::pointers(bases), rows, ws, stream, detail::OjaPhase::decode,
+                            "kvscore::cuda::decode_update");
 }
 
 /// OjaProjector::prefill of every head: U_k from `keys`, U_v from `values`.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "kvscore/selection.hpp"
@@ -55,6 +56,22 @@ inline void require_valid_selection(const Selection& sel, std::int64_t heads, st
                       std::to_string(p) + " after " + std::to_string(prev) + ")");
       prev = p;
     }
+  }
+}
+
+/// One head's kept positions: each in [0, tokens), strictly ascending (slots, the evaluator).
+inline void require_ascending(std::span<const std::int64_t> kept, std::int64_t tokens, const char* who) {
+  if (tokens < 0) throw_invalid(std::string(who) + ": tokens must be >= 0 (got " + std::to_string(tokens) + ")");
+  std::int64_t prev = -1;
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    const std::int64_t p = kept[i];
+    if (p < 0 || p >= tokens)
+      throw_invalid(std::string(who) + ": kept position " + std::to_string(p) + " (kept[" + std::to_string(i) +
+                    "] = " + std::to_string(p) + ") out of range [0, " + std::to_string(tokens) + ")");
+    if (p <= prev)
+      throw_invalid(std::string(who) + ": kept positions must be strictly ascending (" + std::to_string(p) +
+                    " after " + std::to_string(prev) + ")");
+    prev = p;
   }
 }
 

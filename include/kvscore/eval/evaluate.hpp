@@ -119,12 +119,12 @@ inline void check_compressed(const Compressed& c, const LayerInput& in, const st
       invalid(who + "returned a selection of " + std::to_string(c.kept.heads) + " heads, expected " +
               std::to_string(in.kv_heads));
     for (std::int64_t h = 0; h < in.kv_heads; ++h)
-      detail::check_kept(c.kept.head(h), in.tokens, (who + "head " + std::to_string(h)).c_str());
+      kvscore::detail::require_ascending(c.kept.head(h), in.tokens, (who + "head " + std::to_string(h)).c_str());
   } else {
     if (std::int64_t(c.per_query.size()) != in.q_heads * in.n_queries)
       invalid(who + "returned " + std::to_string(c.per_query.size()) + " per-query sets, expected " +
               std::to_string(in.q_heads * in.n_queries));
-    for (const auto& s : c.per_query) detail::check_kept(s, in.tokens, (who + "per-query set").c_str());
+    for (const auto& s : c.per_query) kvscore::detail::require_ascending(s, in.tokens, (who + "per-query set").c_str());
   }
 }
 

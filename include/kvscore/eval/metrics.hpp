@@ -39,25 +39,13 @@
 #include <vector>
 
 #include "kvscore/detail/compiled.hpp"
+#include "kvscore/detail/selection_check.hpp"
 
 namespace kvscore::eval {
 
 namespace detail {
 [[noreturn]] inline void invalid(const std::string& m) { throw std::invalid_argument(m); }
 
-inline void check_kept(std::span<const std::int64_t> kept, std::int64_t n, const char* who) {
-  std::int64_t prev = -1;
-  for (std::size_t i = 0; i < kept.size(); ++i) {
-    const std::int64_t t = kept[i];
-    if (t < 0 || t >= n)
-      invalid(std::string(who) + ": kept position " + std::to_string(t) + " (entry " + std::to_string(i) +
-              ") out of range [0, " + std::to_string(n) + ")");
-    if (t <= prev)
-      invalid(std::string(who) + ": kept positions must ascend without duplicates (entry " + std::to_string(i) +
-              " is " + std::to_string(t) + " after " + std::to_string(prev) + ")");
-    prev = t;
-  }
-}
 }  // namespace detail
 
 /// log Σ exp(l_t) of n logits (max subtracted; fp64). n must be > 0.
@@ -157,7 +145,7 @@ class HeadReference {
   /// `approx_output` (dv values) replaces the kept-softmax output when given (hybrid methods).
   RowMetrics row_metrics(std::int64_t r, std::span<const std::int64_t> kept,
                          const double* approx_output = nullptr) const {
-    detail::check_kept(kept, n_, "kvscore::eval::HeadReference::row_metrics");
+    kvscore::detail::require_ascending(kept, n_, "kvscore::eval::HeadReference::row_metrics");
     RowMetrics m;
     m.recall = attention_mass_recall(logit_row(r), lse(r), kept);
     m.overlap = topk_overlap(ranks(r), kept);

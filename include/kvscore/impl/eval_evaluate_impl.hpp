@@ -7,18 +7,27 @@
 
 namespace kvscore::eval {
 
+namespace detail {
+/// The three quality metrics of a HeadResult or a Result: sums, then the mean over n.
+template <class R>
+void add_metrics(R& r, double recall, double rel_error, double overlap) {
+  r.attention_mass_recall += recall;
+  r.output_rel_error += rel_error;
+  r.topk_overlap += overlap;
+}
+template <class R>
+void mean_metrics(R& r, std::int64_t n) {
+  r.attention_mass_recall /= double(n);
+  r.output_rel_error /= double(n);
+  r.topk_overlap /= double(n);
+}
+}  // namespace detail
+
 KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions& opt) {
   detail::validate(layers, opt);
   const LayerInput& a = layers[0];
-  Report rep;
-  rep.layers = std::int64_t(layers.size());
-  rep.kv_heads = a.kv_heads;
-  rep.q_heads = a.q_heads;
-  rep.tokens = a.tokens;
-  rep.head_dim = a.head_dim;
-  rep.value_dim = a.value_dim;
-  rep.n_queries = a.n_queries;
-  rep.options = opt;
+  Report rep{std::int64_t(layers.size()), a.kv_heads, a.q_heads, a.tokens, a.head_dim, a.value_dim, a.n_queries,
+             opt, {}, {}};
   const std::int64_t H = a.kv_heads, G = a.group(), nq = a.n_queries, rows = G * nq;
 
   struct Job {
@@ -77,13 +86,9 @@ KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const
           approx = o.data();
         }
         const RowMetrics m = ref.row_metrics(r, kept, approx);
-        hr.attention_mass_recall += m.recall;
-        hr.output_rel_error += m.rel_error;
-        hr.topk_overlap += m.overlap;
+        detail::add_metrics(hr, m.recall, m.rel_error, m.overlap);
       }
-      hr.attention_mass_recall /= double(rows);
-      hr.output_rel_error /= double(rows);
-      hr.topk_overlap /= double(rows);
+      detail::mean_metrics(hr, rows);
       per[j][std::size_t(cell)] = hr;
     }
   };
@@ -99,14 +104,9 @@ KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const
     r.budget = jobs[j].n;
     r.time_ms = jobs[j].ms / double(rep.layers);
     r.per_head = std::move(per[j]);
-    for (const HeadResult& hr : r.per_head) {  // fixed order: deterministic sums
-      r.attention_mass_recall += hr.attention_mass_recall;
-      r.output_rel_error += hr.output_rel_error;
-      r.topk_overlap += hr.topk_overlap;
-    }
-    r.attention_mass_recall /= double(cells);
-    r.output_rel_error /= double(cells);
-    r.topk_overlap /= double(cells);
+    for (const HeadResult& hr : r.per_head)  // fixed order: deterministic sums
+      detail::add_metrics(r, hr.attention_mass_recall, hr.output_rel_error, hr.topk_overlap);
+    detail::mean_metrics(r, cells);
     rep.results.push_back(std::move(r));
   }
   return rep;

@@ -179,16 +179,7 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   void check(const View& keys) const {
     const std::string who = "kvscore::ProtoKV: ";
     const std::int64_t kv = keys.heads(), n = keys.tokens();
-    if (kv <= 0 || q_heads_ % kv != 0)
-      detail::throw_invalid(who + "q_heads " + std::to_string(q_heads_) + " is not a multiple of the keys' kv_heads " +
-                            std::to_string(kv));
-    if (group_ > 0 && group_ != q_heads_ / kv)
-      detail::throw_invalid(who + "group " + std::to_string(group_) + " does not match q_heads / kv_heads = " +
-                            std::to_string(q_heads_) + " / " + std::to_string(kv) + " = " +
-                            std::to_string(q_heads_ / kv));
-    if (keys.head_dim() != dim_)
-      detail::throw_invalid(who + "queries have head_dim " + std::to_string(dim_) + " but keys have head_dim " +
-                            std::to_string(keys.head_dim()));
+    detail::check_queries_match_keys(who, q_heads_, group_, dim_, kv, keys.head_dim());
     if (placement == QueryPlacement::in_cache && window_ > n)
       detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " + std::to_string(n) +
                             " (the window's queries sit at the last positions of the cache; set placement = "
@@ -494,27 +485,12 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
     for (std::int64_t o = 0; o < M; ++o) out[order[std::size_t(o)]] = float(M - o);
 
     if (a == nullptr) return;
-    a->tokens = N;
-    a->head_dim = d;
-    a->valid = valid;
-    a->similarity = S;
-    a->deviation.assign(Nz, std::numeric_limits<double>::quiet_NaN());
-    for (std::int64_t t : elig) a->deviation[std::size_t(t)] = sd > 0 ? (mean - S[std::size_t(t)]) / sd : 0.0;
+    std::vector<double> dev(Nz, std::numeric_limits<double>::quiet_NaN());
+    for (std::int64_t t : elig) dev[std::size_t(t)] = sd > 0 ? (mean - S[std::size_t(t)]) / sd : 0.0;
     for (std::size_t t = 0; t < Nz; ++t)  // zero keys: Θ from their S too (they are just not eligible)
-      if (valid[t] && norm[t] == 0.f) a->deviation[t] = sd > 0 ? (mean - S[t]) / sd : 0.0;
-    a->qk = qk;
-    a->candidates = cand;
-    a->candidate_bucket = bucket;
-    a->bandwidth = sigma;
-    a->pdt_prototypes = v;
-    a->sat_prototypes = ns;
-    a->sat_bucket_id = ids;
-    a->chunk_begin = cb;
-    a->prototypes = protos;
-    a->cluster = cl;
-    a->cluster_size = size;
-    a->psi = psi_c;
-    a->cluster_order = corder;
+      if (valid[t] && norm[t] == 0.f) dev[t] = sd > 0 ? (mean - S[t]) / sd : 0.0;
+    *a = ProtoKVHead{N,     d,   valid,  S,  std::move(dev), qk,   cand,  bucket, sigma, std::int64_t(v),
+                     std::int64_t(ns), ids, cb, protos, cl, size, psi_c, corder};  // ProtoKVHead's field order
   }
 
   std::vector<double> qsum_;  ///< Σ over the window of each query head, [q_heads][head_dim]

@@ -88,12 +88,7 @@ void for_each_run_in(const View& keys, std::int64_t h, std::int64_t b, std::int6
 /// What a scorer needs from a view of keys: element type, shape, and the runs of rows
 /// of each head (KeysView, PagedKeysView, or an engine's own view type).
 template <class V>
-concept KeyCacheView = requires(const V& v, std::int64_t h) {
-  typename V::value_type;
-  requires is_element_type_v<typename V::value_type>;
-  { v.heads() } -> std::convertible_to<std::int64_t>;
-  { v.tokens() } -> std::convertible_to<std::int64_t>;
-  { v.head_dim() } -> std::convertible_to<std::int64_t>;
+concept KeyCacheView = CacheShape<V> && requires(const V& v, std::int64_t h) {
   v.for_each_run(h, [](const typename V::value_type*, std::int64_t, std::int64_t, std::int64_t) {});
 };
 
@@ -128,6 +123,22 @@ inline std::int64_t check_query_window(const char* cls, const float* queries, st
                   " (0 = q_heads / kv_heads of the keys)");
   if (queries == nullptr) throw_invalid(who + "queries is null");
   return checked_mul(checked_mul(q_heads, window, cls), head_dim, cls);
+}
+
+/// A query-window scorer's queries against the keys it scores: q_heads a multiple of the
+/// keys' heads, the group (if given) q_heads / kv_heads, the same head_dim. `who` ends in ": ".
+inline void check_queries_match_keys(const std::string& who, std::int64_t q_heads, std::int64_t group,
+                                     std::int64_t head_dim, std::int64_t kv_heads, std::int64_t key_dim) {
+  if (kv_heads <= 0 || q_heads % kv_heads != 0)
+    throw_invalid(who + "q_heads " + std::to_string(q_heads) + " is not a multiple of the keys' kv_heads " +
+                  std::to_string(kv_heads));
+  if (group > 0 && group != q_heads / kv_heads)
+    throw_invalid(who + "group " + std::to_string(group) + " does not match q_heads / kv_heads = " +
+                  std::to_string(q_heads) + " / " + std::to_string(kv_heads) + " = " +
+                  std::to_string(q_heads / kv_heads));
+  if (key_dim != head_dim)
+    throw_invalid(who + "queries have head_dim " + std::to_string(head_dim) + " but keys have head_dim " +
+                  std::to_string(key_dim));
 }
 
 }  // namespace detail

@@ -98,16 +98,7 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
   void check(const View& keys) const {
     const std::string who = "kvscore::SnapKV: ";
     const std::int64_t kv = keys.heads();
-    if (kv <= 0 || q_heads_ % kv != 0)
-      detail::throw_invalid(who + "q_heads " + std::to_string(q_heads_) + " is not a multiple of the keys' kv_heads " +
-                            std::to_string(kv));
-    if (group_ > 0 && group_ != q_heads_ / kv)
-      detail::throw_invalid(who + "group " + std::to_string(group_) + " does not match q_heads / kv_heads = " +
-                            std::to_string(q_heads_) + " / " + std::to_string(kv) + " = " +
-                            std::to_string(q_heads_ / kv));
-    if (keys.head_dim() != dim_)
-      detail::throw_invalid(who + "queries have head_dim " + std::to_string(dim_) + " but keys have head_dim " +
-                            std::to_string(keys.head_dim()));
+    detail::check_queries_match_keys(who, q_heads_, group_, dim_, kv, keys.head_dim());
     if (placement == QueryPlacement::in_cache && window_ > keys.tokens())
       detail::throw_invalid(who + "window " + std::to_string(window_) + " > tokens " +
                             std::to_string(keys.tokens()) + " (the window's queries sit at the last " +

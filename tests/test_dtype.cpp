@@ -5,9 +5,11 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvscore/dtype.hpp"
+#include "kvscore/simd/dispatch.hpp"
 
 using kvscore::bfloat16;
 using kvscore::half;
@@ -161,4 +163,36 @@ TEST_CASE("vector convert() equals the scalar path bit for bit", "[dtype]") {
   kvscore::convert(src.data(), b.data(), src.size());
   for (std::size_t i = 0; i < src.size(); ++i)
     if (!std::isnan(src[i])) REQUIRE(b[i].bits == kvscore::float_to_bf16_bits(src[i]));
+}
+
+TEST_CASE("convert() follows the ISA pin, and every pinned path equals the scalar one", "[dtype][simd]") {
+  namespace simd = kvscore::simd;
+  const std::string before = simd::active_table().name;
+  std::vector<half> all(65536);
+  for (std::uint32_t b = 0; b < 65536; ++b) all[b].bits = std::uint16_t(b);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  std::vector<float> src(4099);  // not a multiple of 8: the vector loop's tail runs too
+  for (auto& f : src) f = std::bit_cast<float>(bits(rng) & 0xbfffffffu);
+  std::vector<float> slow(all.size());
+  std::vector<half> h_slow(src.size());
+  kvscore::convert_scalar(all.data(), slow.data(), all.size());
+  kvscore::convert_scalar(src.data(), h_slow.data(), src.size());
+  for (const simd::KernelTable* t : simd::available_tables()) {
+    simd::set_active_isa(t->name);
+    INFO("table " << t->name << ", convert path " << kvscore::convert_path());
+    const bool f16c_allowed = simd::isa_level(t->name) >= 2 && kvscore::detail::cpu().f16c;
+    CHECK(std::string(kvscore::convert_path()) == (f16c_allowed ? "f16c" : "scalar"));
+    std::vector<float> fast(all.size());
+    kvscore::convert(all.data(), fast.data(), all.size());
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      if (std::isnan(slow[i])) REQUIRE(std::isnan(fast[i]));
+      else REQUIRE(std::bit_cast<std::uint32_t>(fast[i]) == std::bit_cast<std::uint32_t>(slow[i]));
+    }
+    std::vector<half> h_fast(src.size());
+    kvscore::convert(src.data(), h_fast.data(), src.size());
+    for (std::size_t i = 0; i < src.size(); ++i)
+      if (!std::isnan(src[i])) REQUIRE(h_fast[i].bits == h_slow[i].bits);
+  }
+  simd::set_active_isa(before);
 }

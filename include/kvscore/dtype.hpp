@@ -128,13 +128,15 @@ constexpr T from_float(float f) noexcept {
 }
 
 // ---------------------------------------------------------------- vector conversion
-// F16C / AVX-512 when the CPU has them (checked at run time), exact scalar otherwise.
+// F16C when the CPU has it (checked at run time) and the ISA pin allows AVX2-level code
+// (KVSCORE_ISA / simd::set_active_isa at avx2 or above, or no pin), exact scalar otherwise.
 // Both give bit-identical results (F16C uses RNE with the default MXCSR).
 
 namespace detail {
 #if defined(KVSCORE_X86) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_HAVE_F16C_PATH 1
-inline bool cpu_has_f16c() noexcept { return cpu().f16c; }
+/// F16C is in reach: the CPU has it and the ISA pin is at AVX2 level or above.
+inline bool cpu_has_f16c() noexcept { return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= 2; }
 __attribute__((target("avx,f16c"))) inline void half_to_float_f16c(const half* src, float* dst,
                                                                  std::size_t n) noexcept {
   std::size_t i = 0;
@@ -156,7 +158,7 @@ __attribute__((target("avx,f16c"))) inline void float_to_half_f16c(const float* 
 #endif
 }  // namespace detail
 
-/// Which path convert() takes on this CPU: "f16c" or "scalar".
+/// Which path convert() takes on this CPU under the current ISA pin: "f16c" or "scalar".
 inline const char* convert_path() noexcept {
 #ifdef KVSCORE_HAVE_F16C_PATH
   return detail::cpu_has_f16c() ? "f16c" : "scalar";

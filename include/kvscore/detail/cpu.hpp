@@ -1,6 +1,12 @@
 // kvscore/detail/cpu.hpp — x86 CPU feature detection (cpuid + XGETBV, so a feature
 // the OS does not save registers for counts as absent). Compiler-neutral: g++ and clang.
+// Also the one ISA pin as a level (isa_cap_slot), so that every floor, the ground floor's
+// fp16 conversion included, obeys KVSCORE_ISA / simd::set_active_isa.
 #pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <string_view>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -47,6 +53,26 @@ inline CpuFeatures detect_cpu() noexcept {
 inline const CpuFeatures& cpu() noexcept {
   static const CpuFeatures f = detect_cpu();
   return f;
+}
+
+/// Instruction-set level of a kernel table name: 0 scalar, 1 up to SSE4/AVX (no AVX2), 2 AVX2
+/// + FMA, 3 AVX-512 (xsimd arch names such as "fma3+avx2" or "avx512bw" map by what they contain).
+inline int isa_level(std::string_view name) noexcept {
+  if (name == "scalar") return 0;
+  if (name.find("avx512") != std::string_view::npos) return 3;
+  if (name.find("avx2") != std::string_view::npos) return 2;
+  return 1;
+}
+
+/// The highest ISA level any kernel may use: KVSCORE_ISA's level at first use, then the level
+/// of the table simd::set_active_isa() pins; 3 (no limit) when nothing pins it. An unknown
+/// KVSCORE_ISA name is reported by simd::active_table(), not here.
+inline std::atomic<int>& isa_cap_slot() noexcept {
+  static std::atomic<int> cap{[] {
+    const char* env = std::getenv("KVSCORE_ISA");
+    return env != nullptr && *env != '\0' ? isa_level(env) : 3;
+  }()};
+  return cap;
 }
 
 }  // namespace kvscore::detail

@@ -15,10 +15,14 @@
 #include <string_view>
 #include <vector>
 
+#include "kvscore/detail/cpu.hpp"
 #include "kvscore/simd/kernels.hpp"
 #include "kvscore/simd/table.hpp"
 
 namespace kvscore::simd {
+
+/// Instruction-set level of a table name (0 scalar .. 3 AVX-512): kvscore/detail/cpu.hpp.
+using kvscore::detail::isa_level;
 
 #ifdef KVSCORE_RUNTIME_DISPATCH
 namespace detail {
@@ -63,11 +67,6 @@ inline std::atomic<const KernelTable*>& active_slot() noexcept {
   static std::atomic<const KernelTable*> slot{nullptr};
   return slot;
 }
-/// Whether KVSCORE_ISA or set_active_isa() chose the table (false: the best one by default).
-inline std::atomic<bool>& pinned_flag() noexcept {
-  static std::atomic<bool> pinned{false};
-  return pinned;
-}
 inline const KernelTable& checked_table(std::string_view name, const char* who) {
   const KernelTable* t = find_table(name);
   if (t == nullptr)
@@ -84,7 +83,6 @@ inline const KernelTable& active_table() {
   const char* env = std::getenv("KVSCORE_ISA");
   const bool pinned = env != nullptr && *env != '\0';
   t = pinned ? &detail::checked_table(env, "KVSCORE_ISA") : available_tables().back();
-  if (pinned) detail::pinned_flag().store(true, std::memory_order_relaxed);
   detail::active_slot().store(t, std::memory_order_release);
   return *t;
 }
@@ -93,16 +91,7 @@ inline const KernelTable& active_table() {
 inline void set_active_isa(std::string_view name) {
   detail::active_slot().store(&detail::checked_table(name, "kvscore::simd::set_active_isa"),
                               std::memory_order_release);
-  detail::pinned_flag().store(true, std::memory_order_relaxed);
-}
-
-/// Instruction-set level of a table name: 0 scalar, 1 up to SSE4/AVX (no AVX2), 2 AVX2 + FMA,
-/// 3 AVX-512 (xsimd arch names such as "fma3+avx2" or "avx512bw" map by what they contain).
-inline int isa_level(std::string_view name) noexcept {
-  if (name == "scalar") return 0;
-  if (name.find("avx512") != std::string_view::npos) return 3;
-  if (name.find("avx2") != std::string_view::npos) return 2;
-  return 1;
+  kvscore::detail::isa_cap_slot().store(isa_level(name), std::memory_order_relaxed);
 }
 
 /// The highest instruction-set level the kernel families outside the row tables (ParisKV's
@@ -110,8 +99,8 @@ inline int isa_level(std::string_view name) noexcept {
 /// pinned it, otherwise unlimited (each family then takes the best its CPU check allows, also
 /// in header-only builds whose own table is only as wide as their compile flags).
 inline int isa_cap() {
-  const KernelTable& t = active_table();
-  return detail::pinned_flag().load(std::memory_order_relaxed) ? isa_level(t.name) : 3;
+  (void)active_table();  // an unknown KVSCORE_ISA is an error here, as for the row tables
+  return kvscore::detail::isa_cap_slot().load(std::memory_order_relaxed);
 }
 
 }  // namespace kvscore::simd

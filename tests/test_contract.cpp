@@ -40,9 +40,11 @@ static_assert(kvscore::HybridStore<kvscore::OjaHybridCache, kvscore::OjaProjecto
 // entry's kind agrees with the concept it satisfies.
 template <class S>
 constexpr bool registered_as(std::string_view cls) {
-  const kvscore::MethodInfo* m = kvscore::find_method_info(S::name);
-  return m != nullptr && m->cli == std::string_view(S::name) && m->cls == cls &&
-         (m->kind == kvscore::MethodKind::query_scorer) == kvscore::QueryScorer<S> && kvscore::is_scorer(*m);
+  const int i = kvscore::method_index(S::name);
+  if (i < 0) return false;
+  const kvscore::MethodInfo& m = kvscore::kMethods[std::size_t(i)];
+  return m.cli == std::string_view(S::name) && m.cls == cls &&
+         (m.kind == kvscore::MethodKind::query_scorer) == kvscore::QueryScorer<S> && kvscore::is_scorer(m);
 }
 static_assert(registered_as<kvscore::KNorm>("KNorm"));
 static_assert(registered_as<kvscore::KeyDiff>("KeyDiff"));
@@ -51,10 +53,10 @@ static_assert(registered_as<kvscore::WindowedManifoldL2>("WindowedManifoldL2"));
 static_assert(registered_as<kvscore::QFilter>("QFilter"));
 static_assert(registered_as<kvscore::SnapKV>("SnapKV"));
 static_assert(registered_as<kvscore::ProtoKV>("ProtoKV"));
-static_assert(kvscore::find_method_info("pariskv")->kind == kvscore::MethodKind::retriever);
-static_assert(kvscore::find_method_info("ojakv")->kind == kvscore::MethodKind::hybrid);
+static_assert(kvscore::kMethods[std::size_t(kvscore::method_index("pariskv"))].kind == kvscore::MethodKind::retriever);
+static_assert(kvscore::kMethods[std::size_t(kvscore::method_index("ojakv"))].kind == kvscore::MethodKind::hybrid);
 // OjaResidual is a part of ojakv (its full-rank rule), not a method of its own
-static_assert(kvscore::find_method_info(kvscore::OjaResidual::name) == nullptr);
+static_assert(kvscore::method_index(kvscore::OjaResidual::name) == -1);
 
 // ---------------------------------------------------------------- not methods
 struct NoName : kvscore::ScorerOptions {  // the right calls but no `name`

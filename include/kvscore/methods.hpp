@@ -94,12 +94,22 @@ inline constexpr bool in_list(std::string_view list, std::string_view s) noexcep
   return false;
 }
 
-/// The entry a spelling (name, cli or alias) names; nullptr when none does.
-inline constexpr const MethodInfo* find_method_info(std::string_view spelling) noexcept {
-  if (spelling.empty()) return nullptr;
-  for (const MethodInfo& m : kMethods)
-    if (m.name == spelling || m.cli == spelling || in_list(m.aliases, spelling)) return &m;
-  return nullptr;
+/// The index in kMethods of the entry a spelling (name, cli or alias) names; -1 when none
+/// does. (An index, not a pointer, so that constant evaluation needs no address comparison,
+/// which GCC refuses under -fsanitize=address,undefined.)
+inline constexpr int method_index(std::string_view spelling) noexcept {
+  if (spelling.empty()) return -1;
+  for (std::size_t i = 0; i < kMethods.size(); ++i) {
+    const MethodInfo& m = kMethods[i];
+    if (m.name == spelling || m.cli == spelling || in_list(m.aliases, spelling)) return int(i);
+  }
+  return -1;
+}
+
+/// The entry a spelling names; nullptr when none does.
+inline const MethodInfo* find_method_info(std::string_view spelling) noexcept {
+  const int i = method_index(spelling);
+  return i < 0 ? nullptr : &kMethods[std::size_t(i)];
 }
 
 /// Every method's CLI spelling of the given kinds, ", "-separated (for messages and --help).
@@ -126,9 +136,10 @@ inline constexpr bool is_scorer(const MethodInfo& m) noexcept {
 // Names are unique across all spellings: no spelling may name two methods.
 namespace detail {
 constexpr bool method_spellings_unique() {
-  for (const MethodInfo& a : kMethods)
-    for (const MethodInfo& b : kMethods) {
-      if (&a == &b) continue;
+  for (std::size_t i = 0; i < kMethods.size(); ++i)
+    for (std::size_t j = 0; j < kMethods.size(); ++j) {
+      if (i == j) continue;
+      const MethodInfo &a = kMethods[i], &b = kMethods[j];
       if (in_list(b.aliases, a.name) || in_list(b.aliases, a.cli) || a.name == b.name || a.cli == b.cli ||
           a.name == b.cli)
         return false;

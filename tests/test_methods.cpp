@@ -23,11 +23,7 @@ const fs::path kRoot = fs::path(KVSCORE_TEST_DATA_DIR) / ".." / "..";
 
 std::vector<std::string> spellings(const kvscore::MethodInfo& m) {
   std::vector<std::string> s{std::string(m.name), std::string(m.cli)};
-  for (std::string_view a = m.aliases; !a.empty();) {
-    const std::size_t c = a.find(',');
-    s.emplace_back(a.substr(0, c));
-    a = c == std::string_view::npos ? std::string_view() : a.substr(c + 1);
-  }
+  for (std::string_view a : kvscore::split_list(m.aliases)) s.emplace_back(a);
   return s;
 }
 

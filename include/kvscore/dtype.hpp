@@ -136,7 +136,7 @@ namespace detail {
 #if defined(KVSCORE_X86) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_HAVE_F16C_PATH 1
 /// F16C is in reach: the CPU has it and the ISA pin is at AVX2 level or above.
-inline bool cpu_has_f16c() noexcept { return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= 2; }
+inline bool f16c_allowed() noexcept { return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= 2; }
 __attribute__((target("avx,f16c"))) inline void half_to_float_f16c(const half* src, float* dst,
                                                                  std::size_t n) noexcept {
   std::size_t i = 0;
@@ -161,7 +161,7 @@ __attribute__((target("avx,f16c"))) inline void float_to_half_f16c(const float* 
 /// Which path convert() takes on this CPU under the current ISA pin: "f16c" or "scalar".
 inline const char* convert_path() noexcept {
 #ifdef KVSCORE_HAVE_F16C_PATH
-  return detail::cpu_has_f16c() ? "f16c" : "scalar";
+  return detail::f16c_allowed() ? "f16c" : "scalar";
 #else
   return "scalar";
 #endif
@@ -178,9 +178,9 @@ inline void convert(const S* src, D* dst, std::size_t n) noexcept {
   static_assert(is_element_type_v<S> && is_element_type_v<D>);
 #ifdef KVSCORE_HAVE_F16C_PATH
   if constexpr (std::is_same_v<S, half> && std::is_same_v<D, float>) {
-    if (detail::cpu_has_f16c()) return detail::half_to_float_f16c(src, dst, n);
+    if (detail::f16c_allowed()) return detail::half_to_float_f16c(src, dst, n);
   } else if constexpr (std::is_same_v<S, float> && std::is_same_v<D, half>) {
-    if (detail::cpu_has_f16c()) return detail::float_to_half_f16c(src, dst, n);
+    if (detail::f16c_allowed()) return detail::float_to_half_f16c(src, dst, n);
   }
 #endif
   // bf16 <-> f32 is a shift plus integer rounding: the compiler vectorises this loop.

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace kvscore {
 
@@ -49,37 +50,35 @@ struct MethodInfo {
   std::string_view cls;      ///< the C++ type (kvscore::cls)
   std::string_view header;   ///< include/<header>
   std::string_view doc;      ///< docs/<doc>
-  std::string_view options;  ///< the CLI options it reads, comma-separated ("" = none)
   std::string_view summary;  ///< one line for --help, the evaluator and the docs
 };
 
 /// Every method, in the evaluator's report order (`--methods all`).
 inline constexpr std::array<MethodInfo, 12> kMethods = {{
-    {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "knorm.md", "",
+    {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "knorm.md",
      "K-norm: keep low-norm keys"},
-    {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "keydiff.md", "",
+    {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "keydiff.md",
      "KeyDiff: keep keys least similar (cosine) to the mean direction"},
     {"manifold_l2", "l2", "manifoldkv,manifold-l2", MethodKind::scorer, "ManifoldL2",
-     "kvscore/scorers/manifold_l2.hpp", "manifoldkv.md", "", "ManifoldKV: keep keys far (L2) from the centroid"},
+     "kvscore/scorers/manifold_l2.hpp", "manifoldkv.md", "ManifoldKV: keep keys far (L2) from the centroid"},
     {"windowed_manifold_l2", "windowed-l2", "windowed_l2,windowed-manifoldkv", MethodKind::scorer,
      "WindowedManifoldL2", "kvscore/scorers/windowed_manifold_l2.hpp", "windowed-manifoldkv.md",
-     "window,window-tail", "windowed ManifoldKV: L2 to the centroid of the key's window (--window)"},
+     "windowed ManifoldKV: L2 to the centroid of the key's window (--window)"},
     {"qfilter", "qfilter", "q-filters,qfilters", MethodKind::scorer, "QFilter", "kvscore/scorers/qfilter.hpp",
-     "qfilters.md", "filters,layer,filters-convention", "Q-Filters: <k, f_h>, filters calibrated on the queries"},
+     "qfilters.md", "Q-Filters: <k, f_h>, filters calibrated on the queries"},
     {"snapkv", "snapkv", "", MethodKind::query_scorer, "SnapKV", "kvscore/scorers/snapkv.hpp", "snapkv.md",
-     "queries,window,group,query-placement", "SnapKV: pooled attention of the window queries (in-cache: window kept)"},
+     "SnapKV: pooled attention of the window queries (in-cache: window kept)"},
     {"streaming_llm", "streaming_llm", "streamingllm,streaming-llm", MethodKind::selection_rule, "StreamingLLM",
-     "kvscore/streaming_llm.hpp", "select.md", "sinks", "StreamingLLM: sinks + most recent tokens (per head)"},
+     "kvscore/streaming_llm.hpp", "select.md", "StreamingLLM: sinks + most recent tokens (per head)"},
     {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "protokv.md",
-     "queries,window,group,query-placement,seed,kappa,sat-candidates,lsh-bits,chunks,bandwidth,psi",
      "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)"},
     {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp", "pariskv.md",
-     "sinks,local", "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
-    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKV", "kvscore/pariskv.hpp", "pariskv.md", "",
+     "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
+    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKV", "kvscore/pariskv.hpp", "pariskv.md",
      "ParisKV without zones: per-query top-n retrieval over the whole cache"},
-    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md", "",
+    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md",
      "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)"},
-    {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md", "",
+    {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md",
      "oracle: top mean full attention of the evaluation queries (ceiling)"},
 }};
 
@@ -104,6 +103,18 @@ inline constexpr int method_index(std::string_view spelling) noexcept {
     if (m.name == spelling || m.cli == spelling || in_list(m.aliases, spelling)) return int(i);
   }
   return -1;
+}
+
+/// The spellings in a comma-separated list (an entry's `aliases`), in order.
+inline std::vector<std::string_view> split_list(std::string_view list) {
+  std::vector<std::string_view> out;
+  while (!list.empty()) {
+    const std::size_t c = list.find(',');
+    out.push_back(list.substr(0, c));
+    if (c == std::string_view::npos) break;
+    list.remove_prefix(c + 1);
+  }
+  return out;
 }
 
 /// The entry a spelling names; nullptr when none does.

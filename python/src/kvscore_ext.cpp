@@ -630,11 +630,7 @@ NB_MODULE(_kvscore, m) {
       d["name"] = std::string(x.name);
       d["cli"] = std::string(x.cli);
       std::vector<std::string> aliases;
-      for (std::string_view a = x.aliases; !a.empty();) {
-        const std::size_t c = a.find(',');
-        aliases.emplace_back(a.substr(0, c));
-        a = c == std::string_view::npos ? std::string_view() : a.substr(c + 1);
-      }
+      for (std::string_view a : kvscore::split_list(x.aliases)) aliases.emplace_back(a);
       d["aliases"] = aliases;
       d["kind"] = std::string(kvscore::kind_name(x.kind));
       d["cls"] = std::string(x.cls);

@@ -26,8 +26,9 @@ void mean_metrics(R& r, std::int64_t n) {
 KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions& opt) {
   detail::validate(layers, opt);
   const LayerInput& a = layers[0];
-  Report rep{std::int64_t(layers.size()), a.kv_heads, a.q_heads, a.tokens, a.head_dim, a.value_dim, a.n_queries,
-             opt, {}, {}};
+  Report rep{.layers = std::int64_t(layers.size()), .kv_heads = a.kv_heads, .q_heads = a.q_heads, .tokens = a.tokens,
+             .head_dim = a.head_dim, .value_dim = a.value_dim, .n_queries = a.n_queries, .options = opt,
+             .results = {}, .skipped = {}};
   const std::int64_t H = a.kv_heads, G = a.group(), nq = a.n_queries, rows = G * nq;
 
   struct Job {

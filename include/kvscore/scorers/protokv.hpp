@@ -489,8 +489,11 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
     for (std::int64_t t : elig) dev[std::size_t(t)] = sd > 0 ? (mean - S[std::size_t(t)]) / sd : 0.0;
     for (std::size_t t = 0; t < Nz; ++t)  // zero keys: Θ from their S too (they are just not eligible)
       if (valid[t] && norm[t] == 0.f) dev[t] = sd > 0 ? (mean - S[t]) / sd : 0.0;
-    *a = ProtoKVHead{N,     d,   valid,  S,  std::move(dev), qk,   cand,  bucket, sigma, std::int64_t(v),
-                     std::int64_t(ns), ids, cb, protos, cl, size, psi_c, corder};  // ProtoKVHead's field order
+    *a = ProtoKVHead{.tokens = N, .head_dim = d, .valid = valid, .similarity = S, .deviation = std::move(dev),
+                     .qk = qk, .candidates = cand, .candidate_bucket = bucket, .bandwidth = sigma,
+                     .pdt_prototypes = std::int64_t(v), .sat_prototypes = std::int64_t(ns), .sat_bucket_id = ids,
+                     .chunk_begin = cb, .prototypes = protos, .cluster = cl, .cluster_size = size, .psi = psi_c,
+                     .cluster_order = corder};
   }
 
   std::vector<double> qsum_;  ///< Σ over the window of each query head, [q_heads][head_dim]

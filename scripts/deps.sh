@@ -7,6 +7,8 @@ pkgs+=(python3-venv python3-dev)
 # CI's robustness steps (scripts/fuzz.sh, tsan.sh, valgrind.sh): clang + libFuzzer, LLVM's
 # OpenMP with the Archer TSan tool, valgrind.
 pkgs+=(clang libclang-rt-dev libomp-dev valgrind)
+# CI's Arm step (scripts/arm-check.sh): the AArch64 cross compiler and qemu's user-mode emulator.
+pkgs+=(g++-aarch64-linux-gnu qemu-user)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

@@ -9,6 +9,9 @@ const KernelTable& table_sse2() noexcept;
 const KernelTable& table_avx2() noexcept;
 const KernelTable& table_avx512() noexcept;
 #endif
+#ifdef KVSCORE_DISPATCH_NEON
+const KernelTable& table_neon() noexcept;
+#endif
 
 std::vector<const KernelTable*> compiled_tables() {
   std::vector<const KernelTable*> v;
@@ -19,6 +22,9 @@ std::vector<const KernelTable*> compiled_tables() {
   const bool avx2 = f.avx2 && f.fma && f.f16c;
   if (avx2) v.push_back(&table_avx2());
   if (avx2 && f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl) v.push_back(&table_avx512());
+#endif
+#ifdef KVSCORE_DISPATCH_NEON
+  v.push_back(&table_neon());  // Advanced SIMD is part of every AArch64 CPU
 #endif
   return v;
 }

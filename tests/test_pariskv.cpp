@@ -142,7 +142,6 @@ bool runs(pk::Kernels k) {
     return false;
   }
 }
-bool avx512() { return runs(pk::Kernels::avx512); }
 
 /// The vector kernel sets this CPU runs (each is compared with the portable one).
 std::vector<pk::Kernels> vector_sets() {
@@ -1003,7 +1002,10 @@ TEST_CASE("pariskv: the ISA pin governs Kernels::best", "[pariskv][simd]") {
   simd::set_active_isa(before);
   if (!runs(pk::Kernels::avx512)) {
     ParisKV idx(8);
+    const std::vector<float> key(8, 1.f);
+    idx.append(key.data(), 1, 8);  // a valid k, so that the kernel set is what is rejected
     ParisKVSearch o;
+    o.k = 1;
     o.kernels = pk::Kernels::avx512;
     CHECK_THROWS_WITH(idx.check_options(o, false, 0), Catch::Contains("avx512 kernel set"));
   }

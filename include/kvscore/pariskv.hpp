@@ -507,7 +507,7 @@ class ParisKV {
   }
 
   /// Stage I into ws.s8 (returns true) or ws.s16 (false), for `collided` = ⌈ρN⌉ keys per subspace.
-  bool collide(Workspace& ws, std::int64_t collided, pariskv::detail::KernelSet set) const {
+  bool collide(Workspace& ws, std::int64_t collided, [[maybe_unused]] pariskv::detail::KernelSet set) const {
     // tier limits: tier t holds the clusters whose better-ranked clusters hold < ⌈collided·r_t⌉ keys
     std::int64_t limit[pariskv::kTiers];
     for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;

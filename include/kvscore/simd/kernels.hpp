@@ -50,7 +50,7 @@ struct XsimdPolicy {
   template <class T>
   static V load(const T* p) noexcept {
     // The register width identifies the instruction set (x86 macros guard the intrinsics).
-    constexpr std::size_t bytes = V::size * sizeof(float);
+    [[maybe_unused]] constexpr std::size_t bytes = V::size * sizeof(float);
     if constexpr (std::is_same_v<T, float>) {
       return V::load_unaligned(p);
     } else if constexpr (std::is_same_v<T, half>) {
@@ -61,6 +61,10 @@ struct XsimdPolicy {
 #if defined(__F16C__) && defined(__AVX__)
       if constexpr (bytes == 32)
         return V(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+      if constexpr (bytes == 16)  // FCVTL: exact, as the scalar conversion
+        return V(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p)))));
 #endif
       return load_generic(p);
     } else {  // bfloat16: the fp32 bit pattern is the 16 bits shifted up
@@ -78,6 +82,10 @@ struct XsimdPolicy {
       if constexpr (bytes == 16)
         return V(_mm_castsi128_ps(
             _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+      if constexpr (bytes == 16)
+        return V(vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p)), 16)));
 #endif
       return load_generic(p);
     }

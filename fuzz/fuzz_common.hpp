@@ -16,7 +16,7 @@
 
 #include <fuzzer/FuzzedDataProvider.h>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 
 namespace fz {
 

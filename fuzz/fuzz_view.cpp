@@ -13,7 +13,7 @@
 
 #include "fuzz_common.hpp"
 #include "kvscore/scorers/knorm.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Run-time choice among the per-ISA kernel tables of kvscore::dispatch.
-#include "kvscore/detail/cpu.hpp"
+#include "kvscore/core/cpu.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
 namespace kvscore::simd::detail {

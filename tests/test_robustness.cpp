@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/detail/parallel.hpp"
+#include "kvscore/core/parallel.hpp"
 #include "kvscore/eval/evaluate.hpp"
 #include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"

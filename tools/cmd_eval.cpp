@@ -12,7 +12,7 @@
 
 #include <unistd.h>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/eval/evaluate.hpp>
 #include <kvscore/eval/report.hpp>
 #include <kvscore/npy.hpp>

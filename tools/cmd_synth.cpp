@@ -11,7 +11,7 @@
 
 #include <unistd.h>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/npy.hpp>
 #include <kvscore/synth.hpp>
 

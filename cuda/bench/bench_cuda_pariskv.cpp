@@ -17,7 +17,7 @@
 #include <kvscore/cuda/pariskv.hpp>
 #include <kvscore/cuda/scorers.hpp>
 #include <kvscore/cuda/select.hpp>
-#include <kvscore/detail/splitmix.hpp>
+#include <kvscore/core/splitmix.hpp>
 
 #include <algorithm>
 #include <cmath>

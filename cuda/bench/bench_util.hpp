@@ -8,7 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <kvscore/cuda/device.hpp>
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 
 #include <algorithm>
 #include <cstdio>

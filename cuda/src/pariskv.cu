@@ -452,7 +452,7 @@ __global__ void map_results(long long rows, long long k, long long C, const long
 
 // ------------------------------------------------------------------ host side
 
-/// One element as the library's own conversions widen it (kvscore/dtype.hpp).
+/// One element as the library's own conversions widen it (kvscore/core/dtype.hpp).
 float widen_host(dtype t, const void* p) {
   if (t == dtype::f32) {
     float f;

@@ -33,12 +33,12 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/detail/parallel.hpp"
+#include "kvscore/core/parallel.hpp"
 #include "kvscore/detail/selection_check.hpp"
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/paged.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

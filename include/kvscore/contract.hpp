@@ -20,10 +20,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

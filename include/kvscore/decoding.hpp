@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "kvscore/compact.hpp"
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/select.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 
 namespace kvscore::npy {
 

@@ -35,11 +35,11 @@
 #include <Eigen/Dense>
 
 #include "kvscore/detail/compiled.hpp"
-#include "kvscore/detail/splitmix.hpp"
+#include "kvscore/core/splitmix.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 
@@ -47,7 +47,7 @@ namespace oja {
 
 // ------------------------------------------------------------------ random numbers
 
-/// The library's splitmix64 (kvscore/detail/splitmix.hpp) with OjaKV's conversions
+/// The library's splitmix64 (kvscore/core/splitmix.hpp) with OjaKV's conversions
 /// (std::normal_distribution is implementation-defined).
 struct SplitMix64 : kvscore::detail::SplitMix64 {
   using kvscore::detail::SplitMix64::SplitMix64;

@@ -15,8 +15,8 @@
 
 #include "kvscore/detail/compiled.hpp"
 #include "kvscore/ojakv.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

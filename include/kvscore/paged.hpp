@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "kvscore/detail/selection_check.hpp"
-#include "kvscore/dtype.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/dtype.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

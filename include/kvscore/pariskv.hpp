@@ -61,13 +61,13 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/detail/splitmix.hpp"
+#include "kvscore/core/splitmix.hpp"
 #include "kvscore/pariskv_encoding.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/simd/dispatch.hpp"
 #include "kvscore/simd/pariskv_kernels.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

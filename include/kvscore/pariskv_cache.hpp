@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/pariskv.hpp"
 
 namespace kvscore {

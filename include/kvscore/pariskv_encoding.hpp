@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/detail/splitmix.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/splitmix.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 
@@ -25,7 +25,7 @@ namespace pariskv {
 /// shares one sign vector across heads).
 inline constexpr std::uint64_t kDefaultSeed = 0x9A815C0DE5EEDull;
 
-/// The rotation signs come from the library's splitmix64 (kvscore/detail/splitmix.hpp).
+/// The rotation signs come from the library's splitmix64 (kvscore/core/splitmix.hpp).
 using SplitMix64 = kvscore::detail::SplitMix64;
 
 // ------------------------------------------------------------------ Lloyd–Max quantiser

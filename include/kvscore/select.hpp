@@ -34,7 +34,7 @@
 //                    through. The safeguard always ranks raw scores.
 //
 // Complexity: O(H*N) time (radix select on the order-preserving bit pattern after a sampled
-// key window, no sort; kvscore/select/radix.hpp), 4*N bytes of scratch per thread (AdaKV:
+// key window, no sort; kvscore/simd/radix.hpp), 4*N bytes of scratch per thread (AdaKV:
 // 8*H*N bytes). Kernels: AVX-512, AVX2 or portable C++, chosen at run time (SelectKernels).
 // select_into() writes into caller memory and does not allocate: query
 // select_workspace_bytes() and select_total() first. See docs/select.md.
@@ -57,10 +57,10 @@
 #include <omp.h>
 #endif
 
-#include "kvscore/detail/parallel.hpp"
-#include "kvscore/select/radix.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/parallel.hpp"
+#include "kvscore/simd/radix.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

@@ -1,35 +1,5 @@
-// kvscore/selection.hpp — the result of selecting tokens: for each head, the kept token
-// positions in ascending order. Heads may keep different counts (ragged), so the
-// positions are stored CSR-style: head h keeps positions[offsets[h] .. offsets[h+1]).
+// kvscore/selection.hpp — moved to kvscore/core/selection.hpp (the ground floor, docs/architecture.md);
+// this path stays so that existing includes keep working.
 #pragma once
 
-#include <cstdint>
-#include <span>
-#include <vector>
-
-namespace kvscore {
-
-struct Selection {
-  std::int64_t heads = 0;                  ///< heads of the scored cache
-  std::int64_t tokens = 0;                 ///< tokens of the scored cache (positions are < tokens)
-  std::vector<std::int64_t> offsets{0};    ///< heads + 1 entries, offsets[0] = 0
-  std::vector<std::int64_t> positions;     ///< kept positions, ascending within each head
-
-  std::int64_t kept(std::int64_t h) const noexcept { return offsets[std::size_t(h + 1)] - offsets[std::size_t(h)]; }
-  std::int64_t total() const noexcept { return offsets.empty() ? 0 : offsets.back(); }
-  std::span<const std::int64_t> head(std::int64_t h) const noexcept {
-    return {positions.data() + offsets[std::size_t(h)], std::size_t(kept(h))};
-  }
-
-  /// Nothing kept in any of `heads` heads of a `tokens`-token cache (e.g. an OjaHybridCache
-  /// with no full-rank tokens).
-  static Selection none(std::int64_t heads, std::int64_t tokens) {
-    Selection s;
-    s.heads = heads;
-    s.tokens = tokens;
-    s.offsets.assign(static_cast<std::size_t>(heads < 0 ? 0 : heads) + 1, 0);
-    return s;
-  }
-};
-
-}  // namespace kvscore
+#include "kvscore/core/selection.hpp"

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "kvscore/detail/selection_check.hpp"
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "kvscore/select.hpp"
-#include "kvscore/selection.hpp"
+#include "kvscore/core/selection.hpp"
 
 namespace kvscore {
 

@@ -42,11 +42,11 @@
 #include <utility>
 #include <vector>
 
-#include "kvscore/detail/splitmix.hpp"
+#include "kvscore/core/splitmix.hpp"
 
 namespace kvscore::synth {
 
-/// The library's splitmix64 (kvscore/detail/splitmix.hpp) with the generator's conversions.
+/// The library's splitmix64 (kvscore/core/splitmix.hpp) with the generator's conversions.
 class SplitMix64 : public kvscore::detail::SplitMix64 {
  public:
   using kvscore::detail::SplitMix64::SplitMix64;

@@ -24,7 +24,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/npy.hpp>
 
 #ifndef KVSCORE_CLI_PATH

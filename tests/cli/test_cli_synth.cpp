@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/npy.hpp>
 #include <kvscore/synth.hpp>
 

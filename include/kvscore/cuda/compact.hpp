@@ -20,7 +20,7 @@
 #include "kvscore/cuda/device.hpp"
 #include "kvscore/cuda/kernels.hpp"
 #include "kvscore/detail/selection_check.hpp"
-#include "kvscore/selection.hpp"
+#include "kvscore/core/selection.hpp"
 
 namespace kvscore::cuda {
 

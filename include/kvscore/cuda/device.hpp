@@ -20,8 +20,8 @@
 #include <string>
 #include <utility>
 
-#include "kvscore/dtype.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/dtype.hpp"
+#include "kvscore/core/view.hpp"
 
 struct CUstream_st;  // = cudaStream_t's pointee (driver_types.h: typedef struct CUstream_st* cudaStream_t)
 

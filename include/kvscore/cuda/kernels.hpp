@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "kvscore/cuda/device.hpp"
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 
 namespace kvscore::cuda::detail {
 

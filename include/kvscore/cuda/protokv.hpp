@@ -74,7 +74,7 @@ void score_protokv(const KeysArg& keys, const ScoresArg& out, const ProtoArg& p,
 
 #include "kvscore/cuda/scorers.hpp"
 #include "kvscore/scorers/protokv.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore::cuda {
 

@@ -20,7 +20,7 @@
 #include "kvscore/cuda/device.hpp"
 #include "kvscore/cuda/kernels.hpp"
 #include "kvscore/select.hpp"
-#include "kvscore/selection.hpp"
+#include "kvscore/core/selection.hpp"
 
 namespace kvscore::cuda {
 

@@ -7,8 +7,8 @@
 #include <span>
 #include <string>
 
-#include "kvscore/selection.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/selection.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore::detail {
 

@@ -39,7 +39,7 @@
 #include "kvscore/scorers/windowed_manifold_l2.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/streaming_llm.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore::eval {
 

@@ -2,7 +2,7 @@
 // compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
-#include "kvscore/detail/parallel.hpp"
+#include "kvscore/core/parallel.hpp"
 #include "kvscore/eval/evaluate.hpp"
 
 namespace kvscore::eval {

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/safetensors.hpp"
 
 namespace kvscore::safetensors {

@@ -38,15 +38,15 @@
 
 #include <Eigen/Dense>
 
-#include "kvscore/detail/splitmix.hpp"
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/splitmix.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
 
 namespace detail::proto {
 
-/// The library's splitmix64 (kvscore/detail/splitmix.hpp), identical on every platform.
+/// The library's splitmix64 (kvscore/core/splitmix.hpp), identical on every platform.
 struct SplitMix64 : kvscore::detail::SplitMix64 {
   using kvscore::detail::SplitMix64::SplitMix64;
   /// Uniform in [0, 1) with 53 random bits.

@@ -14,9 +14,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "kvscore/detail/parallel.hpp"
+#include "kvscore/core/parallel.hpp"
 #include "kvscore/simd/dispatch.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore {
 

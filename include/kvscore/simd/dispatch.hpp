@@ -15,13 +15,13 @@
 #include <string_view>
 #include <vector>
 
-#include "kvscore/detail/cpu.hpp"
+#include "kvscore/core/cpu.hpp"
 #include "kvscore/simd/kernels.hpp"
 #include "kvscore/simd/table.hpp"
 
 namespace kvscore::simd {
 
-/// Instruction-set level of a table name (0 scalar .. 3 AVX-512): kvscore/detail/cpu.hpp.
+/// Instruction-set level of a table name (0 scalar .. 3 AVX-512): kvscore/core/cpu.hpp.
 using kvscore::detail::isa_level;
 
 #ifdef KVSCORE_RUNTIME_DISPATCH

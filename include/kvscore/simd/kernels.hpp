@@ -15,9 +15,9 @@
 
 #include <xsimd/xsimd.hpp>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/simd/table.hpp"
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 namespace kvscore::simd {
 

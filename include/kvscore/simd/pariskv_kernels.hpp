@@ -30,7 +30,7 @@
 #define KVSCORE_PARISKV_X86 1
 #endif
 
-#include "kvscore/detail/cpu.hpp"
+#include "kvscore/core/cpu.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
 namespace kvscore::pariskv {

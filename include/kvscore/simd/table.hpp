@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 
 namespace kvscore::simd {
 

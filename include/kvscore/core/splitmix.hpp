@@ -1,4 +1,4 @@
-// kvscore/detail/splitmix.hpp — the one splitmix64 generator behind every seeded stream in the
+// kvscore/core/splitmix.hpp — the one splitmix64 generator behind every seeded stream in the
 // library (ParisKV rotation signs, OjaKV random bases, ProtoKV RFF parameters, synthetic data).
 #pragma once
 

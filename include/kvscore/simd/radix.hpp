@@ -1,4 +1,4 @@
-// kvscore/select/radix.hpp — the kernels behind kvscore::select (internal; the API is in
+// kvscore/simd/radix.hpp — the kernels behind kvscore::select (internal; the API is in
 // kvscore/select.hpp).
 //
 // Keys. Every fp32 score x maps to an order-preserving uint32 key:
@@ -50,7 +50,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "kvscore/detail/cpu.hpp"
+#include "kvscore/core/cpu.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

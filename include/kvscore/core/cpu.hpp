@@ -1,4 +1,4 @@
-// kvscore/detail/cpu.hpp — x86 CPU feature detection (cpuid + XGETBV, so a feature
+// kvscore/core/cpu.hpp — x86 CPU feature detection (cpuid + XGETBV, so a feature
 // the OS does not save registers for counts as absent). Compiler-neutral: g++ and clang.
 // Also the one ISA pin as a level (isa_cap_slot), so that every floor, the ground floor's
 // fp16 conversion included, obeys KVSCORE_ISA / simd::set_active_isa.

@@ -1,4 +1,4 @@
-// kvscore/detail/parallel.hpp — the library's one parallel loop over heads (or any index).
+// kvscore/core/parallel.hpp — the library's one parallel loop over heads (or any index).
 //
 // f(i) for every i in [0, n), static schedule over OpenMP threads. No exception ever crosses
 // the OpenMP region (that would call std::terminate): an exception thrown by f is caught in

@@ -1,5 +1,6 @@
 // Shared pieces of the benchmark suite: synthetic keys, the read-bandwidth baseline
-// measured in the same run, and the counters every case reports.
+// measured in the same run, the counters every case reports, and the scorer cases
+// (score/<method>/..., registered by bench_<method>.cpp with register_score).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -9,6 +10,8 @@
 #include <cstdint>
 #include <ctime>
 #include <map>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvscore/kvscore.hpp"
@@ -81,5 +84,50 @@ struct FullAttention {
   }
 };
 
+/// One scorer over one head of keys<T>(n, d), one thread. bytes_per_second counts key bytes
+/// x Scorer::passes over the keys.
+template <class Scorer, class T>
+void BM_score(benchmark::State& state, Scorer scorer) {
+  const std::int64_t n = state.range(0), d = state.range(1);
+  const auto& k = keys<T>(n, d);
+  scorer.num_threads = 1;
+  const auto view = kvscore::KeysView<T>(k.data(), 1, n, d, n * d, d);
+  kvscore::Scores out(1, n);
+  for (auto _ : state) {
+    scorer.score(view, out.view());
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const std::size_t key_bytes = std::size_t(n * d) * sizeof(T);
+  report_bandwidth(state, key_bytes * std::size_t(Scorer::passes), key_bytes);
+}
+
+/// Registers score/<S::name>/<dname>/d<d>/N<n> (d in {64, 128}, n in {4096, 65536, 2^20}) for
+/// the scorer `make(d)` returns; S::name is the scorer's registry spelling (test_contract ties
+/// it to kvscore/methods.hpp).
+template <class T, class Make>
+void register_score_dtype(const char* dname, const Make& make) {
+  for (std::int64_t d : {64, 128}) {
+    for (std::int64_t n : {std::int64_t(4096), std::int64_t(65536), std::int64_t(1) << 20}) {
+      const auto scorer = make(d);
+      using S = std::remove_cvref_t<decltype(scorer)>;
+      const std::string name = std::string("score/") + S::name + "/" + dname + "/d" + std::to_string(d) + "/N" +
+                               std::to_string(n);
+      benchmark::RegisterBenchmark(name.c_str(), [scorer](benchmark::State& s) {
+        BM_score<S, T>(s, scorer);
+      })->Args({n, d})->Unit(benchmark::kMicrosecond);
+    }
+  }
+}
+
+/// The scorer cases of one method for fp32, fp16 and bf16 keys. Returns 0, for a namespace-scope
+/// `const int registered = kvbench::register_score(...)` in each bench_<method>.cpp.
+template <class Make>
+int register_score(const Make& make) {
+  register_score_dtype<float>("fp32", make);
+  register_score_dtype<kvscore::half>("fp16", make);
+  register_score_dtype<kvscore::bfloat16>("bf16", make);
+  return 0;
+}
 
 }  // namespace kvbench

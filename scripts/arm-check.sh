@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Cross-compiles part of the test suite for AArch64 with the NEON table (src/isa_neon.cpp)
 # and runs it under qemu-aarch64: every table against scalar ([simd], [dtype]), the selector
-# and ParisKV's portable paths, the numpy goldens. No Arm machine is needed; what qemu
-# cannot show is speed (docs/simd.md, "Arm").
+# and ParisKV's portable paths, the numpy goldens, each geometric scorer's own tests. No Arm
+# machine is needed; what qemu cannot show is speed (docs/simd.md, "Arm").
 #   scripts/arm-check.sh [build-dir]      (needs g++-aarch64-linux-gnu and qemu-user)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,7 +18,9 @@ flags=(-std=c++20 -O1 -g0 -Wall -Wextra -Werror -DKVSCORE_RUNTIME_DISPATCH=1 -DK
        -I"$root/include" -isystem "$out/inc")
 srcs=(src/dispatch.cpp src/isa_neon.cpp src/impl_eval.cpp src/impl_linalg.cpp tests/main.cpp
       tests/test_simd.cpp tests/test_dtype.cpp tests/test_select.cpp tests/test_pariskv.cpp
-      tests/test_golden.cpp)
+      tests/test_golden.cpp tests/test_scorer_properties.cpp tests/test_knorm.cpp tests/test_keydiff.cpp
+      tests/test_manifoldkv.cpp tests/test_windowed_manifoldkv.cpp tests/test_qfilter.cpp
+      tests/test_streaming_llm.cpp)
 jobs="${KVSCORE_ARM_JOBS:-$(nproc)}"
 printf '%s\n' "${srcs[@]}" | xargs -P "$jobs" -I{} sh -c \
   'o="$1/$(echo "$2" | tr / _).o"; '"$cxx ${flags[*]@Q}"' -c "$3/$2" -o "$o"' _ "$out" {} "$root"

@@ -1,4 +1,5 @@
-// Tests of kvscore::select / select_into / budget_from_ratio / StreamingLLM.
+// Tests of kvscore::select / select_into / budget_from_ratio (StreamingLLM, a selector
+// configuration: test_streaming_llm.cpp).
 //
 //  * numpy fixtures (tests/data/select/, tools/gen_select_fixtures.py): per-head and AdaKV
 //    selections computed with numpy sorts under the documented tie / NaN / protection rules;
@@ -11,7 +12,6 @@
 #include <kvscore/kvscore.hpp>
 #include <kvscore/npy.hpp>
 #include <kvscore/select.hpp>
-#include <kvscore/streaming_llm.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
+
 namespace {
 
 using kvscore::Alloc;
@@ -33,6 +35,9 @@ using kvscore::Scores;
 using kvscore::ScoresView;
 using kvscore::Selection;
 using kvscore::SelectOptions;
+
+using test_support::check_valid;
+using test_support::diff;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -138,36 +143,6 @@ Selection reference(const Input& in, Budget budget, const SelectOptions& o) {
   }
   REQUIRE(sel.total() == B);
   return sel;
-}
-
-/// Empty when equal, else the first difference.
-std::string diff(const Selection& a, const Selection& b) {
-  std::ostringstream m;
-  if (a.heads != b.heads || a.tokens != b.tokens) m << "shape " << a.heads << "x" << a.tokens << " vs " << b.heads << "x" << b.tokens;
-  else if (a.offsets != b.offsets) {
-    m << "offsets differ:";
-    for (std::size_t i = 0; i < std::min<std::size_t>(a.offsets.size(), 12); ++i) m << " " << a.offsets[i] << "/" << b.offsets[i];
-  } else if (a.positions != b.positions) {
-    for (std::size_t i = 0; i < a.positions.size(); ++i)
-      if (a.positions[i] != b.positions[i]) {
-        m << "position " << i << ": " << a.positions[i] << " vs " << b.positions[i];
-        break;
-      }
-  }
-  return m.str();
-}
-
-void check_valid(const Selection& s) {
-  REQUIRE(s.offsets.size() == std::size_t(s.heads + 1));
-  CHECK(s.offsets[0] == 0);
-  CHECK(std::size_t(s.total()) == s.positions.size());
-  for (std::int64_t h = 0; h < s.heads; ++h) {
-    const auto p = s.head(h);
-    bool ok = true;
-    for (std::size_t i = 0; i < p.size(); ++i) ok = ok && p[i] >= 0 && p[i] < s.tokens && (i == 0 || p[i - 1] < p[i]);
-    INFO("head " << h);
-    REQUIRE(ok);  // in range, strictly ascending
-  }
 }
 
 std::string alloc_name(Alloc a) { return a == Alloc::per_head ? "per-head" : "adakv"; }
@@ -648,7 +623,7 @@ TEST_CASE("select: long ranges on every path (sampled window, fallback, tally)",
 }
 
 TEST_CASE("select: sampled window guesses that miss are caught", "[select][properties]") {
-  // The selector guesses the threshold from a strided sample (kvscore/select/radix.hpp);
+  // The selector guesses the threshold from a strided sample (kvscore/simd/radix.hpp);
   // these inputs put chosen values exactly at the sampled positions.
   std::mt19937_64 rng(2024);
   std::normal_distribution<float> nd;
@@ -740,36 +715,6 @@ TEST_CASE("select: key mapping preserves the order", "[select]") {
   std::memcpy(&odd_nan, &nan_bits, 4);
   CHECK(key_of(odd_nan) == key_of(kNaN));
   CHECK(key_of(kInf) < kvscore::detail::sel::kForcedKey);
-}
-
-TEST_CASE("StreamingLLM: sinks + recent, equal to select with protection", "[select][streaming]") {
-  const Selection s = kvscore::streaming_llm(2, 10, Budget::per_head(6));
-  CHECK(s.offsets == std::vector<std::int64_t>{0, 6, 12});
-  CHECK(s.positions == std::vector<std::int64_t>{0, 1, 2, 3, 8, 9, 0, 1, 2, 3, 8, 9});
-  std::mt19937 rng(5);
-  std::normal_distribution<float> nd;
-  for (std::int64_t N : {1, 3, 4, 9, 100}) {
-    Scores sc(3, N);
-    for (std::int64_t i = 0; i < 3 * N; ++i) sc.data()[i] = nd(rng);
-    for (std::int64_t sinks : {0, 1, 4, 200}) {
-      for (std::int64_t n = std::min(sinks, N); n <= N; ++n) {
-        const kvscore::StreamingLLM cfg{sinks};
-        INFO("N " << N << " sinks " << sinks << " n " << n);
-        const Selection a = cfg.select(3, N, Budget::per_head(n));
-        check_valid(a);
-        CHECK(diff(a, kvscore::select(sc, Budget::per_head(n), cfg.options(N, n))) == "");
-        CHECK(diff(a, kvscore::streaming_llm(3, N, Budget::per_layer(3 * n), sinks)) == "");
-      }
-    }
-  }
-  CHECK_THROWS_WITH(kvscore::streaming_llm(2, 10, Budget::per_head(3)), Catch::Contains("sinks 4 exceed the budget of 3"));
-  CHECK_THROWS_WITH(kvscore::streaming_llm(2, 10, Budget::per_head(11)), Catch::Contains("budget of 11 tokens per head exceeds the 10 tokens"));
-  CHECK_THROWS_WITH(kvscore::streaming_llm(2, 10, Budget::per_head(5), -1), Catch::Contains("sinks must be >= 0 (got -1)"));
-  CHECK_THROWS_WITH(kvscore::streaming_llm(2, 10, Budget::per_layer(5)), Catch::Contains("per-layer budget 5 is not a multiple of the 2 heads"));
-  CHECK_THROWS_WITH(kvscore::streaming_llm(2, 10, Budget::per_head(-2)), Catch::Contains("budget must be >= 0 (got -2)"));
-  CHECK_THROWS_WITH(kvscore::streaming_llm(-2, 10, Budget::per_head(2)), Catch::Contains("negative shape (-2, 10)"));
-  // sinks beyond a short cache are clipped: 3 tokens, 4 sinks, keep 3
-  CHECK(kvscore::streaming_llm(1, 3, Budget::per_head(3)).positions == std::vector<std::int64_t>{0, 1, 2});
 }
 
 TEST_CASE("select: identical results for any thread count and run", "[select]") {

@@ -1,13 +1,28 @@
-// tests/test_support.hpp — small helpers several test files share.
+// tests/test_support.hpp — small helpers several test files share: synthetic heads, RoPE,
+// error messages, the key caches of the scorer tests (test_scorer_properties.cpp and the
+// per-method files test_knorm.cpp … test_qfilter.cpp) and selection comparisons.
 #pragma once
 
-#include <exception>
+#include <catch2/catch.hpp>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <exception>
 #include <functional>
+#include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
+#include <kvscore/dtype.hpp>
+#include <kvscore/scorers/windowed_manifold_l2.hpp>
+#include <kvscore/selection.hpp>
 #include <kvscore/synth.hpp>
+#include <kvscore/view.hpp>
 
 namespace test_support {
 
@@ -47,6 +62,166 @@ std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "no throw";
+}
+
+
+// ------------------------------------------------------------------ scorer tests: key caches
+//
+// Tolerances: the scorers widen to fp32 and accumulate rows in fp32 lanes, so a score carries
+// a relative error of a few 1e-7 against the size of the quantities entering it (see
+// test_golden.cpp for the derivation). close() compares |a - e| <= tol * (|e| + scale) with
+// tol 1e-5 and `scale` the largest key norm involved (or 1 for cosines).
+
+inline constexpr double kTol = 1e-5;
+
+/// Keys [heads][tokens][dim] held as fp32 values; converted to T on demand.
+struct Cache {
+  std::int64_t heads = 0, tokens = 0, dim = 0;
+  std::vector<float> v;
+
+  Cache() = default;
+  Cache(std::int64_t h, std::int64_t n, std::int64_t d) : heads(h), tokens(n), dim(d), v(std::size_t(h * n * d), 0.f) {}
+  float* row(std::int64_t h, std::int64_t t) { return v.data() + (h * tokens + t) * dim; }
+  const float* row(std::int64_t h, std::int64_t t) const { return v.data() + (h * tokens + t) * dim; }
+
+  template <class T>
+  std::vector<T> as() const {
+    std::vector<T> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = kvscore::from_float<T>(v[i]);
+    return out;
+  }
+  /// Tokens [t0, t1) of head h only, as a one-head cache.
+  Cache head_slice(std::int64_t h, std::int64_t t0, std::int64_t t1) const {
+    Cache c(1, t1 - t0, dim);
+    std::copy(row(h, t0), row(h, t0) + (t1 - t0) * dim, c.v.begin());
+    return c;
+  }
+  /// Head h without the rows in `drop`, as a one-head cache.
+  Cache head_without(std::int64_t h, const std::vector<std::int64_t>& drop, std::int64_t t0 = 0,
+                     std::int64_t t1 = -1) const {
+    if (t1 < 0) t1 = tokens;
+    std::vector<std::int64_t> keep;
+    for (std::int64_t t = t0; t < t1; ++t)
+      if (std::find(drop.begin(), drop.end(), t) == drop.end()) keep.push_back(t);
+    Cache c(1, std::int64_t(keep.size()), dim);
+    for (std::size_t i = 0; i < keep.size(); ++i) std::copy(row(h, keep[i]), row(h, keep[i]) + dim, c.row(0, std::int64_t(i)));
+    return c;
+  }
+};
+
+template <class T>
+kvscore::KeysView<T> view_of(const std::vector<T>& data, const Cache& c) {
+  return kvscore::KeysView<T>(data.data(), c.heads, c.tokens, c.dim, c.tokens * c.dim, c.dim);
+}
+
+/// Scores of `scorer` on cache c stored as T.
+template <class T = float, class S>
+kvscore::Scores run(const S& scorer, const Cache& c) {
+  const std::vector<T> data = c.as<T>();
+  return scorer.score(view_of(data, c));
+}
+
+inline Cache random_cache(std::uint32_t seed, std::int64_t h, std::int64_t n, std::int64_t d, float mean = 0.f,
+                          float sigma = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  Cache c(h, n, d);
+  std::vector<float> mu(static_cast<std::size_t>(d));
+  for (auto& x : mu) x = mean * nd(rng);
+  for (std::int64_t hh = 0; hh < h; ++hh)
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t j = 0; j < d; ++j) c.row(hh, t)[j] = mu[std::size_t(j)] + sigma * nd(rng);
+  return c;
+}
+
+inline std::vector<float> random_filters(std::uint32_t seed, std::int64_t h, std::int64_t d) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> f(std::size_t(h * d));
+  for (auto& x : f) x = nd(rng) / std::sqrt(float(d));
+  return f;
+}
+
+inline double norm(const float* x, std::int64_t d) {
+  double s = 0;
+  for (std::int64_t j = 0; j < d; ++j) s += double(x[j]) * x[j];
+  return std::sqrt(s);
+}
+
+inline double max_row_norm(const Cache& c) {
+  double m = 0;
+  for (std::int64_t h = 0; h < c.heads; ++h)
+    for (std::int64_t t = 0; t < c.tokens; ++t) {
+      const double n = norm(c.row(h, t), c.dim);
+      if (std::isfinite(n)) m = std::max(m, n);
+    }
+  return m;
+}
+
+inline bool close(double a, double e, double scale, double tol = kTol) {
+  if (std::isinf(e) || std::isinf(a)) return a == e;
+  return std::fabs(a - e) <= tol * (std::fabs(e) + scale);
+}
+
+/// The window partition the documentation specifies (independent of the library's own):
+/// merge (default) = a tail shorter than W/2 joins the window before; own = the paper's K[t:min(t+W, N)].
+inline std::vector<std::pair<std::int64_t, std::int64_t>> spec_windows(
+    std::int64_t n, std::int64_t w, kvscore::WindowTail rule = kvscore::WindowTail::merge) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (rule == kvscore::WindowTail::own) {
+    for (std::int64_t t = 0; t < n; t += w) out.emplace_back(t, std::min(t + w, n));
+    return out;
+  }
+  if (n == 0) return out;
+  if (n < w) return {{0, n}};
+  const std::int64_t full = n / w, tail = n % w;
+  for (std::int64_t k = 0; k < full; ++k) out.emplace_back(k * w, (k + 1) * w);
+  if (tail > 0) {
+    if (full >= 1 && 2 * tail < w) out.back().second = n;
+    else out.emplace_back(full * w, n);
+  }
+  return out;
+}
+
+template <class T>
+constexpr const char* tname() {
+  if constexpr (std::is_same_v<T, float>) return "float32";
+  else if constexpr (std::is_same_v<T, kvscore::half>) return "float16";
+  else return "bfloat16";
+}
+
+// ------------------------------------------------------------------ selections
+
+/// Empty when equal, else the first difference.
+inline std::string diff(const kvscore::Selection& a, const kvscore::Selection& b) {
+  std::ostringstream m;
+  if (a.heads != b.heads || a.tokens != b.tokens) m << "shape " << a.heads << "x" << a.tokens << " vs " << b.heads << "x" << b.tokens;
+  else if (a.offsets != b.offsets) {
+    m << "offsets differ:";
+    for (std::size_t i = 0; i < std::min<std::size_t>(a.offsets.size(), 12); ++i) m << " " << a.offsets[i] << "/" << b.offsets[i];
+  } else if (a.positions != b.positions) {
+    for (std::size_t i = 0; i < a.positions.size(); ++i)
+      if (a.positions[i] != b.positions[i]) {
+        m << "position " << i << ": " << a.positions[i] << " vs " << b.positions[i];
+        break;
+      }
+  }
+  return m.str();
+}
+
+/// A well-formed selection: offsets from 0 to total(), each head's positions in range and
+/// strictly ascending.
+inline void check_valid(const kvscore::Selection& s) {
+  REQUIRE(s.offsets.size() == std::size_t(s.heads + 1));
+  CHECK(s.offsets[0] == 0);
+  CHECK(std::size_t(s.total()) == s.positions.size());
+  for (std::int64_t h = 0; h < s.heads; ++h) {
+    const auto p = s.head(h);
+    bool ok = true;
+    for (std::size_t i = 0; i < p.size(); ++i) ok = ok && p[i] >= 0 && p[i] < s.tokens && (i == 0 || p[i - 1] < p[i]);
+    INFO("head " << h);
+    REQUIRE(ok);  // in range, strictly ascending
+  }
 }
 
 }  // namespace test_support

@@ -1,0 +1,10 @@
+// Windowed ManifoldKV (WindowedManifoldL2, W = 4096):
+// score/windowed-l2/<fp32|fp16|bf16>/d<64|128>/N<4096|65536|2^20>, one head, one thread
+// (kvbench::register_score in bench_common.hpp). Doc: docs/windowed-manifoldkv.md.
+#include "bench_common.hpp"
+
+namespace {
+
+const int registered = kvbench::register_score([](std::int64_t) { return kvscore::WindowedManifoldL2{4096}; });
+
+}  // namespace

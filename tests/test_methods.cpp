@@ -1,18 +1,23 @@
 // The method registry (include/kvscore/methods.hpp): every spelling finds its entry, the
 // evaluator's built-ins are the registry in its order, each entry's header and doc page exist
-// and the doc page names the method. (The scorer types are tied to it in test_contract.cpp,
+// and the doc page names the method; its scorer constructors (scorers/make_scorer.hpp) build
+// under every spelling the scorer a direct construction gives, and reject the rest. (The scorer types are tied to it in test_contract.cpp,
 // the CLI in tests/cli/test_cli.cpp, Python in python/tests/test_core.py.)
 #include <catch2/catch.hpp>
 
 #include <kvscore/eval/methods.hpp>
 #include <kvscore/methods.hpp>
+#include <kvscore/scorers/make_scorer.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
 #include <string>
 #include <vector>
+
+#include "test_support.hpp"
 
 namespace {
 
@@ -88,4 +93,113 @@ TEST_CASE("methods: each entry's header and doc page exist, and the page names t
       CHECK(read(kRoot / "include" / m.header).find(" " + std::string(m.cls)) != std::string::npos);
     }
   }
+}
+
+namespace {
+
+/// Scorer `s`'s scores equal `want`'s bit for bit on c as fp32 and bf16, and so does
+/// protected_recent (same scorer, same input: nothing may differ).
+template <class Want>
+void same_scorer(const kvscore::AnyScorer& s, const Want& want, const test_support::Cache& c) {
+  CHECK(std::string(s.name()) == Want::name);
+  CHECK(s.get<Want>() != nullptr);
+  CHECK(s.protected_recent() == kvscore::protected_recent(want));
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    const kvscore::Scores a = bf16 ? test_support::run<kvscore::bfloat16>(s, c) : test_support::run(s, c);
+    const kvscore::Scores b = bf16 ? test_support::run<kvscore::bfloat16>(want, c) : test_support::run(want, c);
+    REQUIRE(a.heads() == b.heads());
+    REQUIRE(a.tokens() == b.tokens());
+    CHECK(std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.heads() * a.tokens())) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("make_scorer: every scorer of the registry, under every spelling, equals a direct construction",
+          "[methods][make_scorer]") {
+  using namespace kvscore;
+  const test_support::Cache c = test_support::random_cache(7, 2, 96, 16, 0.5f);
+  const std::int64_t q_heads = 4, w = 8;
+  const test_support::Cache q = test_support::random_cache(8, q_heads, w, 16);
+  ScorerArgs a;
+  a.window = 40;  // windowed_manifold_l2: 96 tokens = 2 windows + a merged tail
+  a.window_tail = WindowTail::own;
+  a.queries = q.v.data();
+  a.q_heads = q_heads;
+  a.n_queries = w;
+  a.head_dim = 16;
+  a.kv_heads = 2;
+  a.placement = QueryPlacement::after_cache;
+  int scorers = 0;
+  for (const MethodInfo& m : kMethods) {
+    if (!is_scorer(m)) continue;
+    ++scorers;
+    for (const std::string& sp : spellings(m)) {
+      INFO(m.name << " as '" << sp << "'");
+      const AnyScorer s = make_scorer(sp, a);
+      if (m.name == "knorm") same_scorer(s, KNorm{}, c);
+      else if (m.name == "keydiff") same_scorer(s, KeyDiff{}, c);
+      else if (m.name == "manifold_l2") same_scorer(s, ManifoldL2{}, c);
+      else if (m.name == "windowed_manifold_l2") same_scorer(s, WindowedManifoldL2(40, WindowTail::own), c);
+      else if (m.name == "qfilter")  // no filters given: calibrated on the queries
+        same_scorer(s, QFilter(calibrate_qfilters(q.v.data(), q_heads, w, 16, 2), 2, 16), c);
+      else if (m.name == "snapkv") {
+        SnapKV want(q.v.data(), q_heads, w, 16);
+        want.placement = QueryPlacement::after_cache;
+        same_scorer(s, want, c);
+      } else if (m.name == "protokv") {
+        ProtoKV want(q.v.data(), q_heads, w, 16);
+        want.placement = QueryPlacement::after_cache;
+        same_scorer(s, want, c);
+      } else
+        FAIL("a scorer of kMethods this test does not know: add it above");
+    }
+  }
+  CHECK(scorers == int(std::tuple_size_v<ScorerTypes>));
+}
+
+TEST_CASE("make_scorer: given filters, threads, the ISA table and in-cache placement reach the scorer",
+          "[methods][make_scorer]") {
+  using namespace kvscore;
+  const test_support::Cache c = test_support::random_cache(9, 3, 50, 8);
+  ScorerArgs a;
+  a.filters = test_support::random_filters(3, 3, 8);
+  a.kv_heads = 3;
+  a.head_dim = 8;
+  a.threads = 3;
+  a.isa = &simd::scalar_table();
+  AnyScorer s = make_scorer("q-filters", a);
+  CHECK(s.options().num_threads == 3);
+  CHECK(s.options().isa == &simd::scalar_table());
+  QFilter want(a.filters, 3, 8);
+  want.isa = &simd::scalar_table();  // the same table: the scores are then bit-identical
+  same_scorer(s, want, c);
+
+  const test_support::Cache q = test_support::random_cache(10, 6, 5, 8);
+  a.queries = q.v.data();
+  a.q_heads = 6;
+  a.n_queries = 5;
+  const AnyScorer snap = make_scorer("snapkv", a);  // placement in_cache (the default): the window is protected
+  CHECK(snap.protected_recent() == 5);
+  CHECK(make_scorer("knorm", a).protected_recent() == 0);
+}
+
+TEST_CASE("make_scorer: a method that is not a scorer, an unknown name, missing queries or filters are errors",
+          "[methods][make_scorer][errors]") {
+  using namespace kvscore;
+  const ScorerArgs none;
+  for (const char* m : {"pariskv", "pariskv-flat", "ojakv", "streaming_llm", "oracle"})
+    CHECK_THROWS_WITH(make_scorer(m, none), Contains(std::string("method '") + m + "'") && Contains("not a scorer") &&
+                                                Contains("snapkv"));
+  CHECK_THROWS_WITH(make_scorer("nope", none), Contains("unknown method 'nope'"));
+  CHECK_THROWS_WITH(make_scorer("snapkv", none), Contains("'snapkv' needs queries"));
+  CHECK_THROWS_WITH(make_scorer("protokv", none), Contains("'protokv' needs queries"));
+  CHECK_THROWS_WITH(make_scorer("qfilter", none), Contains("needs filters or queries"));
+  ScorerArgs bad;
+  bad.window = 0;
+  CHECK_THROWS_AS(make_scorer("windowed-l2", bad), std::invalid_argument);  // the scorer's own check
+  bad.filters = {1.f, 2.f, 3.f};
+  bad.kv_heads = 2;
+  bad.head_dim = 2;
+  CHECK_THROWS_WITH(make_scorer("qfilter", bad), Contains("filters hold 3 values"));
 }

@@ -4,6 +4,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <kvscore/kvscore.hpp>
@@ -69,17 +70,11 @@ const std::vector<FlagSpec> kScoreFlags = {
 
 namespace {
 
-enum class Method { knorm, keydiff, l2, windowed_l2, qfilter, snapkv };
-
-/// Any spelling kvscore/methods.hpp accepts for a scorer; protokv is handled before this.
-Method parse_method(const std::string& s) {
+/// Any spelling kvscore/methods.hpp accepts for a scorer, as its canonical name; protokv is
+/// handled before this (its own flags, tools/score_protokv.cpp).
+std::string_view parse_method(const std::string& s) {
   const MethodInfo* m = find_method_info(s);
-  if (m && m->name == "knorm") return Method::knorm;
-  if (m && m->name == "keydiff") return Method::keydiff;
-  if (m && m->name == "manifold_l2") return Method::l2;
-  if (m && m->name == "windowed_manifold_l2") return Method::windowed_l2;
-  if (m && m->name == "qfilter") return Method::qfilter;
-  if (m && m->name == "snapkv") return Method::snapkv;
+  if (m && is_scorer(*m) && m->name != "protokv") return m->name;
   const std::string names = method_list(is_scorer);
   const std::size_t last = names.rfind(", ");
   throw UsageError("score: " + (m ? "method '" + s + "' is not a scorer" : "unknown method '" + s + "'") +
@@ -87,7 +82,7 @@ Method parse_method(const std::string& s) {
 }
 
 struct Options {
-  Method method{};
+  std::string_view method;  ///< canonical name (kvscore/methods.hpp)
   std::string keys_path, out_path;
   std::int64_t window = 4096;
   WindowTail window_tail = WindowTail::merge;
@@ -108,16 +103,18 @@ Options parse_options(const Args& args) {
   o.out_path = args.required("--out");
   // Flags that another method would silently ignore are errors: a typo in --method
   // must not quietly produce scores of a different kind than asked for.
-  if (args.has("--window") && o.method != Method::windowed_l2 && o.method != Method::snapkv)
+  const bool windowed = o.method == "windowed_manifold_l2", qfilter = o.method == "qfilter",
+             snapkv = o.method == "snapkv";
+  if (args.has("--window") && !windowed && !snapkv)
     throw UsageError("score: --window applies only to --method windowed-l2 or snapkv");
   for (const char* f : {"--filters", "--layer", "--filters-convention"})
-    if (args.has(f) && o.method != Method::qfilter)
+    if (args.has(f) && !qfilter)
       throw UsageError(std::string("score: ") + f + " applies only to --method qfilter");
   for (const char* f : {"--queries", "--group", "--query-placement"})
-    if (args.has(f) && o.method != Method::snapkv)
+    if (args.has(f) && !snapkv)
       throw UsageError(std::string("score: ") + f + " applies only to --method snapkv or protokv");
   o.placement = get_query_placement(args, "score", QueryPlacement::in_cache);
-  if (args.has("--window-tail") && o.method != Method::windowed_l2)
+  if (args.has("--window-tail") && !windowed)
     throw UsageError("score: --window-tail applies only to --method windowed-l2");
   o.window = args.get_int("--window", 4096, 1, INT64_MAX);
   o.window_given = args.has("--window");
@@ -129,14 +126,14 @@ Options parse_options(const Args& args) {
   o.group = args.get_int("--group", 0, 1, INT64_MAX);
   o.layer = args.get_int("--layer", 0, 0, INT64_MAX);
   o.threads = int(args.get_int("--threads", 0, 0, 4096));
-  if (o.method == Method::qfilter) o.filters_path = args.required("--filters");
+  if (qfilter) o.filters_path = args.required("--filters");
   if (args.has("--filters-convention")) {
     const std::string c = args.required("--filters-convention");
     if (c == "published") o.convention = FilterConvention::published;
     else if (c == "kvscore") o.convention = FilterConvention::kvscore;
     else throw UsageError("score: --filters-convention must be published or kvscore (got '" + c + "')");
   }
-  if (o.method == Method::snapkv) o.queries_path = args.required("--queries");
+  if (snapkv) o.queries_path = args.required("--queries");
   return o;
 }
 
@@ -146,10 +143,11 @@ Options parse_options(const Args& args) {
   throw std::invalid_argument(m.find(path) != std::string::npos ? m : path + ": " + m);
 }
 
-/// SnapKV from Q.npy [q_heads, w, head_dim] '<f4'; the checks against the keys come in run().
-SnapKV load_snapkv(const Options& o) {
+/// Q.npy [q_heads, w, head_dim] '<f4' into `a` (it points into `q`); the checks against the
+/// keys come in run().
+void load_queries(const Options& o, npy::Array& q, ScorerArgs& a) {
   const std::string& p = o.queries_path;
-  const npy::Array q = npy::load(p);
+  q = npy::load(p);
   if (q.shape.size() != 3)
     throw std::invalid_argument(p + ": queries must have shape [q_heads, window, head_dim], got " +
                                 std::to_string(q.shape.size()) + " dimensions");
@@ -163,78 +161,47 @@ SnapKV load_snapkv(const Options& o) {
   if (o.window_given && o.window != w)
     throw std::invalid_argument("score: --window " + std::to_string(o.window) + " does not match the " +
                                 std::to_string(w) + " queries per head of " + p + " " + shape);
-  try {
-    SnapKV s(q.as<float>(), hq, w, dim);
-    s.num_threads = o.threads;
-    s.placement = o.placement;
-    return s;
-  } catch (const std::invalid_argument& e) {
-    rethrow_with_path(e, p);
-  }
+  a.queries = q.as<float>();
+  a.q_heads = hq;
+  a.n_queries = w;
+  a.head_dim = dim;
+  a.placement = o.placement;
 }
 
 template <class T>
-Scores run(const Options& o, const std::optional<QFilter>& qfilter, const std::optional<SnapKV>& snapkv,
-           const npy::Array& keys) {
+Scores run(const Options& o, const AnyScorer& scorer, const npy::Array& keys) {
   const std::int64_t heads = keys.shape[0], tokens = keys.shape[1], dim = keys.shape[2];
   // tokens == 0: KeysView rejects head_stride 0 for heads > 1 even though no row
   // exists, so give the (unused) head stride one row's worth.
   const KeysView<T> view(keys.as<T>(), heads, tokens, dim, std::max<std::int64_t>(tokens, 1) * dim, dim);
-  switch (o.method) {
-    case Method::knorm: {
-      KNorm s;
-      s.num_threads = o.threads;
-      return s.score(view);
-    }
-    case Method::keydiff: {
-      KeyDiff s;
-      s.num_threads = o.threads;
-      return s.score(view);
-    }
-    case Method::l2: {
-      ManifoldL2 s;
-      s.num_threads = o.threads;
-      return s.score(view);
-    }
-    case Method::windowed_l2: {
-      WindowedManifoldL2 s(o.window, o.window_tail);
-      s.num_threads = o.threads;
-      return s.score(view);
-    }
-    case Method::qfilter: {
-      QFilter s = *qfilter;
-      s.num_threads = o.threads;
-      if (s.kv_heads() != heads || s.head_dim() != dim)
-        throw std::invalid_argument("score: filters " + o.filters_path + " layer " + std::to_string(o.layer) +
-                                    " are (kv_heads " + std::to_string(s.kv_heads()) + ", head_dim " +
-                                    std::to_string(s.head_dim()) + ") but keys " + o.keys_path + " are (heads " +
-                                    std::to_string(heads) + ", head_dim " + std::to_string(dim) + ")");
-      return s.score(view);
-    }
-    case Method::snapkv: {
-      const SnapKV& s = *snapkv;
-      const std::string q = "queries " + o.queries_path + " [" + std::to_string(s.q_heads()) + ", " +
-                            std::to_string(s.window()) + ", " + std::to_string(s.head_dim()) + "]";
-      if (s.head_dim() != dim)
-        throw std::invalid_argument("score: " + q + " have head_dim " + std::to_string(s.head_dim()) + " but keys " +
-                                    o.keys_path + " have head_dim " + std::to_string(dim));
-      if (heads == 0 || s.q_heads() % heads != 0)
-        throw std::invalid_argument("score: " + q + ": q_heads " + std::to_string(s.q_heads()) +
-                                    " is not a multiple of the " + std::to_string(heads) + " heads of keys " +
-                                    o.keys_path);
-      if (o.group != 0 && o.group != s.q_heads() / heads)
-        throw std::invalid_argument("score: --group " + std::to_string(o.group) + " does not match q_heads / heads = " +
-                                    std::to_string(s.q_heads()) + " / " + std::to_string(heads) + " = " +
-                                    std::to_string(s.q_heads() / heads) + " (" + q + ", keys " + o.keys_path + ")");
-      if (s.placement == QueryPlacement::in_cache && s.window() > tokens)
-        throw std::invalid_argument("score: " + q + " hold " + std::to_string(s.window()) +
-                                    " queries per head, more than the " + std::to_string(tokens) + " tokens of keys " +
-                                    o.keys_path + " (the window is the last w tokens; --query-placement "
-                                    "after-cache for queries that follow the cache)");
-      return s.score(view);
-    }
+  // the checks that name the files (the scorers' own would name only shapes)
+  if (const QFilter* f = scorer.get<QFilter>(); f && (f->kv_heads() != heads || f->head_dim() != dim))
+    throw std::invalid_argument("score: filters " + o.filters_path + " layer " + std::to_string(o.layer) +
+                                " are (kv_heads " + std::to_string(f->kv_heads()) + ", head_dim " +
+                                std::to_string(f->head_dim()) + ") but keys " + o.keys_path + " are (heads " +
+                                std::to_string(heads) + ", head_dim " + std::to_string(dim) + ")");
+  if (const SnapKV* sp = scorer.get<SnapKV>()) {
+    const SnapKV& s = *sp;
+    const std::string q = "queries " + o.queries_path + " [" + std::to_string(s.q_heads()) + ", " +
+                          std::to_string(s.window()) + ", " + std::to_string(s.head_dim()) + "]";
+    if (s.head_dim() != dim)
+      throw std::invalid_argument("score: " + q + " have head_dim " + std::to_string(s.head_dim()) + " but keys " +
+                                  o.keys_path + " have head_dim " + std::to_string(dim));
+    if (heads == 0 || s.q_heads() % heads != 0)
+      throw std::invalid_argument("score: " + q + ": q_heads " + std::to_string(s.q_heads()) +
+                                  " is not a multiple of the " + std::to_string(heads) + " heads of keys " +
+                                  o.keys_path);
+    if (o.group != 0 && o.group != s.q_heads() / heads)
+      throw std::invalid_argument("score: --group " + std::to_string(o.group) + " does not match q_heads / heads = " +
+                                  std::to_string(s.q_heads()) + " / " + std::to_string(heads) + " = " +
+                                  std::to_string(s.q_heads() / heads) + " (" + q + ", keys " + o.keys_path + ")");
+    if (s.placement == QueryPlacement::in_cache && s.window() > tokens)
+      throw std::invalid_argument("score: " + q + " hold " + std::to_string(s.window()) +
+                                  " queries per head, more than the " + std::to_string(tokens) + " tokens of keys " +
+                                  o.keys_path + " (the window is the last w tokens; --query-placement "
+                                  "after-cache for queries that follow the cache)");
   }
-  throw std::logic_error("score: unhandled method");
+  return scorer.score(view);
 }
 
 }  // namespace
@@ -257,11 +224,18 @@ int cmd_score(const Args& args) {
     }
   }
 
-  std::optional<QFilter> qfilter;
-  if (o.method == Method::qfilter) {
+  // the registry's constructor (kvscore/scorers/make_scorer.hpp) from the flags and files
+  ScorerArgs a;
+  a.threads = o.threads;
+  a.window = o.window;
+  a.window_tail = o.window_tail;
+  if (o.method == "qfilter") {
     try {
-      qfilter.emplace(
-          QFilter::load(o.filters_path, o.layer, o.convention.value_or(QFilter::file_convention(o.filters_path))));
+      const QFilter f =
+          QFilter::load(o.filters_path, o.layer, o.convention.value_or(QFilter::file_convention(o.filters_path)));
+      a.filters = f.filters();
+      a.kv_heads = f.kv_heads();
+      a.head_dim = f.head_dim();
     } catch (const std::exception& e) {
       rethrow_with_path(e, o.filters_path);
     }
@@ -277,14 +251,20 @@ int cmd_score(const Args& args) {
     throw std::invalid_argument(p + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
                                 std::to_string(dim) + ")");
 
-  std::optional<SnapKV> snapkv;
-  if (o.method == Method::snapkv) snapkv.emplace(load_snapkv(o));
+  npy::Array queries;
+  if (o.method == "snapkv") load_queries(o, queries, a);
+  std::optional<AnyScorer> scorer;
+  try {
+    scorer.emplace(make_scorer(o.method, a));
+  } catch (const std::invalid_argument& e) {
+    rethrow_with_path(e, o.method == "snapkv" ? o.queries_path : o.method == "qfilter" ? o.filters_path : p);
+  }
 
   Scores scores;
   try {
-    if (keys.descr == npy::descr_of<float>()) scores = run<float>(o, qfilter, snapkv, keys);
-    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(o, qfilter, snapkv, keys);
-    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(o, qfilter, snapkv, keys);
+    if (keys.descr == npy::descr_of<float>()) scores = run<float>(o, *scorer, keys);
+    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(o, *scorer, keys);
+    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(o, *scorer, keys);
     else
       throw std::invalid_argument("keys dtype '" + keys.descr +
                                   "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");

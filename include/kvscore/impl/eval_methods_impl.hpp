@@ -119,27 +119,24 @@ KVSCORE_IMPL_INLINE Compressed pariskv_method(const LayerInput& in, std::int64_t
 }
 
 KVSCORE_IMPL_INLINE MethodFn builtin_run(std::string_view name) {
-  if (name == "knorm") return scorer_method<KNorm>([](const LayerInput&, const MethodOptions&) { return KNorm{}; });
-  if (name == "keydiff")
-    return scorer_method<KeyDiff>([](const LayerInput&, const MethodOptions&) { return KeyDiff{}; });
-  if (name == "manifold_l2")
-    return scorer_method<ManifoldL2>([](const LayerInput&, const MethodOptions&) { return ManifoldL2{}; });
-  if (name == "windowed_manifold_l2")
-    return scorer_method<WindowedManifoldL2>(
-        [](const LayerInput&, const MethodOptions& o) { return WindowedManifoldL2(o.window, o.window_tail); });
-  if (name == "qfilter")
-    return scorer_method<QFilter>([](const LayerInput& in, const MethodOptions&) {
-      return QFilter(calibrate_qfilters(in.queries, in.q_heads, in.n_queries, in.head_dim, in.kv_heads), in.kv_heads,
-                     in.head_dim);
-    });
-  if (name == "snapkv")
-    return query_scorer_method<SnapKV>([](const LayerInput& in) {
-      return SnapKV(in.queries, in.q_heads, in.n_queries, in.head_dim);
-    });
-  if (name == "protokv")
-    return query_scorer_method<ProtoKV>([](const LayerInput& in) {
-      return ProtoKV(in.queries, in.q_heads, in.n_queries, in.head_dim);
-    });
+  // every scorer through the registry's constructor (kvscore/scorers/make_scorer.hpp): the
+  // evaluation queries as the window (and as Q-Filters' calibration set), the command line's
+  // window, placement and threads; a query scorer's in-cache window is protected
+  if (const MethodInfo* info = find_method_info(name); info != nullptr && is_scorer(*info))
+    return [spelling = std::string(name)](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+      ScorerArgs a;
+      a.threads = o.threads;
+      a.window = o.window;
+      a.window_tail = o.window_tail;
+      a.kv_heads = in.kv_heads;
+      a.queries = in.queries;
+      a.q_heads = in.q_heads;
+      a.n_queries = in.n_queries;
+      a.head_dim = in.head_dim;
+      a.placement = o.placement;
+      const AnyScorer s = make_scorer(spelling, a);
+      return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
+    };
   if (name == "streaming_llm")
     return [](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
       const StreamingLLM s{o.select.sinks > 0 ? o.select.sinks : o.streaming_sinks};

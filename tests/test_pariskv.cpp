@@ -15,6 +15,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -146,7 +147,7 @@ bool runs(pk::Kernels k) {
 /// The vector kernel sets this CPU runs (each is compared with the portable one).
 std::vector<pk::Kernels> vector_sets() {
   std::vector<pk::Kernels> v;
-  for (pk::Kernels k : {pk::Kernels::avx2, pk::Kernels::avx512})
+  for (pk::Kernels k : {pk::Kernels::avx2, pk::Kernels::avx512, pk::Kernels::neon})
     if (runs(k)) v.push_back(k);
   return v;
 }
@@ -967,7 +968,7 @@ TEST_CASE("pariskv: every kernel set gives bit-identical collisions, estimates a
     }
     CHECK(worst < 1e-4);
     for (pk::Kernels k : vector_sets()) {
-      INFO("kernel set " << (k == pk::Kernels::avx2 ? "avx2" : "avx512"));
+      INFO("kernel set " << (k == pk::Kernels::avx2 ? "avx2" : k == pk::Kernels::neon ? "neon" : "avx512"));
       idx.estimate(q.data(), ev.data(), k);
       CHECK(ev == ep);
       CHECK(idx.collision_scores(q.data(), 0.2, k) == idx.collision_scores(q.data(), 0.2, pk::Kernels::portable));
@@ -995,18 +996,21 @@ TEST_CASE("pariskv: the ISA pin governs Kernels::best", "[pariskv][simd]") {
     const auto got = pk::detail::resolve_kernels(pk::Kernels::best, "t");
     const int level = simd::isa_level(t->name);
     INFO("table " << t->name);
-    if (level <= 1) CHECK(got == pk::detail::KernelSet::portable);
+    if (level == 0) CHECK(got == pk::detail::KernelSet::portable);
+    if (level == 1)  // sse2 on x86 (no sse2 set), neon on AArch64
+      CHECK(got == (runs(pk::Kernels::neon) ? pk::detail::KernelSet::neon : pk::detail::KernelSet::portable));
     if (level == 2) CHECK(got == (runs(pk::Kernels::avx2) ? pk::detail::KernelSet::avx2 : pk::detail::KernelSet::portable));
     if (level == 3) CHECK(got != pk::detail::KernelSet::portable);
   }
   simd::set_active_isa(before);
-  if (!runs(pk::Kernels::avx512)) {
+  for (const auto& [k, name] : {std::pair{pk::Kernels::avx512, "avx512"}, std::pair{pk::Kernels::neon, "neon"}}) {
+    if (runs(k)) continue;  // an unsupported set is named
     ParisKV idx(8);
     const std::vector<float> key(8, 1.f);
     idx.append(key.data(), 1, 8);  // a valid k, so that the kernel set is what is rejected
     ParisKVSearch o;
     o.k = 1;
-    o.kernels = pk::Kernels::avx512;
-    CHECK_THROWS_WITH(idx.check_options(o, false, 0), Catch::Contains("avx512 kernel set"));
+    o.kernels = k;
+    CHECK_THROWS_WITH(idx.check_options(o, false, 0), Catch::Contains(std::string(name) + " kernel set"));
   }
 }

@@ -601,6 +601,12 @@ class ParisKV {
         return true;
       }
 #endif
+#if defined(KVSCORE_PARISKV_NEON)
+      if (m_ == 8 && set == pariskv::detail::KernelSet::neon) {
+        pariskv::detail::collide_neon(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
+        return true;
+      }
+#endif
       pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s8.data());
       return true;
     }

@@ -1,5 +1,7 @@
 // kvscore/simd/pariskv_kernels.hpp — ParisKV's search kernels, one body per kernel set:
-// portable C++ (every CPU, Arm included), AVX2 + FMA, and AVX-512 F/BW/VL/DQ + VBMI.
+// portable C++ (every CPU), AVX2 + FMA, AVX-512 F/BW/VL/DQ + VBMI, and on AArch64 NEON (Stage
+// I's collision table lookup; its other stages are the portable ones, which the compiler
+// targets at AArch64 with native fused multiply-adds).
 //
 //   Stage I   collide_*          collision score S_i = Σ_b tbl[b][id_{i,b}] of 64 keys at a time
 //             bucket_threshold*  the score T and ties to take so exactly C keys are candidates
@@ -29,6 +31,10 @@
 #include <immintrin.h>
 #define KVSCORE_PARISKV_X86 1
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define KVSCORE_PARISKV_NEON 1
+#endif
 
 #include "kvscore/core/cpu.hpp"
 #include "kvscore/simd/dispatch.hpp"
@@ -36,12 +42,12 @@
 namespace kvscore::pariskv {
 
 /// Kernel sets of the search (tests and comparisons force one; `best` picks at run time).
-enum class Kernels { best, avx512, avx2, portable };
+enum class Kernels { best, avx512, avx2, portable, neon };
 
 namespace detail {
 
 /// A kernel set that runs here (what Kernels::best resolves to).
-enum class KernelSet { portable, avx2, avx512 };
+enum class KernelSet { portable, avx2, avx512, neon };
 
 /// AVX2 set: AVX2, FMA, POPCNT.
 inline bool avx2_ok() noexcept {
@@ -52,6 +58,15 @@ inline bool avx2_ok() noexcept {
 inline bool avx512_ok() noexcept {
   const auto& f = kvscore::detail::cpu();
   return avx2_ok() && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vbmi && f.bmi1 && f.bmi2;
+}
+
+/// NEON set: Advanced SIMD, part of every AArch64 CPU (so: compiled for AArch64).
+inline constexpr bool neon_ok() noexcept {
+#if defined(KVSCORE_PARISKV_NEON)
+  return true;
+#else
+  return false;
+#endif
 }
 
 inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
@@ -65,17 +80,21 @@ inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
       if (!avx512_ok())
         throw std::invalid_argument(who + ": the avx512 kernel set (AVX-512 F/BW/VL/DQ/VBMI) is not supported by this CPU");
       return KernelSet::avx512;
+    case Kernels::neon:
+      if (!neon_ok()) throw std::invalid_argument(who + ": the neon kernel set (AArch64 Advanced SIMD) is not supported by this CPU");
+      return KernelSet::neon;
     case Kernels::best:
       break;
   }
   const int cap = simd::isa_cap();
   if (cap >= 3 && avx512_ok()) return KernelSet::avx512;
   if (cap >= 2 && avx2_ok()) return KernelSet::avx2;
+  if (cap >= 1 && neon_ok()) return KernelSet::neon;  // the pin: `neon` is level 1, `scalar` 0
   return KernelSet::portable;
 }
 
 inline const char* kernel_set_name(KernelSet s) noexcept {
-  return s == KernelSet::avx512 ? "avx512" : s == KernelSet::avx2 ? "avx2" : "portable";
+  return s == KernelSet::avx512 ? "avx512" : s == KernelSet::avx2 ? "avx2" : s == KernelSet::neon ? "neon" : "portable";
 }
 
 #if defined(KVSCORE_PARISKV_X86)
@@ -164,6 +183,42 @@ KVSCORE_PARISKV_AVX512 inline void collide_avx512(const std::uint8_t* ids, std::
       acc = _mm512_add_epi8(acc, _mm512_mask_blend_epi8(_mm512_movepi8_mask(id), lo, hi));
     }
     _mm512_storeu_si512(out + blk * 64, acc);
+  }
+}
+#endif
+
+#if defined(KVSCORE_PARISKV_NEON)
+/// m = 8, byte scores. A 256-entry byte table lookup is four 64-entry `tbl`/`tbx` lookups
+/// (an index past a 64-byte table gives 0 / leaves the lane, so the id minus 64j picks quarter
+/// j). A subspace's table fills 16 of the 32 vector registers, so subspaces are the outer
+/// loop over a tile of blocks whose byte scores stay in L1.
+inline void collide_neon(const std::uint8_t* ids, std::int64_t blocks, std::int64_t B, const std::uint8_t* tbl,
+                         std::uint8_t* out) noexcept {
+  constexpr std::int64_t kTile = 64;  // blocks: 4 KiB of scores
+  const uint8x16_t k64 = vdupq_n_u8(64);
+  for (std::int64_t b0 = 0; b0 < blocks; b0 += kTile) {
+    const std::int64_t b1 = std::min(blocks, b0 + kTile);
+    std::memset(out + b0 * 64, 0, std::size_t((b1 - b0) * 64));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::uint8_t* t = tbl + b * 256;
+      const uint8x16x4_t q0 = vld1q_u8_x4(t), q1 = vld1q_u8_x4(t + 64), q2 = vld1q_u8_x4(t + 128),
+                         q3 = vld1q_u8_x4(t + 192);
+      for (std::int64_t blk = b0; blk < b1; ++blk) {
+        const std::uint8_t* p = ids + (blk * B + b) * 64;
+        std::uint8_t* o = out + blk * 64;
+        for (int l = 0; l < 64; l += 16) {
+          uint8x16_t id = vld1q_u8(p + l);
+          uint8x16_t w = vqtbl4q_u8(q0, id);
+          id = vsubq_u8(id, k64);
+          w = vqtbx4q_u8(w, q1, id);
+          id = vsubq_u8(id, k64);
+          w = vqtbx4q_u8(w, q2, id);
+          id = vsubq_u8(id, k64);
+          w = vqtbx4q_u8(w, q3, id);
+          vst1q_u8(o + l, vaddq_u8(vld1q_u8(o + l), w));
+        }
+      }
+    }
   }
 }
 #endif

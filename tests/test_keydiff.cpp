@@ -23,9 +23,7 @@ TEST_CASE("KeyDiff is invariant to positive scaling of a single key", "[properti
   const Cache c = random_cache(12, 2, 30, 20, 1.f);
   const Scores base = run(kvscore::KeyDiff{}, c);
   for (float k : {7.5f, 0.1f, 1000.f}) {
-    Cache s = c;
-    for (std::int64_t j = 0; j < c.dim; ++j) s.row(0, 9)[j] *= k;
-    const Scores r = run(kvscore::KeyDiff{}, s);
+    const Scores r = run_scaled_row(kvscore::KeyDiff{}, c, 0, 9, k);
     CAPTURE(k);
     for (std::int64_t h = 0; h < c.heads; ++h)
       for (std::int64_t t = 0; t < c.tokens; ++t) CHECK(close(r(h, t), base(h, t), 1.0));

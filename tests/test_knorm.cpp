@@ -20,9 +20,7 @@ TEST_CASE("KNorm scales with the key", "[properties][knorm]") {
   const Cache c = random_cache(11, 2, 20, 24, 1.f);
   const Scores base = run(kvscore::KNorm{}, c);
   for (float k : {3.f, 0.25f, 17.5f}) {
-    Cache s = c;
-    for (std::int64_t j = 0; j < c.dim; ++j) s.row(1, 5)[j] *= k;
-    const Scores r = run(kvscore::KNorm{}, s);
+    const Scores r = run_scaled_row(kvscore::KNorm{}, c, 1, 5, k);
     CAPTURE(k);
     CHECK(r(1, 5) == Approx(double(k) * base(1, 5)).epsilon(1e-6));
     for (std::int64_t h = 0; h < c.heads; ++h)

@@ -121,6 +121,13 @@ kvscore::Scores run(const S& scorer, const Cache& c) {
   return scorer.score(view_of(data, c));
 }
 
+/// Scores of `scorer` on c with row (h, t) multiplied by k (scaling properties).
+template <class S>
+kvscore::Scores run_scaled_row(const S& scorer, Cache c, std::int64_t h, std::int64_t t, float k) {
+  for (std::int64_t j = 0; j < c.dim; ++j) c.row(h, t)[j] *= k;
+  return run(scorer, c);
+}
+
 inline Cache random_cache(std::uint32_t seed, std::int64_t h, std::int64_t n, std::int64_t d, float mean = 0.f,
                           float sigma = 1.f) {
   std::mt19937 rng(seed);

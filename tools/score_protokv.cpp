@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <kvscore/npy.hpp>
+#include <kvscore/scorers/make_scorer.hpp>
 #include <kvscore/scorers/protokv.hpp>
 #include <kvscore/simd/dispatch.hpp>
 
@@ -120,15 +121,23 @@ void run_score_protokv(const Args& args) {
       throw std::invalid_argument("queries [" + std::to_string(hq) + ", " + std::to_string(w) + ", " +
                                   std::to_string(qd) + "] need q_heads >= 1, window >= 1 and head_dim in [1, " +
                                   std::to_string(kMaxHeadDim) + "]");
-    ProtoKV pk(q.as<float>(), hq, w, qd, group);
-    pk.num_threads = int(threads);
+    // the registry's constructor (kvscore/scorers/make_scorer.hpp), then ProtoKV's own options
+    ScorerArgs a;
+    a.threads = int(threads);
+    a.queries = q.as<float>();
+    a.q_heads = hq;
+    a.n_queries = w;
+    a.head_dim = qd;
+    a.group = group;
+    a.placement = placement;
+    AnyScorer scorer = make_scorer("protokv", a);
+    ProtoKV& pk = *scorer.get<ProtoKV>();
     pk.seed = std::uint64_t(seed);
     pk.kappa = kappa;
     pk.lsh_bits = int(lsh_bits);
     pk.chunks = chunks;
     pk.sat_candidates = p;
     pk.bandwidth = bandwidth;
-    pk.placement = placement;
     pk.psi = psi == "mean" ? ProtoKV::Psi::mean : psi == "attention" ? ProtoKV::Psi::attention : ProtoKV::Psi::sum;
     if (keys.descr == npy::descr_of<float>()) scores = score_keys<float>(pk, keys);
     else if (keys.descr == npy::descr_of<half>()) scores = score_keys<half>(pk, keys);

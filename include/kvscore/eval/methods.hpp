@@ -30,14 +30,7 @@
 #include "kvscore/methods.hpp"
 #include "kvscore/ojakv.hpp"
 #include "kvscore/pariskv.hpp"
-#include "kvscore/scorers/protokv.hpp"
-#include "kvscore/scorers/keydiff.hpp"
-#include "kvscore/scorers/knorm.hpp"
 #include "kvscore/scorers/make_scorer.hpp"
-#include "kvscore/scorers/manifold_l2.hpp"
-#include "kvscore/scorers/qfilter.hpp"
-#include "kvscore/scorers/snapkv.hpp"
-#include "kvscore/scorers/windowed_manifold_l2.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/streaming_llm.hpp"
 #include "kvscore/core/view.hpp"
@@ -95,28 +88,6 @@ inline Compressed select_scores(const Scores& s, std::int64_t n, const MethodOpt
   Compressed c;
   c.kept = select(s, Budget::per_head(n), so);
   return c;
-}
-
-/// Scorer methods: score the layer's keys with a scorer and select.
-template <class Scorer>
-MethodFn scorer_method(std::function<Scorer(const LayerInput&, const MethodOptions&)> make) {
-  return [make](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-    Scorer sc = make(in, o);
-    sc.num_threads = o.threads;
-    return select_scores(sc.score(in.key_view()), n, o);
-  };
-}
-
-/// Query-scorer methods (SnapKV, ProtoKV): the evaluation queries as the window, the
-/// command line's placement, and the scorer's in-cache window protected.
-template <class Scorer>
-MethodFn query_scorer_method(std::function<Scorer(const LayerInput&)> make) {
-  return [make](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-    Scorer sc = make(in);
-    sc.num_threads = o.threads;
-    sc.placement = o.placement;
-    return select_scores(sc.score(in.key_view()), n, o, sc.protected_recent());
-  };
 }
 
 /// The oracle: keeps the tokens with the largest mean full-attention probability over the

@@ -7,8 +7,8 @@
 //   Scores scores = s.score(keys);                         // fp32, fp16 or bf16 keys
 //   Selection kept = select(scores, budget, {.recent = s.protected_recent()});
 //
-// The CLI (`kvscore score`), the evaluator's scorer methods and the Python package's
-// kvscore.make_scorer build scorers here. Adding a scorer: its kMethods entry, its type in
+// The CLI (`kvscore score`) and the evaluator's scorer methods build scorers here (Python
+// keeps one class per scorer, named from the same registry). Adding a scorer: its kMethods entry, its type in
 // ScorerTypes and one build() overload below; the static_asserts at the bottom fail until the
 // three agree, so no front end can miss it.
 #pragma once

@@ -1,11 +1,13 @@
 // The method registry (include/kvscore/methods.hpp): every spelling finds its entry, the
 // evaluator's built-ins are the registry in its order, each entry's header and doc page exist
-// and the doc page names the method; its scorer constructors (scorers/make_scorer.hpp) build
-// under every spelling the scorer a direct construction gives, and reject the rest. (The scorer types are tied to it in test_contract.cpp,
-// the CLI in tests/cli/test_cli.cpp, Python in python/tests/test_core.py.)
+// and the doc page names the method; its constructors (scorers/make_scorer.hpp,
+// make_method.hpp) build under every spelling what a direct construction gives, and reject
+// the rest. (The scorer types are tied to it in test_contract.cpp, the CLI in
+// tests/cli/test_cli.cpp, Python in python/tests/test_core.py.)
 #include <catch2/catch.hpp>
 
 #include <kvscore/eval/methods.hpp>
+#include <kvscore/make_method.hpp>
 #include <kvscore/methods.hpp>
 #include <kvscore/scorers/make_scorer.hpp>
 
@@ -202,4 +204,157 @@ TEST_CASE("make_scorer: a method that is not a scorer, an unknown name, missing 
   bad.kv_heads = 2;
   bad.head_dim = 2;
   CHECK_THROWS_WITH(make_scorer("qfilter", bad), Contains("filters hold 3 values"));
+}
+
+// ---------------------------------------------------------------- the other kinds (make_method.hpp)
+
+TEST_CASE("make_retriever: a budget gives exactly the zones plus a direct index's top k, every spelling",
+          "[methods][make_method][pariskv]") {
+  using namespace kvscore;
+  const std::int64_t N = 700, d = 32;
+  const test_support::Cache k = test_support::random_cache(11, 1, N, d, 0.3f);
+  const test_support::Cache v = test_support::random_cache(12, 1, N, d);
+  const test_support::Cache q = test_support::random_cache(13, 1, 4, d);
+  int retrievers = 0;
+  for (const MethodInfo& m : kMethods) {
+    if (m.kind != MethodKind::retriever) continue;
+    ++retrievers;
+    const bool flat = m.name == "pariskv_flat";
+    REQUIRE((flat || m.name == "pariskv"));
+    // 40: zones 4 + 18 + 18 retrieved; 600: R = 440 < 2k = 680, where the dense fallback would
+    // return all 700 positions; 3: sinks only
+    for (const std::int64_t n : {std::int64_t(3), std::int64_t(40), std::int64_t(600)})
+      for (const std::string& sp : spellings(m)) {
+        INFO(m.name << " as '" << sp << "', budget " << n);
+        RetrieverArgs a;
+        a.budget = n;
+        ParisKVCache<float> r = make_retriever<float>(sp, d, a);
+        r.append(k.v.data(), v.v.data(), N);
+        const std::int64_t S = flat ? 0 : std::min<std::int64_t>(4, n);
+        const std::int64_t L = flat ? 0 : std::min<std::int64_t>(256, (n - S) / 2);
+        ParisKV index(d);  // the retrieval zone, indexed directly
+        index.append(k.row(0, S), N - S - L, d);
+        ParisKVSearch so;
+        so.k = n - S - L;
+        for (std::int64_t i = 0; i < 4; ++i) {
+          std::vector<std::int64_t> want;
+          for (std::int64_t t = 0; t < S; ++t) want.push_back(t);
+          if (so.k > 0)
+            for (std::int64_t p : index.search(q.row(0, i), so).positions) want.push_back(S + p);
+          for (std::int64_t t = N - L; t < N; ++t) want.push_back(t);
+          const std::vector<std::int64_t> got = r.select(q.row(0, i));
+          CHECK(std::int64_t(got.size()) == n);
+          CHECK(got == want);
+        }
+      }
+  }
+  CHECK(retrievers == 2);
+  // no budget: the decode-time defaults (pariskv) or one zone-less index (pariskv_flat)
+  const ParisKVCacheConfig def = retriever_config("pariskv", {}), flat = retriever_config("pariskv-flat", {});
+  const ParisKVCacheConfig ref{};
+  CHECK((def.sinks == ref.sinks && def.local == ref.local && def.update_interval == ref.update_interval &&
+         def.search.k == ref.search.k && def.dense_fallback));
+  CHECK((flat.sinks == 0 && flat.local == 0 && flat.search.k == ref.search.k && !flat.dense_fallback));
+}
+
+TEST_CASE("make_hybrid: OjaKV equals its direct construction (projectors, residual rule, store)",
+          "[methods][make_method][ojakv]") {
+  using namespace kvscore;
+  const std::int64_t H = 2, N = 120, d = 16, G = 2, w = 6, n = 30;
+  const test_support::Cache k = test_support::random_cache(21, H, N, d, 0.2f);
+  const test_support::Cache v = test_support::random_cache(22, H, N, d);
+  const test_support::Cache q = test_support::random_cache(23, H * G, w, d);
+  const KeysView<float> keys(k.v.data(), H, N, d, N * d, d), values(v.v.data(), H, N, d, N * d, d);
+  HybridArgs a;
+  a.budget = n;
+  a.rank = 5;
+  a.seed = 9;
+  a.queries = q.v.data();
+  a.q_heads = H * G;
+  a.n_queries = w;
+  a.placement = QueryPlacement::after_cache;
+  a.select.sinks = 2;
+  const HybridBuild b = make_hybrid("ojakv", keys, values, a);
+
+  std::vector<OjaProjector> proj;
+  std::vector<Eigen::MatrixXd> bases;
+  for (std::int64_t h = 0; h < H; ++h) {
+    proj.push_back(OjaProjector::random(d, 5, 5, 9 + std::uint64_t(h)));
+    proj.back().prefill(keys, values, h);
+    bases.push_back(proj.back().key().basis());
+  }
+  OjaResidual res(q.v.data(), H * G, w, d, bases);
+  res.placement = QueryPlacement::after_cache;
+  SelectOptions so;
+  so.sinks = 2;
+  const Selection want = select(res.score(keys), Budget::per_head(n), so);
+  const OjaHybridCache cache = OjaHybridCache::build(proj, keys, values, want);
+  REQUIRE(b.projectors.size() == std::size_t(H));
+  CHECK(b.full_rank.positions == want.positions);
+  CHECK(b.full_rank.offsets == want.offsets);
+  for (std::int64_t h = 0; h < H; ++h) {
+    CHECK(b.projectors[std::size_t(h)].key().basis() == proj[std::size_t(h)].key().basis());
+    CHECK(b.cache.reconstruct_keys(h) == cache.reconstruct_keys(h));
+    CHECK(b.cache.reconstruct_values(h) == cache.reconstruct_values(h));
+    for (std::int64_t t = 0; t < 2; ++t) CHECK(b.full_rank.head(h)[std::size_t(t)] == t);  // the sinks stay full rank
+  }
+  a.rank = 0;  // default rank: max(1, head_dim / 4)
+  CHECK(make_hybrid("ojakv", keys, values, a).cache.head(0).uk.cols() == 4);
+}
+
+TEST_CASE("make_method: every entry but the reference builds through its kind's constructor; wrong kinds are errors",
+          "[methods][make_method][errors]") {
+  using namespace kvscore;
+  const test_support::Cache k = test_support::random_cache(31, 1, 64, 8);
+  const test_support::Cache q = test_support::random_cache(32, 1, 4, 8);
+  const KeysView<float> keys(k.v.data(), 1, 64, 8, 64 * 8, 8);
+  for (const MethodInfo& m : kMethods) {
+    INFO(m.name);
+    switch (m.kind) {
+      case MethodKind::scorer:
+      case MethodKind::query_scorer: {
+        ScorerArgs a;
+        a.queries = q.v.data();
+        a.q_heads = 1;
+        a.n_queries = 4;
+        a.head_dim = 8;
+        a.kv_heads = 1;
+        CHECK(make_scorer(m.cli, a).score(keys).tokens() == 64);
+        break;
+      }
+      case MethodKind::selection_rule:
+        CHECK(make_selection_rule(m.cli, {2}).select(1, 64, Budget::per_head(10)).head(0).size() == 10);
+        break;
+      case MethodKind::retriever: {
+        RetrieverArgs a;
+        a.budget = 10;
+        ParisKVCache<float> r = make_retriever<float>(m.cli, 8, a);
+        r.append(k.v.data(), k.v.data(), 64);
+        CHECK(r.select(q.row(0, 0)).size() == 10);
+        break;
+      }
+      case MethodKind::hybrid: {
+        HybridArgs a;
+        a.budget = 10;
+        a.queries = q.v.data();
+        a.q_heads = 1;
+        a.n_queries = 4;
+        CHECK(make_hybrid(m.cli, keys, keys, a).cache.tokens() == 64);
+        break;
+      }
+      case MethodKind::reference:
+        CHECK(m.name == "oracle");  // the evaluator's own ceiling (eval::oracle_method)
+        break;
+    }
+  }
+  CHECK_THROWS_WITH(make_retriever<float>("knorm", 8), Contains("method 'knorm' is a scorer, not a retriever") &&
+                                                           Contains("pariskv-flat"));
+  CHECK_THROWS_WITH(make_selection_rule("pariskv"), Contains("is a retriever, not a selection_rule"));
+  HybridArgs ha;
+  CHECK_THROWS_WITH(make_hybrid("snapkv", keys, keys, ha), Contains("is a query_scorer, not a hybrid"));
+  CHECK_THROWS_WITH(make_hybrid("ojakv", keys, keys, ha), Contains("'ojakv' needs queries"));
+  CHECK_THROWS_WITH(make_retriever<float>("nope", 8), Contains("unknown method 'nope'"));
+  RetrieverArgs neg;
+  neg.budget = -1;
+  CHECK_THROWS_WITH(make_retriever<float>("pariskv", 8, neg), Contains("budget must be >= 0 (got -1)"));
 }

@@ -20,7 +20,8 @@
 
 namespace kvscore {
 
-/// What shape of method an entry is (the concepts of contract.hpp where one exists).
+/// What shape of method an entry is (the concepts of contract.hpp where one exists); each kind
+/// has its constructor in kvscore/make_method.hpp.
 enum class MethodKind {
   scorer,          ///< Scorer: score(keys) -> Scores, query-agnostic
   query_scorer,    ///< QueryScorer: scored by a window of queries, protects protected_recent()
@@ -74,8 +75,8 @@ inline constexpr std::array<MethodInfo, 12> kMethods = {{
      "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)"},
     {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp", "pariskv.md",
      "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
-    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKV", "kvscore/pariskv.hpp", "pariskv.md",
-     "ParisKV without zones: per-query top-n retrieval over the whole cache"},
+    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp",
+     "pariskv.md", "ParisKV without zones: per-query top-n retrieval over the whole cache"},
     {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md",
      "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)"},
     {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md",

@@ -12,8 +12,9 @@
 // tokens, flushed every U decode steps; a prefill flushes everything but the last L at once).
 // select(q) returns, ascending, the sinks, the top k of the retrieval zone by the index's
 // search (ParisKVSearch: β, ρ, exact rerank on the resident keys), and the local zone; while
-// the cache is short (N < max(dense_min, S + L + 2k), the authors' fallback) it returns every
-// position. attend(q) is softmax(q·k/√d)·v over the selected positions (fp32 logits, fp64 sums).
+// the cache is short (N < max(dense_min, S + L + 2k), the authors' fallback, unless
+// dense_fallback is off) it returns every position. attend(q) is softmax(q·k/√d)·v over the
+// selected positions (fp32 logits, fp64 sums).
 //
 // Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,
@@ -41,6 +42,9 @@ struct ParisKVCacheConfig {
   std::int64_t local = 256;            ///< L: last tokens always attended
   std::int64_t update_interval = 128;  ///< U: local tokens beyond L are indexed in batches of U
   std::int64_t dense_min = 2000;       ///< dense attention while N < max(dense_min, S + L + 2k)
+  /// false: never dense, so a query attends at most S + k + the local zone (a fixed budget;
+  /// make_retriever with RetrieverArgs::budget, the evaluator)
+  bool dense_fallback = true;
   ParisKVConfig index{};               ///< the retrieval index (m, seed, centring)
   ParisKVSearch search{};              ///< k = 100 retrieved tokens per query, β, ρ, exact rerank
 };
@@ -85,8 +89,9 @@ class ParisKVCache {
   std::int64_t local_begin() const noexcept { return e_; }
   /// Tokens in the index (E − S).
   std::int64_t indexed() const noexcept { return index_.size(); }
-  /// N below which select() returns every position.
+  /// N below which select() returns every position (0 without the dense fallback).
   std::int64_t dense_threshold() const noexcept {
+    if (!cfg_.dense_fallback) return 0;
     return std::max(cfg_.dense_min, cfg_.sinks + cfg_.local + 2 * cfg_.search.k);
   }
   bool dense() const noexcept { return n_ < dense_threshold(); }

@@ -27,13 +27,10 @@
 #include <vector>
 
 #include "kvscore/detail/compiled.hpp"
-#include "kvscore/methods.hpp"
-#include "kvscore/ojakv.hpp"
-#include "kvscore/pariskv.hpp"
-#include "kvscore/scorers/make_scorer.hpp"
-#include "kvscore/select.hpp"
-#include "kvscore/streaming_llm.hpp"
 #include "kvscore/core/view.hpp"
+#include "kvscore/make_method.hpp"
+#include "kvscore/methods.hpp"
+#include "kvscore/select.hpp"
 
 namespace kvscore::eval {
 
@@ -100,22 +97,29 @@ Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptio
 /// costs a quarter of the full cache and the budget n is the number of full-rank tokens.
 inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std::max<std::int64_t>(1, head_dim / 4); }
 
-/// OjaKV as hybrid attention: per KV head a projector (seeded random start, prefill on the
-/// layer's keys and values), the n tokens with the largest query-weighted residual (the
-/// evaluation queries as the window) kept full rank through the selector, every other token
-/// as low-rank codes; `output` is the hybrid cache's reference attention.
-Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o);
+/// OjaKV as hybrid attention (make_hybrid): per KV head a projector (seeded random start,
+/// prefill on the layer's keys and values), the n tokens with the largest query-weighted
+/// residual (the evaluation queries as the window) kept full rank through the selector, every
+/// other token as low-rank codes; `output` is the hybrid cache's reference attention.
+Compressed hybrid_method(std::string_view spelling, const LayerInput& in, std::int64_t n, const MethodOptions& o);
+inline Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+  return hybrid_method("ojakv", in, n, o);
+}
 
-/// ParisKV as retrieval: one index per KV head (built inside the timed call), one top-n search
-/// per (query head, query) with the paper's length-adaptive (beta, rho); no protection.
-/// The evaluator's ParisKV zones for a per-head budget n: sinks min(4, n), local window
-/// min(256, ⌊(n − sinks)/2⌋), and n − sinks − local retrieved per query (docs/evaluate.md).
-struct ParisKVZones {
-  std::int64_t sinks = 0, local = 0;
-};
-ParisKVZones pariskv_zones(std::int64_t n) noexcept;
-Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
-Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&);
+/// A retriever of the registry (make_retriever<float> with RetrieverArgs::budget = n): one
+/// index per KV head (built inside the timed call), one search per (query head, query) with
+/// the paper's length-adaptive (beta, rho); no protection. `pariskv` keeps its zones
+/// (pariskv_zones(n): sinks min(4, n), local window min(256, ⌊(n − sinks)/2⌋), the rest
+/// retrieved per query; docs/evaluate.md), `pariskv_flat` retrieves all n.
+Compressed retriever_method(std::string_view spelling, const LayerInput& in, std::int64_t n);
+using kvscore::ParisKVZones;
+using kvscore::pariskv_zones;
+inline Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
+  return retriever_method("pariskv", in, n);
+}
+inline Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
+  return retriever_method("pariskv_flat", in, n);
+}
 
 /// The evaluator's function for a method of kvscore/methods.hpp (by its canonical name);
 /// empty for a name it does not know.

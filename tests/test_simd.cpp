@@ -133,3 +133,109 @@ TEST_CASE("set_active_isa pins a table - unknown names throw with the list", "[s
   simd::set_active_isa(before.name);
   REQUIRE(&simd::active_table() == &before);
 }
+
+namespace {
+
+// project / unproject (OjaKV's codes and reconstructions) on table t against the scalar table,
+// the row's `dot` on the same table, and a plain fp64 loop. Tolerances are the fp32 summation
+// bound: (terms + 2) · 2^-23 · Σ|term| (the kernels sum terms in fp32 in some order).
+template <class T>
+void check_projection(const simd::KernelTable& t, std::int64_t d, std::int64_t r) {
+  const std::int64_t n = 37, stride = d + 5;  // n % 4 != 0, padded rows
+  const std::int64_t bad_nan = 5, bad_inf = 22;
+  std::mt19937 rng(static_cast<unsigned>(d * 131 + r));
+  std::normal_distribution<float> g(0.25f, 1.5f);
+  std::vector<T> rows(std::size_t(n * stride), from_float<T>(1e30f));  // the padding must not be read
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t k = 0; k < d; ++k) rows[std::size_t(i * stride + k)] = from_float<T>(g(rng));
+  rows[std::size_t(bad_nan * stride + d / 3)] = from_float<T>(NAN);
+  rows[std::size_t(bad_inf * stride + d - 1)] = from_float<T>(-INFINITY);
+  std::vector<float> basis(std::size_t(r * d)), codes(std::size_t(n * r));
+  for (auto& x : basis) x = g(rng);
+  for (auto& x : codes) x = g(rng);
+  codes[std::size_t(bad_nan * r + r / 2)] = NAN;
+  codes[std::size_t(bad_inf * r)] = INFINITY;
+  const float eps = 0x1p-23f;
+  const float sentinel = 7.5e33f;
+
+  INFO("isa " << t.name << " dtype " << dtype_name(dtype_of<T>()) << " d " << d << " r " << r);
+  // project: n x r, one extra slot that must stay untouched
+  std::vector<float> p(std::size_t(n * r + 1), sentinel), ps(std::size_t(n * r + 1), sentinel), dots(static_cast<std::size_t>(n));
+  t.ops<T>().project(rows.data(), n, stride, d, basis.data(), r, p.data());
+  simd::scalar_table().ops<T>().project(rows.data(), n, stride, d, basis.data(), r, ps.data());
+  REQUIRE(p.back() == sentinel);
+  for (std::int64_t j = 0; j < r; ++j) {
+    t.ops<T>().dot(rows.data(), n, stride, d, basis.data() + j * d, dots.data());
+    for (std::int64_t i = 0; i < n; ++i) {
+      INFO("row " << i << " basis row " << j);
+      const float got = p[std::size_t(i * r + j)], ref = ps[std::size_t(i * r + j)];
+      if (i == bad_nan || i == bad_inf) {  // a row holding NaN/Inf: every code of it is non-finite
+        REQUIRE(!std::isfinite(got));
+        REQUIRE(!std::isfinite(ref));
+        continue;
+      }
+      double exact = 0, mag = 0;
+      for (std::int64_t k = 0; k < d; ++k) {
+        const double term = double(to_float(rows[std::size_t(i * stride + k)])) * double(basis[std::size_t(j * d + k)]);
+        exact += term;
+        mag += std::fabs(term);
+      }
+      const double tol = double(d + 2) * eps * mag;
+      REQUIRE(std::fabs(double(got) - exact) <= tol);
+      REQUIRE(std::fabs(double(ref) - exact) <= tol);
+      REQUIRE(std::fabs(double(got) - double(dots[std::size_t(i)])) <= tol);  // the table's own dot
+    }
+  }
+  // unproject: n x d from the codes
+  std::vector<float> u(std::size_t(n * d + 1), sentinel), us(std::size_t(n * d + 1), sentinel);
+  t.unproject(codes.data(), n, r, basis.data(), d, u.data());
+  simd::scalar_table().unproject(codes.data(), n, r, basis.data(), d, us.data());
+  REQUIRE(u.back() == sentinel);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t k = 0; k < d; ++k) {
+      INFO("row " << i << " dim " << k);
+      const float got = u[std::size_t(i * d + k)], ref = us[std::size_t(i * d + k)];
+      if (i == bad_nan || i == bad_inf) {  // a code row holding NaN/Inf: its whole row is non-finite
+        REQUIRE(!std::isfinite(got));
+        REQUIRE(!std::isfinite(ref));
+        continue;
+      }
+      double exact = 0, mag = 0;
+      for (std::int64_t j = 0; j < r; ++j) {
+        const double term = double(codes[std::size_t(i * r + j)]) * double(basis[std::size_t(j * d + k)]);
+        exact += term;
+        mag += std::fabs(term);
+      }
+      const double tol = double(r + 2) * eps * mag;
+      REQUIRE(std::fabs(double(got) - exact) <= tol);
+      REQUIRE(std::fabs(double(ref) - exact) <= tol);
+    }
+  // Deterministic and independent of grouping: the same rows projected from row 3 on (other
+  // groups of four, another tail) and a second call give the same codes, bit for bit.
+  std::vector<float> p2(std::size_t(n * r), sentinel);
+  t.ops<T>().project(rows.data() + 3 * stride, n - 3, stride, d, basis.data(), r, p2.data());
+  for (std::int64_t i = 3; i < n; ++i)
+    for (std::int64_t j = 0; j < r; ++j) {
+      const float a = p[std::size_t(i * r + j)], b = p2[std::size_t((i - 3) * r + j)];
+      REQUIRE((a == b || (std::isnan(a) && std::isnan(b))));
+    }
+  std::vector<float> u2(std::size_t(n * d), sentinel);
+  t.unproject(codes.data() + r, n - 1, r, basis.data(), d, u2.data());
+  for (std::int64_t i = 1; i < n; ++i)
+    for (std::int64_t k = 0; k < d; ++k) {
+      const float a = u[std::size_t(i * d + k)], b = u2[std::size_t((i - 1) * d + k)];
+      REQUIRE((a == b || (std::isnan(a) && std::isnan(b))));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("project / unproject (OjaKV) agree on every table with scalar and an fp64 loop", "[simd][ojakv]") {
+  for (const simd::KernelTable* t : simd::available_tables())
+    for (std::int64_t d : {1, 7, 16, 33, 128})
+      for (std::int64_t r : {1, 3, 32}) {
+        check_projection<float>(*t, d, r);
+        check_projection<half>(*t, d, r);
+        check_projection<bfloat16>(*t, d, r);
+      }
+}

@@ -19,6 +19,16 @@
 #include "kvscore/simd/table.hpp"
 #include "kvscore/core/view.hpp"
 
+// Full unrolling of the register-tile loops (constant trip counts of 1..4): at -O2 GCC keeps
+// them as loops and the accumulator arrays in memory.
+#if defined(__clang__)
+#define KVSCORE_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KVSCORE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KVSCORE_UNROLL
+#endif
+
 namespace kvscore::simd {
 
 /// Rows per fp32 block in the row-sum kernels; blocks are then added in fp64, so a
@@ -327,9 +337,139 @@ struct RowKernels {
     }
   }
 
+  // ---- Low-rank projection (OjaKV): codes = rows · U and rows = codes · Uᵀ, U given as r
+  // contiguous rows u_j of d floats. A group of kRows rows stays in L1 (and in registers, one
+  // vector at a time) while the r basis rows stream past it kCols at a time; the basis itself
+  // (r·d floats, 16 KiB at d = 128, r = 32) stays in L1/L2 across the groups.
+
+  /// Basis rows per project tile: kRows × kCols accumulators in registers (16 on the
+  /// 32-register W >= 16 path, 8 where there are 16 vector registers or fewer).
+  static constexpr std::int64_t kCols = W >= 16 ? 4 : 2;
+
+  // out[m*r + c] = ⟨row_m, u_c⟩ for M rows, C basis rows. Each pair is summed exactly as
+  // reduce_rows<Dot> sums one row (fp32 lanes, hsum, then the scalar tail), so a code does not
+  // depend on where its row or basis row falls in a tile.
+  template <int M, int C, class T>
+  static void project_tile(const T* const* rows, const float* const* u, std::int64_t d, float* out,
+                           std::int64_t r) noexcept {
+    V a[M][C];
+    KVSCORE_UNROLL
+    for (int m = 0; m < M; ++m)
+      KVSCORE_UNROLL
+      for (int c = 0; c < C; ++c) a[m][c] = P::zero();
+    std::int64_t j = 0;
+    for (; j + W <= d; j += W) {
+      V b[C];
+      KVSCORE_UNROLL
+      for (int c = 0; c < C; ++c) b[c] = P::loadf(u[c] + j);
+      KVSCORE_UNROLL
+      for (int m = 0; m < M; ++m) {
+        const V x = P::load(rows[m] + j);
+        KVSCORE_UNROLL
+        for (int c = 0; c < C; ++c) a[m][c] = P::fma(x, b[c], a[m][c]);
+      }
+    }
+    float s[M][C];
+    KVSCORE_UNROLL
+    for (int m = 0; m < M; ++m)
+      KVSCORE_UNROLL
+      for (int c = 0; c < C; ++c) s[m][c] = P::hsum(a[m][c]);
+    for (; j < d; ++j)
+      KVSCORE_UNROLL
+      for (int m = 0; m < M; ++m) {
+        const float x = to_float(rows[m][j]);
+        KVSCORE_UNROLL
+        for (int c = 0; c < C; ++c) s[m][c] += x * u[c][j];
+      }
+    KVSCORE_UNROLL
+    for (int m = 0; m < M; ++m)
+      KVSCORE_UNROLL
+      for (int c = 0; c < C; ++c) out[m * r + c] = s[m][c];
+  }
+
+  template <int M, class T>
+  static void project_rows(const T* const* rows, const float* basis, std::int64_t r, std::int64_t d,
+                           float* out) noexcept {
+    std::int64_t c = 0;
+    for (; c + kCols <= r; c += kCols) {
+      const float* u[kCols];
+      for (std::int64_t q = 0; q < kCols; ++q) u[q] = basis + (c + q) * d;
+      project_tile<M, int(kCols)>(rows, u, d, out + c, r);
+    }
+    for (; c < r; ++c) {
+      const float* u[1] = {basis + c * d};
+      project_tile<M, 1>(rows, u, d, out + c, r);
+    }
+  }
+
+  template <class T>
+  static void project(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* basis,
+                      std::int64_t r, float* out) noexcept {
+    std::int64_t i = 0;
+    for (; i + kRows <= n; i += kRows) {
+      const T* rows[kRows];
+      for (std::int64_t k = 0; k < kRows; ++k) rows[k] = base + (i + k) * stride;
+      prefetch_rows(rows[0], stride, d);
+      project_rows<int(kRows)>(rows, basis, r, d, out + i * r);
+    }
+    for (; i < n; ++i) {
+      const T* rows[1] = {base + i * stride};
+      project_rows<1>(rows, basis, r, d, out + i * r);
+    }
+  }
+
+  // out[m*d + q*W ...] for M code rows and Q output vectors: per output one fp32 chain over j.
+  template <int M, int Q>
+  static void unproject_tile(const float* codes, std::int64_t r, const float* u, std::int64_t d,
+                             float* out) noexcept {
+    V a[M][Q];
+    KVSCORE_UNROLL
+    for (int m = 0; m < M; ++m)
+      KVSCORE_UNROLL
+      for (int q = 0; q < Q; ++q) a[m][q] = P::zero();
+    for (std::int64_t j = 0; j < r; ++j) {
+      V s[M];
+      KVSCORE_UNROLL
+      for (int m = 0; m < M; ++m) s[m] = P::splat(codes[m * r + j]);
+      KVSCORE_UNROLL
+      for (int q = 0; q < Q; ++q) {
+        const V b = P::loadf(u + j * d + q * W);
+        KVSCORE_UNROLL
+        for (int m = 0; m < M; ++m) a[m][q] = P::fma(s[m], b, a[m][q]);
+      }
+    }
+    KVSCORE_UNROLL
+    for (int m = 0; m < M; ++m)
+      KVSCORE_UNROLL
+      for (int q = 0; q < Q; ++q) P::store(out + m * d + q * W, a[m][q]);
+  }
+
+  template <int M>
+  static void unproject_rows(const float* codes, std::int64_t r, const float* basis, std::int64_t d,
+                             float* out) noexcept {
+    constexpr int kVecs = 4;  // output vectors per tile: M·4 accumulators
+    std::int64_t k = 0;
+    for (; k + kVecs * W <= d; k += kVecs * W) unproject_tile<M, kVecs>(codes, r, basis + k, d, out + k);
+    for (; k + W <= d; k += W) unproject_tile<M, 1>(codes, r, basis + k, d, out + k);
+    for (; k < d; ++k)
+      KVSCORE_UNROLL
+      for (int m = 0; m < M; ++m) {
+        float a = 0.f;
+        for (std::int64_t j = 0; j < r; ++j) a += codes[m * r + j] * basis[j * d + k];
+        out[m * d + k] = a;
+      }
+  }
+
+  static void unproject(const float* codes, std::int64_t n, std::int64_t r, const float* basis, std::int64_t d,
+                        float* out) noexcept {
+    std::int64_t i = 0;
+    for (; i + 2 <= n; i += 2) unproject_rows<2>(codes + i * r, r, basis, d, out + i * d);
+    for (; i < n; ++i) unproject_rows<1>(codes + i * r, r, basis, d, out + i * d);
+  }
+
   template <class T>
   static constexpr RowOps<T> ops() noexcept {
-    return RowOps<T>{&sqnorm<T>, &dot<T>, &dot_sqnorm<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>};
+    return RowOps<T>{&sqnorm<T>, &dot<T>, &dot_sqnorm<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>, &project<T>};
   }
 };
 
@@ -342,7 +482,8 @@ const KernelTable& make_table(const char* name) noexcept {
                                  RowKernels<P>::template ops<half>(),
                                  RowKernels<P>::template ops<bfloat16>(),
                                  &RowKernels<P>::reduce_f32,
-                                 &RowKernels<P>::exp_shifted};
+                                 &RowKernels<P>::exp_shifted,
+                                 &RowKernels<P>::unproject};
   return table;
 }
 

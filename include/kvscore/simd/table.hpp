@@ -32,6 +32,12 @@ struct RowOps {
   /// Returns the number of rows added.
   std::int64_t (*sum_normalized)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
                                  float* norm_out);
+  /// out[i*r + j] = ⟨row_i, u_j⟩ for i < n, j < r (OjaKV's codes K U). basis: r contiguous fp32
+  /// rows u_j of d elements (Uᵀ row-major = a column-major d×r U); out: n×r row-major. Each entry
+  /// is summed as `dot` sums a row (fp32 lanes, then the tail); every entry of a row holding a
+  /// NaN or Inf is non-finite.
+  void (*project)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* basis,
+                  std::int64_t r, float* out);
 };
 
 struct KernelTable {
@@ -45,6 +51,12 @@ struct KernelTable {
   /// e[j] = exp(x[j] - shift) for j < n (SnapKV's softmax). std::exp on the scalar table,
   /// xsimd::exp (within 2 ulp of std::exp on finite input) on the vector tables.
   void (*exp_shifted)(const float* x, float shift, std::int64_t n, float* e);
+  /// out[i*d + k] = Σ_j codes[i*r + j]·u_j[k] for i < n, k < d (OjaKV's reconstruction K~ Uᵀ);
+  /// codes n×r row-major, basis as in RowOps::project, out n×d row-major; each output is one
+  /// fp32 sum over j in order. Here rather than in RowOps<T>: its input is always fp32 codes,
+  /// whatever the type of the rows they came from.
+  void (*unproject)(const float* codes, std::int64_t n, std::int64_t r, const float* basis, std::int64_t d,
+                    float* out);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

@@ -780,3 +780,60 @@ TEST_CASE("ojakv: rebase re-expresses the codes in an updated basis", "[ojakv]")
   CHECK_THROWS_WITH(cache.rebase(1, p2), Contains("head 1 out of range"));
   CHECK_THROWS_WITH(cache.rebase(0, OjaProjector::random(d + 1, r, r, 1)), Contains("head_dim 25"));
 }
+
+TEST_CASE("ojakv: codes and reconstructions run on the pinned kernel table (every table, the unpinned run)",
+          "[ojakv][simd]") {
+  namespace simd = kvscore::simd;
+  const std::int64_t n = 45, d = 33, r = 5, T = 6;  // odd d, n % 4 != 0, blocks that close and one left open
+  OjaOptions oo;
+  oo.period = T;
+  const std::vector<float> k = to_f32(gaussian(n + 16, d, 91)), v = to_f32(gaussian(n + 16, d, 92));
+  const std::vector<OjaProjector> proj0{OjaProjector::random(d, r, r + 2, 93, oo)};
+  const kvscore::Selection sel = [&] {  // every 7th token at full rank
+    kvscore::Selection s;
+    s.heads = 1;
+    s.tokens = n;
+    s.offsets = {0};
+    for (std::int64_t t = 3; t < n; t += 7) s.positions.push_back(t);
+    s.offsets.push_back(std::int64_t(s.positions.size()));
+    return s;
+  }();
+  struct Run {
+    kvscore::oja::RowMajorF khat, vhat, codes_k;
+    std::vector<double> att;
+  };
+  auto run = [&] {
+    std::vector<OjaProjector> proj = proj0;
+    auto c = kvscore::OjaHybridCache::build(proj, one_head(k, n, d), one_head(v, n, d), sel);
+    Run out{{}, {}, c.head(0).codes_k, {}};
+    for (std::int64_t s = 0; s < 16; ++s)  // 2 closed blocks + 4 open tokens
+      c.append(proj, k.data() + (n + s) * d, v.data() + (n + s) * d, k.data() + (n + s) * d, 1);
+    out.khat = c.reconstruct_keys(0);
+    out.vhat = c.reconstruct_values(0);
+    out.att = c.attention(0, k.data() + 5 * d);
+    return out;
+  };
+  // the build's codes against an fp64 product of the low-rank rows with the fp32 basis
+  const Run ref = run();
+  const Eigen::MatrixXd uk = proj0[0].key().basis_f32().cast<double>();
+  for (std::int64_t t = 0, b = 0; t < n; ++t) {
+    if ((t - 3) % 7 == 0 && t >= 3) continue;
+    const Eigen::RowVectorXd x = Eigen::Map<const kvscore::oja::RowMajorF>(k.data() + t * d, 1, d).cast<double>();
+    const Eigen::RowVectorXd want = x * uk;
+    for (std::int64_t j = 0; j < r; ++j) CHECK(std::abs(double(ref.codes_k(b, j)) - want(j)) < 1e-5);
+    ++b;
+  }
+  REQUIRE(ref.codes_k.rows() == n - std::int64_t(sel.positions.size()));
+  const std::string before = simd::active_table().name;
+  for (const simd::KernelTable* t : simd::available_tables()) {
+    INFO("table " << t->name);
+    simd::set_active_isa(t->name);
+    const Run got = run();
+    REQUIRE(got.khat.rows() == ref.khat.rows());
+    CHECK((got.codes_k - ref.codes_k).cwiseAbs().maxCoeff() < 2e-5);
+    CHECK((got.khat - ref.khat).cwiseAbs().maxCoeff() < 2e-5);
+    CHECK((got.vhat - ref.vhat).cwiseAbs().maxCoeff() < 2e-5);
+    for (std::int64_t j = 0; j < d; ++j) CHECK(std::abs(got.att[std::size_t(j)] - ref.att[std::size_t(j)]) < 2e-5);
+  }
+  simd::set_active_isa(before);
+}

@@ -475,6 +475,8 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
           for (std::int64_t j = 0; j < d; ++j) k(i, j) = ok[std::size_t(i)] ? row[std::size_t(j)] : 0.0;
         }
         const auto kb = k.topRows(m);
+        // Stays in Eigen fp64 (not the fp32 project kernel): r_t is a difference of nearly equal
+        // vectors when the basis fits, and fp32 would lose the residual the rule ranks by.
         const Eigen::MatrixXd res = kb - (kb * u) * u.transpose();  // r_t = k_t - U U^T k_t
         const Eigen::MatrixXd s = res * qh.transpose();            // [m][G*w]
         for (std::int64_t i = 0; i < m; ++i) {

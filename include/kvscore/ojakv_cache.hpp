@@ -17,6 +17,7 @@
 #include "kvscore/ojakv.hpp"
 #include "kvscore/core/selection.hpp"
 #include "kvscore/core/view.hpp"
+#include "kvscore/simd/dispatch.hpp"
 
 namespace kvscore {
 
@@ -152,8 +153,9 @@ class OjaHybridCache {
           lv.row(b++) = v.row(t);
         }
       }
-      hd.codes_k = lk * hd.uk;  // fp32 GEMM, fp32 accumulation
-      hd.codes_v = lv * hd.uv;
+      const simd::KernelTable& kt = simd::active_table();
+      encode(kt, lk.data(), N - nf, hd.uk, hd.codes_k);  // the table's project kernel, fp32 accumulation
+      encode(kt, lv.data(), N - nf, hd.uv, hd.codes_v);
     }
     return c;
   }
@@ -231,6 +233,19 @@ class OjaHybridCache {
   }
 
   oja::RowMajorF reconstruct(std::int64_t h, bool keys) const;
+
+  /// codes[0, n) <- rows · u through the kernel table (simd::KernelTable f32.project): rows are n
+  /// contiguous fp32 rows of u.rows(); u (d × r, column-major) is the r contiguous basis rows the
+  /// kernel takes. codes must already hold n rows of u.cols().
+  static void encode(const simd::KernelTable& kt, const float* rows, std::int64_t n, const Eigen::MatrixXf& u,
+                     float* codes) noexcept {
+    kt.f32.project(rows, n, u.rows(), u.rows(), u.data(), u.cols(), codes);
+  }
+  static void encode(const simd::KernelTable& kt, const float* rows, std::int64_t n, const Eigen::MatrixXf& u,
+                     oja::RowMajorF& codes) {
+    codes.resize(n, u.cols());
+    encode(kt, rows, n, u, codes.data());
+  }
 
   /// The open decode block of one head: rows fp32 [n][d], queries [n][G][d], validity.
   struct Pending {

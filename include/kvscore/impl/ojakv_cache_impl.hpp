@@ -1,5 +1,5 @@
-// kvscore/impl/ojakv_cache_impl.hpp — OjaHybridCache's Eigen numerics (attention, rebase,
-// reconstruction, block close): inline in header-only use, compiled once into kvscore::dispatch
+// kvscore/impl/ojakv_cache_impl.hpp — OjaHybridCache's numerics (attention, rebase,
+// reconstruction, block close; the projections go through the simd kernel table): inline in header-only use, compiled once into kvscore::dispatch
 // otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
@@ -50,6 +50,8 @@ KVSCORE_IMPL_INLINE void OjaHybridCache::rebase(std::int64_t h, const OjaProject
       detail::throw_invalid(who + "projector has head_dim " + std::to_string(p.head_dim()) + ", cache " +
                             std::to_string(dim_));
     Head& hd = heads_[std::size_t(h)];
+    // Stays in Eigen, fp64: an r × r' change of basis formed once per block (O(d r r')), not a
+    // pass over rows; fp64 keeps it exact to the final fp32 rounding.
     const Eigen::MatrixXd uk = p.key().basis(), uv = p.value().basis();
     const Eigen::MatrixXf mk = (hd.uk.cast<double>().transpose() * uk).cast<float>();  // r x r', fp64 then rounded
     const Eigen::MatrixXf mv = (hd.uv.cast<double>().transpose() * uv).cast<float>();
@@ -61,12 +63,25 @@ KVSCORE_IMPL_INLINE void OjaHybridCache::rebase(std::int64_t h, const OjaProject
 
 KVSCORE_IMPL_INLINE oja::RowMajorF OjaHybridCache::reconstruct(std::int64_t h, bool keys) const {
     const Head& hd = head(h);
-    const oja::RowMajorF low = keys ? oja::RowMajorF(hd.codes_k * hd.uk.transpose())
-                                    : oja::RowMajorF(hd.codes_v * hd.uv.transpose());
+    const oja::RowMajorF& codes = keys ? hd.codes_k : hd.codes_v;
+    const Eigen::MatrixXf& u = keys ? hd.uk : hd.uv;  // d × r column-major: the r basis rows unproject takes
     const oja::RowMajorF& full = keys ? hd.full_k : hd.full_v;
+    const simd::KernelTable& kt = simd::active_table();
+    const std::int64_t r = u.cols();
     oja::RowMajorF out(tokens(), dim_);
-    for (std::int64_t t = 0, a = 0, b = 0; t < tokens_; ++t)
-      out.row(t) = hd.is_full[std::size_t(t)] ? full.row(a++) : low.row(b++);
+    // Full rows are copied; each run of low-rank tokens is K~ Uᵀ written in place by the table's
+    // unproject kernel (out is row-major, so a run of rows is contiguous).
+    for (std::int64_t t = 0, a = 0, b = 0; t < tokens_;) {
+      if (hd.is_full[std::size_t(t)]) {
+        out.row(t++) = full.row(a++);
+        continue;
+      }
+      std::int64_t e = t;
+      while (e < tokens_ && !hd.is_full[std::size_t(e)]) ++e;
+      kt.unproject(codes.data() + b * r, e - t, r, u.data(), dim_, out.data() + t * dim_);
+      b += e - t;
+      t = e;
+    }
     const std::vector<float>& open = keys ? pend_[std::size_t(h)].k : pend_[std::size_t(h)].v;
     for (std::int64_t i = 0; i < pending_; ++i)
       out.row(tokens_ + i) = Eigen::Map<const Eigen::RowVectorXf>(open.data() + i * dim_, dim_);
@@ -155,8 +170,9 @@ KVSCORE_IMPL_INLINE void OjaHybridCache::close_block(std::vector<OjaProjector>& 
       }
       hd.codes_k.conservativeResize(c0 + nl, hd.uk.cols());
       hd.codes_v.conservativeResize(c0 + nl, hd.uv.cols());
-      hd.codes_k.bottomRows(nl) = lk * hd.uk;  // fp32 GEMM, as in build()
-      hd.codes_v.bottomRows(nl) = lv * hd.uv;
+      const simd::KernelTable& kt = simd::active_table();  // the project kernel, as in build()
+      encode(kt, lk.data(), nl, hd.uk, hd.codes_k.data() + c0 * hd.uk.cols());
+      encode(kt, lv.data(), nl, hd.uv, hd.codes_v.data() + c0 * hd.uv.cols());
       p = Pending{};
     }
     tokens_ += n;

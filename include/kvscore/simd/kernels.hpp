@@ -49,6 +49,8 @@ struct ScalarPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return a * b + c; }
   static float hsum(V a) noexcept { return a; }
+  /// W vectors -> one vector of their horizontal sums (here: one value).
+  static V hsum_many(const V* a) noexcept { return a[0]; }
   static V exp(V a) noexcept { return std::exp(a); }
 };
 
@@ -115,6 +117,30 @@ struct XsimdPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return xsimd::fma(a, b, c); }
   static float hsum(V a) noexcept { return xsimd::hadd(a); }
+  /// W batches -> lane k = Σ lanes of a[k], by one tree for every k (a lane-symmetric transpose).
+  static V hsum_many(const V* a) noexcept {
+#if defined(__AVX512F__)
+    // xsimd 8.1's AVX-512 haddp returns lanes 2-5 and 10-13 permuted, so this one is ours.
+    if constexpr (V::size == 16) {
+      __m512 x[8], y[4];
+      for (int k = 0; k < 8; ++k)  // lane j of x[k]: a[2k] (j < 8) or a[2k+1], lanes j and j + 8 added
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+      for (int k = 0; k < 4; ++k)  // 128-bit block b of y[k]: four partial sums of a[4k + b]
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+      const __m512 z0 = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+      const __m512 z1 = _mm512_add_ps(_mm512_shuffle_ps(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+      // lane 4b + e now holds the sum of a[4e + b]
+      const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+      return V(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t));
+    }
+#endif
+    return xsimd::haddp(a);  // SSE2, AVX and NEON versions checked against plain sums (tests/test_simd.cpp)
+  }
   static V exp(V a) noexcept { return xsimd::exp(a); }
 };
 
@@ -346,17 +372,19 @@ struct RowKernels {
   /// 32-register W >= 16 path, 8 where there are 16 vector registers or fewer).
   static constexpr std::int64_t kCols = W >= 16 ? 4 : 2;
 
-  // out[m*r + c] = ⟨row_m, u_c⟩ for M rows, C basis rows. Each pair is summed exactly as
-  // reduce_rows<Dot> sums one row (fp32 lanes, hsum, then the scalar tail), so a code does not
-  // depend on where its row or basis row falls in a tile.
-  template <int M, int C, class T>
-  static void project_tile(const T* const* rows, const float* const* u, std::int64_t d, float* out,
-                           std::int64_t r) noexcept {
-    V a[M][C];
+  // out[m*r + c] = ⟨row_m, u_c⟩ for m < mv, c < cv, from kRows rows and kCols basis rows (the
+  // caller pads a short tile by repeating its last row / basis row). Every code goes through the
+  // same instructions: fp32 lanes, one transposing horizontal add (hsum_many: W accumulators
+  // into one vector of sums, a lane-symmetric tree), then the scalar tail of d in order. So a
+  // code does not depend on where its row or basis row falls in a tile.
+  template <class T>
+  static void project_tile(const T* const* rows, const float* const* u, std::int64_t d, float* out, std::int64_t r,
+                           std::int64_t mv, std::int64_t cv) noexcept {
+    constexpr int M = int(kRows), C = int(kCols), MC = M * C;
+    static_assert(MC % W == 0, "project_tile reduces W accumulators at a time");
+    V a[MC];
     KVSCORE_UNROLL
-    for (int m = 0; m < M; ++m)
-      KVSCORE_UNROLL
-      for (int c = 0; c < C; ++c) a[m][c] = P::zero();
+    for (int q = 0; q < MC; ++q) a[q] = P::zero();
     std::int64_t j = 0;
     for (; j + W <= d; j += W) {
       V b[C];
@@ -366,55 +394,37 @@ struct RowKernels {
       for (int m = 0; m < M; ++m) {
         const V x = P::load(rows[m] + j);
         KVSCORE_UNROLL
-        for (int c = 0; c < C; ++c) a[m][c] = P::fma(x, b[c], a[m][c]);
+        for (int c = 0; c < C; ++c) a[m * C + c] = P::fma(x, b[c], a[m * C + c]);
       }
     }
-    float s[M][C];
+    alignas(64) float s[MC];
     KVSCORE_UNROLL
-    for (int m = 0; m < M; ++m)
-      KVSCORE_UNROLL
-      for (int c = 0; c < C; ++c) s[m][c] = P::hsum(a[m][c]);
+    for (int q = 0; q < MC; q += int(W)) P::store(s + q, P::hsum_many(a + q));
     for (; j < d; ++j)
       KVSCORE_UNROLL
       for (int m = 0; m < M; ++m) {
         const float x = to_float(rows[m][j]);
         KVSCORE_UNROLL
-        for (int c = 0; c < C; ++c) s[m][c] += x * u[c][j];
+        for (int c = 0; c < C; ++c) s[m * C + c] += x * u[c][j];
       }
-    KVSCORE_UNROLL
-    for (int m = 0; m < M; ++m)
-      KVSCORE_UNROLL
-      for (int c = 0; c < C; ++c) out[m * r + c] = s[m][c];
-  }
-
-  template <int M, class T>
-  static void project_rows(const T* const* rows, const float* basis, std::int64_t r, std::int64_t d,
-                           float* out) noexcept {
-    std::int64_t c = 0;
-    for (; c + kCols <= r; c += kCols) {
-      const float* u[kCols];
-      for (std::int64_t q = 0; q < kCols; ++q) u[q] = basis + (c + q) * d;
-      project_tile<M, int(kCols)>(rows, u, d, out + c, r);
-    }
-    for (; c < r; ++c) {
-      const float* u[1] = {basis + c * d};
-      project_tile<M, 1>(rows, u, d, out + c, r);
-    }
+    for (std::int64_t m = 0; m < mv; ++m)
+      for (std::int64_t c = 0; c < cv; ++c) out[m * r + c] = s[m * C + c];
   }
 
   template <class T>
   static void project(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* basis,
                       std::int64_t r, float* out) noexcept {
-    std::int64_t i = 0;
-    for (; i + kRows <= n; i += kRows) {
+    for (std::int64_t i = 0; i < n; i += kRows) {
+      const std::int64_t mv = n - i < kRows ? n - i : kRows;
       const T* rows[kRows];
-      for (std::int64_t k = 0; k < kRows; ++k) rows[k] = base + (i + k) * stride;
-      prefetch_rows(rows[0], stride, d);
-      project_rows<int(kRows)>(rows, basis, r, d, out + i * r);
-    }
-    for (; i < n; ++i) {
-      const T* rows[1] = {base + i * stride};
-      project_rows<1>(rows, basis, r, d, out + i * r);
+      for (std::int64_t k = 0; k < kRows; ++k) rows[k] = base + (k < mv ? i + k : n - 1) * stride;
+      if (mv == kRows) prefetch_rows(rows[0], stride, d);
+      for (std::int64_t c = 0; c < r; c += kCols) {
+        const std::int64_t cv = r - c < kCols ? r - c : kCols;
+        const float* u[kCols];
+        for (std::int64_t q = 0; q < kCols; ++q) u[q] = basis + (q < cv ? c + q : r - 1) * d;
+        project_tile(rows, u, d, out + i * r + c, r, mv, cv);
+      }
     }
   }
 

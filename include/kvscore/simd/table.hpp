@@ -33,9 +33,9 @@ struct RowOps {
   std::int64_t (*sum_normalized)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, double* acc,
                                  float* norm_out);
   /// out[i*r + j] = ⟨row_i, u_j⟩ for i < n, j < r (OjaKV's codes K U). basis: r contiguous fp32
-  /// rows u_j of d elements (Uᵀ row-major = a column-major d×r U); out: n×r row-major. Each entry
-  /// is summed as `dot` sums a row (fp32 lanes, then the tail); every entry of a row holding a
-  /// NaN or Inf is non-finite.
+  /// rows u_j of d elements (Uᵀ row-major = a column-major d×r U); out: n×r row-major. fp32
+  /// accumulation; an entry does not depend on how rows are grouped into calls. Every entry of a
+  /// row holding a NaN or Inf is non-finite.
   void (*project)(const T* base, std::int64_t n, std::int64_t stride, std::int64_t d, const float* basis,
                   std::int64_t r, float* out);
 };

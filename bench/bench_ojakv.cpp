@@ -18,6 +18,12 @@
 //       attention_vs_full  OjaHybridCache::attention (the fp64 reference path, which reconstructs
 //                          every row) / the same exact step: > 1 means slower
 //       bytes_per_token    memory(h, 2) / tokens (fp16 store), full_bytes_per_token 2·d·2
+//   ojakv/project/<dtype>/N<n>/d<d>/r<r>   the kernel table's project (codes = K U, the store's
+//       encoding) over n rows of the given type with the active table. Counters:
+//       speedup_vs_eigen   an Eigen fp32 GEMM of the same product (the same rows, already widened to fp32,
+//                          RowMajor n×d times d×r, compiled with this build's flags, one thread),
+//                          measured in the same run / ours; max_abs_vs_eigen the largest difference
+//       bytes_per_second / bandwidth_fraction   rows + basis + codes per call
 #include <cmath>
 #include <cstdint>
 #include <ctime>
@@ -194,7 +200,44 @@ void BM_cache(benchmark::State& state, std::int64_t n) {
   state.counters["full_bytes_per_token"] = benchmark::Counter(double(2 * d * 2));
 }
 
+template <class T>
+void BM_project(benchmark::State& state) {
+  const std::int64_t n = state.range(0), d = state.range(1), r = state.range(2);
+  const std::vector<T>& rows = kvbench::keys<T>(n, d);
+  std::vector<float> rows32(rows.size());  // the same values, widened: Eigen's input (not timed)
+  for (std::size_t i = 0; i < rows.size(); ++i) rows32[i] = kvscore::to_float(rows[i]);
+  const Eigen::MatrixXf u = kvscore::OjaBasis::random(d, r, 9).basis_f32();  // d x r column-major = r rows of d
+  const auto& project = kvscore::simd::active_table().ops<T>().project;
+  std::vector<float> codes(std::size_t(n * r));
+  kvscore::oja::RowMajorF eig(n, r);
+  const Eigen::Map<const kvscore::oja::RowMajorF> x(rows32.data(), n, d);
+  const int eigen_threads = Eigen::nbThreads();
+  Eigen::setNbThreads(1);  // one thread, as the kernel (thread CPU time would miss Eigen's OpenMP workers)
+  const double eigen_s = seconds_per_call([&] {
+    eig.noalias() = x * u;
+    benchmark::DoNotOptimize(eig.data());
+  });
+  Eigen::setNbThreads(eigen_threads);
+  const double t0 = thread_seconds();
+  for (auto _ : state) {
+    project(rows.data(), n, d, d, u.data(), r, codes.data());
+    benchmark::DoNotOptimize(codes.data());
+  }
+  const double per_call = (thread_seconds() - t0) / double(state.iterations());
+  const std::size_t bytes = std::size_t(n * d) * sizeof(T) + std::size_t((d + n) * r) * sizeof(float);
+  kvbench::report_bandwidth(state, bytes, bytes);
+  state.counters["speedup_vs_eigen"] = benchmark::Counter(eigen_s / per_call);
+  state.counters["max_abs_vs_eigen"] =
+      benchmark::Counter(double((Eigen::Map<const kvscore::oja::RowMajorF>(codes.data(), n, r) - eig).cwiseAbs().maxCoeff()));
+}
+
 const int registered = [] {
+  benchmark::RegisterBenchmark("ojakv/project/f32/N65536/d128/r32", BM_project<float>)
+      ->Args({65536, 128, 32})
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("ojakv/project/f16/N65536/d128/r32", BM_project<kvscore::half>)
+      ->Args({65536, 128, 32})
+      ->Unit(benchmark::kMillisecond);
   for (std::int64_t p : {1, 4}) {
     const std::string name = "ojakv/prefill/N32768/d128/r64/p" + std::to_string(p);
     benchmark::RegisterBenchmark(name.c_str(), BM_prefill)->Args({32768, 128, 64, p})->Unit(benchmark::kMillisecond);

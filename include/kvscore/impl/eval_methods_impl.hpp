@@ -40,8 +40,9 @@ KVSCORE_IMPL_INLINE Compressed hybrid_method(std::string_view spelling, const La
                                               const MethodOptions& o) {
   const std::int64_t H = in.kv_heads, N = in.tokens, d = in.head_dim, G = in.group();
   if (in.value_dim != d)
-    throw std::invalid_argument(std::string(spelling) + ": value_dim " + std::to_string(in.value_dim) + " must equal head_dim " +
-                                std::to_string(d) + " (one projector dimension for keys and values)");
+    throw std::invalid_argument(std::string(spelling) + ": value_dim " + std::to_string(in.value_dim) +
+                                " must equal head_dim " + std::to_string(d) +
+                                " (one projector dimension for keys and values)");
   HybridArgs a;
   a.budget = n;
   a.rank = ojakv_eval_rank(d);
@@ -51,7 +52,8 @@ KVSCORE_IMPL_INLINE Compressed hybrid_method(std::string_view spelling, const La
   a.placement = o.placement;
   a.threads = o.threads;
   a.select = o.select;
-  auto b = std::make_shared<HybridBuild>(make_hybrid(spelling, in.key_view(), KeysView<float>(in.values, H, N, d, N * d, d), a));
+  const KeysView<float> values(in.values, H, N, d, N * d, d);
+  auto b = std::make_shared<HybridBuild>(make_hybrid(spelling, in.key_view(), values, a));
   Compressed c;
   c.kept = b->full_rank;
   const LayerInput layer = in;

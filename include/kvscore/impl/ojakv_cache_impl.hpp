@@ -1,6 +1,6 @@
 // kvscore/impl/ojakv_cache_impl.hpp — OjaHybridCache's numerics (attention, rebase,
-// reconstruction, block close; the projections go through the simd kernel table): inline in header-only use, compiled once into kvscore::dispatch
-// otherwise (kvscore/detail/compiled.hpp).
+// reconstruction, block close; the projections go through the simd kernel table): inline in
+// header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
 #include "kvscore/ojakv_cache.hpp"

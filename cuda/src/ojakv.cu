@@ -358,6 +358,7 @@ void run_covariance(const KeysArg& a, long long pool, Workspace ws, double* cov,
 void oja_project(const KeysArg& keys, const float* bases, std::int64_t rank, float* codes, std::int64_t codes_hs,
                  std::int64_t codes_ts, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::project (OjaKV)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(bases, "bases");
   require_device_pointer(codes, "codes");
@@ -372,6 +373,7 @@ void oja_project(const KeysArg& keys, const float* bases, std::int64_t rank, flo
 void oja_reconstruct(const KeysArg& codes, const float* bases, std::int64_t head_dim, float* out, std::int64_t out_hs,
                      std::int64_t out_ts, stream_t stream) {
   if (codes.heads == 0 || codes.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::reconstruct (OjaKV)");
   require_device_pointer(codes.data, "codes");
   require_device_pointer(bases, "bases");
   require_device_pointer(out, "output");
@@ -394,6 +396,7 @@ std::size_t oja_residual_workspace_bytes(std::int64_t heads, std::int64_t tokens
 void oja_residual_score(const KeysArg& keys, const ScoresArg& out, const double* host_bases, const double* host_aug,
                         std::int64_t rank, std::int64_t q_heads, std::int64_t window, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score (OjaResidual)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, oja_residual_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, rank, q_heads, window),
@@ -417,6 +420,7 @@ std::size_t oja_covariance_workspace_bytes(std::int64_t heads, std::int64_t toke
 void oja_covariance(const KeysArg& rows, std::int64_t pool, Workspace ws, double* cov, std::int64_t* valid,
                     std::int64_t* pooled, stream_t stream) {
   if (rows.heads == 0 || rows.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::pooled_covariance_into");
   require_device_pointer(rows.data, "rows");
   require_device_pointer(cov, "cov");
   require_device_pointer(valid, "valid");

@@ -624,6 +624,7 @@ std::size_t pariskv_append_workspace_bytes(const ParisKVState&, std::int64_t) no
 
 void pariskv_validate(const ParisKVState& s, const KeysArg& k, Workspace ws, stream_t stream) {
   const char* who = "kvscore::cuda::ParisKV::append";
+  require_no_pending_error(who);
   require_workspace(ws, pariskv_append_workspace_bytes(s, k.tokens), who);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   Carver c(ws.data);
@@ -639,6 +640,7 @@ void pariskv_validate(const ParisKVState& s, const KeysArg& k, Workspace ws, str
 }
 
 void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
+  require_no_pending_error("kvscore::cuda::ParisKV::append");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const long long n = k.tokens;
   if (s.center && !s.has_mu) {
@@ -686,6 +688,7 @@ void pariskv_search(const ParisKVState& s, const ParisKVSearchArgs& a, const flo
   const char* who = "kvscore::cuda::ParisKV::search";
   const long long R = a.q_heads * a.n_queries, n = s.n;
   if (R == 0) return;
+  require_no_pending_error(who);
   require_workspace(ws, pariskv_search_workspace_bytes(s, a, n), who);
   if (R > 65535) throw std::invalid_argument(std::string(who) + ": " + std::to_string(R) + " query rows exceed 65535");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);

@@ -305,6 +305,7 @@ std::size_t geometric_workspace_bytes(Geometric kind, std::int64_t heads, std::i
 void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window, bool merge_tail,
                      const float* host_filters, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window, merge_tail),

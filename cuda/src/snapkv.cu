@@ -254,6 +254,7 @@ std::size_t snapkv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std:
 void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_scaled_queries, std::int64_t q_heads,
                   std::int64_t window, std::int64_t kernel_size, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score (SnapKV)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, snapkv_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, q_heads, window),

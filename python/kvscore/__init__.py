@@ -25,7 +25,7 @@ __version__ = _k.__version__
 
 __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
-    "calibrate_qfilters", "select", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
+    "calibrate_qfilters", "select", "select_joint", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
 ]
 
@@ -272,6 +272,37 @@ def select(scores, budget: int, *, sinks: int = 0, recent: int = 0, alloc: str =
     a, back = _arg(scores, "scores")
     return back(_k.select(a, int(budget), sinks=sinks, recent=recent, alloc=alloc, alpha=alpha, normalize=normalize,
                           threads=threads))
+
+
+def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: str | None = None,
+                 threads: int = 0):
+    """ONE set of kept positions for every head of every layer, for caches that drop a token
+    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/joint.md).
+    `scores`: float32 [layers, kv_heads, tokens], [rows, tokens] (one layer, or all rows
+    stacked), or a list of [kv_heads, tokens] arrays, one per layer. Each row is z-normalised,
+    then aggregated per token: 'max' (the default), 'mean' or 'vote'; then select()'s rules
+    (budget counts every kept token, sinks/recent always kept, ties keep the lower position).
+    Returns int64 [budget], ascending."""
+    if isinstance(scores, (list, tuple)):
+        layers = list(scores)
+    else:
+        _arg(scores, "scores")  # a numpy array or a torch tensor, else ValueError
+        nd = len(scores.shape)
+        if nd == 2:
+            layers = [scores]
+        elif nd == 3:
+            layers = list(scores)  # views of each layer, no copy
+        else:
+            raise ValueError(f"select_joint: scores must be [layers, kv_heads, tokens] or [rows, tokens] "
+                             f"(got {nd} dimensions)")
+    arrays, back = [], _identity
+    for i, s in enumerate(layers):
+        a, b = _arg(s, f"scores[{i}]")
+        arrays.append(a)
+        if i == 0:
+            back = b
+    kw = {} if aggregate is None else {"aggregate": aggregate}
+    return back(_k.select_joint(arrays, int(budget), sinks=sinks, recent=recent, threads=threads, **kw))
 
 
 def compact(keys, values, selection, *, tail: str = "keep", require_equal_lengths: bool = True) -> int:

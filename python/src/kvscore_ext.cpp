@@ -24,6 +24,7 @@
 
 #include "kvscore/eval/evaluate.hpp"
 #include "kvscore/eval/report.hpp"
+#include "kvscore/joint.hpp"
 #include "kvscore/kvscore.hpp"
 #include "kvscore/methods.hpp"
 #include "kvscore/synth.hpp"
@@ -349,6 +350,36 @@ void bind_pariskv_cache(nb::module_& m, const char* name, DT dt) {
           },
           "query"_a);
 }
+/// kvscore.select_joint (kvscore/joint.hpp): layers = one fp32 [heads, tokens] array per layer,
+/// read in place; returns int64 [kept] ascending.
+void bind_joint(nb::module_& m) {
+  m.def(
+      "select_joint",
+      [](const std::vector<Any>& layers, std::int64_t budget, std::int64_t sinks, std::int64_t recent,
+         const std::string& aggregate, int threads) {
+        kvscore::JointOptions o;
+        o.sinks = sinks;
+        o.recent = recent;
+        o.aggregate = kvscore::parse_joint_aggregate(aggregate);
+        o.num_threads = threads;
+        std::vector<kvscore::ScoresView> views;
+        for (std::size_t l = 0; l < layers.size(); ++l) {
+          const F32Rows r = f32_rows(layers[l], "scores[" + std::to_string(l) + "] [heads, tokens]");
+          // select_joint only reads; ScoresView is the mutable view type it takes.
+          views.emplace_back(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
+        }
+        std::vector<std::int64_t> kept;
+        {
+          nb::gil_scoped_release unlocked;
+          kept = kvscore::select_joint(views, budget, o);
+        }
+        const std::size_t n = kept.size();
+        return to_numpy(std::move(kept), {n});
+      },
+      "layers"_a, "budget"_a, nb::kw_only(), "sinks"_a = 0, "recent"_a = 0,
+      "aggregate"_a = std::string(kvscore::joint_aggregate_name(kvscore::JointOptions{}.aggregate)), "threads"_a = 0);
+}
+
 }  // namespace
 
 NB_MODULE(_kvscore, m) {
@@ -524,6 +555,7 @@ NB_MODULE(_kvscore, m) {
       },
       "scores"_a, "budget"_a, nb::kw_only(), "sinks"_a = 0, "recent"_a = 0, "alloc"_a = "per_head",
       "alpha"_a = 0.2, "normalize"_a = false, "threads"_a = 0);
+  bind_joint(m);
 
   m.def(
       "compact",

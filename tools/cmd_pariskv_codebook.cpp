@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/pariskv.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli.hpp"
 

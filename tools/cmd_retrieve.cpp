@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include <kvscore/npy.hpp>
-#include <kvscore/pariskv.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli.hpp"
 

@@ -3,7 +3,7 @@
 //   search: validate + prepare queries -> tier tables -> collision scores + histogram ->
 //           threshold -> candidate counts / scan / ordered write -> RSQ-IP -> top-k -> map.
 // Compiled with -fmad=false (cuda/CMakeLists.txt): the encoding and the estimates follow the CPU
-// index's operation order (kvscore/pariskv.hpp), and a contracted multiply-add would change
+// index's operation order (kvscore/pariskv/pariskv.hpp), and a contracted multiply-add would change
 // their last bits.
 #include "common.cuh"
 

@@ -21,7 +21,7 @@
 
 #include "kvscore/methods.hpp"
 #include "kvscore/ojakv.hpp"
-#include "kvscore/pariskv_cache.hpp"
+#include "kvscore/pariskv/cache.hpp"
 #include "kvscore/scorers/make_scorer.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/streaming_llm.hpp"

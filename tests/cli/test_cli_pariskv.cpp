@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <kvscore/npy.hpp>
-#include <kvscore/pariskv.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli_harness.hpp"
 

@@ -1,4 +1,4 @@
-// kvscore/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
+// kvscore/pariskv/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
 // index over the keys, built by streaming append, searched once per decoding step.
 //
 //   kvscore::ParisKV index(head_dim);              // m = 8, fixed seed, converged Lloyd–Max codebook
@@ -33,7 +33,7 @@
 // Determinism: one query runs on one thread; every step is a fixed sequence of fp32/fp64 and
 // integer operations, so results are identical across runs and thread counts (the multi-head
 // helper parallelises over heads only). The kernel sets (portable, AVX2, AVX-512: see
-// kvscore/simd/pariskv_kernels.hpp; Kernels::best follows the KVSCORE_ISA pin) give bit-identical
+// kvscore/pariskv/kernels.hpp; Kernels::best follows the KVSCORE_ISA pin) give bit-identical
 // collision scores, estimates and results.
 // Errors: std::invalid_argument naming the value — keys or queries with a NaN/Inf element or
 // a squared norm that overflows fp32 (the library's invalid-row rule; an append is atomic, a
@@ -62,17 +62,17 @@
 #include <vector>
 
 #include "kvscore/core/splitmix.hpp"
-#include "kvscore/pariskv_encoding.hpp"
+#include "kvscore/pariskv/encoding.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/simd/dispatch.hpp"
-#include "kvscore/simd/pariskv_kernels.hpp"
+#include "kvscore/pariskv/kernels.hpp"
 #include "kvscore/core/view.hpp"
 
 namespace kvscore {
 
 // The encoding primitives (codebook, rotation, length-adaptive ratios, tiers) are in
-// kvscore/pariskv_encoding.hpp.
+// kvscore/pariskv/encoding.hpp.
 
 /// Index configuration (fixed at construction).
 struct ParisKVConfig {

@@ -1,4 +1,4 @@
-// kvscore/pariskv_cache.hpp — ParisKV's decode-time cache for one KV head (pariskv.txt §4.2.1,
+// kvscore/pariskv/cache.hpp — ParisKV's decode-time cache for one KV head (pariskv.txt §4.2.1,
 // "Buffer update"): the keys and values in full precision, split into three zones,
 //
 //   sinks [0, S)  |  retrieval [S, E): indexed by a kvscore::ParisKV  |  local [E, N)
@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "kvscore/core/dtype.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore {
 

@@ -5,7 +5,7 @@
 // accounting formula), RoPE-rotated keys, element types and error paths.
 #include <catch2/catch.hpp>
 
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 #include <kvscore/synth.hpp>
 

@@ -21,7 +21,7 @@
 
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/eval/evaluate.hpp"
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 #include "kvscore/pariskv/pariskv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include <kvscore/npy.hpp>
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 
 #include "cli.hpp"

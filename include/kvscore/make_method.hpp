@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kvscore/methods.hpp"
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 #include "kvscore/pariskv/cache.hpp"
 #include "kvscore/scorers/make_scorer.hpp"
 #include "kvscore/select.hpp"

@@ -77,7 +77,7 @@ inline constexpr std::array<MethodInfo, 12> kMethods = {{
      "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
     {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp",
      "pariskv.md", "ParisKV without zones: per-query top-n retrieval over the whole cache"},
-    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md",
+    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv/ojakv.hpp", "ojakv.md",
      "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)"},
     {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md",
      "oracle: top mean full attention of the evaluation queries (ceiling)"},

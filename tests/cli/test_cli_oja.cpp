@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <kvscore/npy.hpp>
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 
 #include "cli_harness.hpp"
 

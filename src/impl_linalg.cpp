@@ -2,5 +2,5 @@
 // (kvscore/detail/compiled.hpp): users of kvscore::dispatch see only their declarations.
 #include "kvscore/ojakv/cache_impl.hpp"
 #include "kvscore/ojakv/ojakv_impl.hpp"
-#include "kvscore/impl/qfilter_impl.hpp"
+#include "kvscore/scorers/qfilter_impl.hpp"
 #include "kvscore/impl/safetensors_impl.hpp"

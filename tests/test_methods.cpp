@@ -9,7 +9,7 @@
 #include <kvscore/eval/methods.hpp>
 #include <kvscore/make_method.hpp>
 #include <kvscore/methods.hpp>
-#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/make_scorer.hpp>
 
 #include <cstring>
 #include <filesystem>

@@ -224,7 +224,7 @@ int cmd_score(const Args& args) {
     }
   }
 
-  // the registry's constructor (kvscore/scorers/make_scorer.hpp) from the flags and files
+  // the registry's constructor (kvscore/make_scorer.hpp) from the flags and files
   ScorerArgs a;
   a.threads = o.threads;
   a.window = o.window;

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <kvscore/npy.hpp>
-#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/make_scorer.hpp>
 #include <kvscore/scorers/protokv.hpp>
 #include <kvscore/simd/dispatch.hpp>
 
@@ -121,7 +121,7 @@ void run_score_protokv(const Args& args) {
       throw std::invalid_argument("queries [" + std::to_string(hq) + ", " + std::to_string(w) + ", " +
                                   std::to_string(qd) + "] need q_heads >= 1, window >= 1 and head_dim in [1, " +
                                   std::to_string(kMaxHeadDim) + "]");
-    // the registry's constructor (kvscore/scorers/make_scorer.hpp), then ProtoKV's own options
+    // the registry's constructor (kvscore/make_scorer.hpp), then ProtoKV's own options
     ScorerArgs a;
     a.threads = int(threads);
     a.queries = q.as<float>();

@@ -18,7 +18,7 @@
 #include "kvscore/pariskv/encoding.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
-#include "kvscore/scorers/make_scorer.hpp"
+#include "kvscore/make_scorer.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
 #include "kvscore/scorers/protokv.hpp"
 #include "kvscore/scorers/qfilter.hpp"

@@ -22,7 +22,7 @@
 #include "kvscore/methods.hpp"
 #include "kvscore/ojakv/ojakv.hpp"
 #include "kvscore/pariskv/cache.hpp"
-#include "kvscore/scorers/make_scorer.hpp"
+#include "kvscore/make_scorer.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/streaming_llm.hpp"
 

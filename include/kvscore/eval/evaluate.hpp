@@ -135,5 +135,5 @@ Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions& opt);
 }  // namespace kvscore::eval
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/eval_evaluate_impl.hpp"
+#include "kvscore/eval/evaluate_impl.hpp"
 #endif

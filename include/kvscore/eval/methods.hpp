@@ -196,5 +196,5 @@ inline std::vector<std::string> resolve_methods(const std::string& spec) {
 }  // namespace kvscore::eval
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/eval_methods_impl.hpp"
+#include "kvscore/eval/methods_impl.hpp"
 #endif

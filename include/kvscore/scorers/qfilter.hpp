@@ -164,5 +164,5 @@ inline void save_qfilters_npy(const std::string& path, const std::vector<float>&
 }  // namespace kvscore
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/qfilter_impl.hpp"
+#include "kvscore/scorers/qfilter_impl.hpp"
 #endif

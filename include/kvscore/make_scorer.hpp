@@ -1,4 +1,4 @@
-// kvscore/scorers/make_scorer.hpp — the registry's constructors for its scorers: every method
+// kvscore/make_scorer.hpp — the registry's constructors for its scorers: every method
 // of kvscore/methods.hpp whose kind is scorer or query_scorer, built by name from one argument
 // struct and held by one type.
 //

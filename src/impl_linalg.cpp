@@ -3,4 +3,4 @@
 #include "kvscore/ojakv/cache_impl.hpp"
 #include "kvscore/ojakv/ojakv_impl.hpp"
 #include "kvscore/scorers/qfilter_impl.hpp"
-#include "kvscore/impl/safetensors_impl.hpp"
+#include "kvscore/io/safetensors_impl.hpp"

@@ -5,7 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/ojakv/ojakv.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include <algorithm>

@@ -12,7 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/kvscore.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/scorers/protokv.hpp>
 
 #include <algorithm>

@@ -6,7 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/eval/evaluate.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include <Eigen/Dense>

@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "cli.hpp"
-#include "kvscore/npy.hpp"
+#include "kvscore/io/npy.hpp"
 
 namespace kvscore::cli {
 

@@ -15,7 +15,7 @@
 #include <kvscore/core/dtype.hpp>
 #include <kvscore/eval/evaluate.hpp>
 #include <kvscore/eval/report.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 
 #include "cli.hpp"
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 

@@ -10,7 +10,7 @@
 
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli.hpp"

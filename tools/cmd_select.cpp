@@ -10,7 +10,7 @@
 
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include "cli.hpp"

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include <kvscore/core/dtype.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include "cli.hpp"

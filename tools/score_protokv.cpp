@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/make_scorer.hpp>
 #include <kvscore/scorers/protokv.hpp>
 #include <kvscore/simd/dispatch.hpp>

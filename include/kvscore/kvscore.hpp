@@ -9,7 +9,7 @@
 #include "kvscore/decoding.hpp"
 #include "kvscore/make_method.hpp"
 #include "kvscore/methods.hpp"
-#include "kvscore/npy.hpp"
+#include "kvscore/io/npy.hpp"
 #include "kvscore/ojakv/ojakv.hpp"
 #include "kvscore/ojakv/cache.hpp"
 #include "kvscore/paged.hpp"

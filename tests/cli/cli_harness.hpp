@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #include <kvscore/core/dtype.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 
 #ifndef KVSCORE_CLI_PATH
 #error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"

@@ -15,7 +15,7 @@
 
 #include <kvscore/eval/evaluate.hpp>
 #include <kvscore/eval/report.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include "cli_harness.hpp"

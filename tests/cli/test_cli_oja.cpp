@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/ojakv/ojakv.hpp>
 
 #include "cli_harness.hpp"

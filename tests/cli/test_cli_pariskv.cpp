@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli_harness.hpp"

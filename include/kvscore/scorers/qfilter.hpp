@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "kvscore/detail/compiled.hpp"
-#include "kvscore/npy.hpp"
-#include "kvscore/safetensors.hpp"
+#include "kvscore/io/npy.hpp"
+#include "kvscore/io/safetensors.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
 using kvscore::bfloat16;

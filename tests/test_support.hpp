@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/scorers/windowed_manifold_l2.hpp>
-#include <kvscore/selection.hpp>
+#include <kvscore/core/selection.hpp>
 #include <kvscore/synth.hpp>
-#include <kvscore/view.hpp>
+#include <kvscore/core/view.hpp>
 
 namespace test_support {
 

@@ -16,6 +16,7 @@
 
 #include <kvscore/io/npy.hpp>
 #include <kvscore/io/safetensors.hpp>
+#include <kvscore/io/qfilter_file.hpp>
 #include <kvscore/scorers/qfilter.hpp>
 
 namespace {

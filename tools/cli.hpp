@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/core/scorer_options.hpp"
 
 namespace kvscore::cli {
 

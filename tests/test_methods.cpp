@@ -1,6 +1,6 @@
 // The method registry (include/kvscore/methods.hpp): every spelling finds its entry, the
 // evaluator's built-ins are the registry in its order, each entry's header and doc page exist
-// and the doc page names the method; its constructors (scorers/make_scorer.hpp,
+// and the doc page names the method; its constructors (make_scorer.hpp,
 // make_method.hpp) build under every spelling what a direct construction gives, and reject
 // the rest. (The scorer types are tied to it in test_contract.cpp, the CLI in
 // tests/cli/test_cli.cpp, Python in python/tests/test_core.py.)

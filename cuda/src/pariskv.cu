@@ -404,7 +404,7 @@ struct RsqArgs {
   Consts k;
 };
 
-/// RSQ-IP of one candidate per thread, in the CPU kernels' one order (simd/pariskv_kernels.hpp,
+/// RSQ-IP of one candidate per thread, in the CPU kernels' one order (pariskv/kernels.hpp,
 /// "The estimate"): coordinates in segments of len inside a subspace, a fused chain per
 /// segment, a fused chain per lane over the lane groups (segment s is lane s mod 16), the fixed
 /// 16-lane tree, times ‖q‖. Explicit __fmaf_rn/__fadd_rn: nvcc must not contract differently.

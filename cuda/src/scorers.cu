@@ -7,7 +7,7 @@
 //    only on the shape, so the result is bit-identical on every run (no floating atomics).
 //  * rows: one warp per row, fp32 accumulation, butterfly reduction; head_dim 64/128/256 with
 //    vector loads when the rows are aligned, one generic loop otherwise.
-// Invalid rows (non-finite fp32 squared norm) follow scorer_base.hpp: -inf, left out of
+// Invalid rows (non-finite fp32 squared norm) follow scorers/scorer_base.hpp: -inf, left out of
 // every centroid.
 #include "common.cuh"
 

@@ -1,7 +1,7 @@
 // kvscore/make_method.hpp — the registry's constructors for every kind of method of
 // kvscore/methods.hpp, by any of its spellings:
 //
-//   make_scorer(name, ScorerArgs)              scorer, query_scorer -> AnyScorer (scorers/make_scorer.hpp)
+//   make_scorer(name, ScorerArgs)              scorer, query_scorer -> AnyScorer (make_scorer.hpp)
 //   make_selection_rule(name, SelectionRuleArgs)  selection_rule   -> StreamingLLM
 //   make_retriever<T>(name, head_dim, RetrieverArgs)  retriever     -> ParisKVCache<T> (one KV head)
 //   make_hybrid(name, keys, values, HybridArgs)  hybrid             -> HybridBuild (OjaKV: store,

@@ -45,8 +45,8 @@
 //
 // Why this file is long (~800 lines): the ParisKV class is one index whose append (encoding,
 // records) and search (Stage I patterns, Stage II estimates, rerank) share its private layout;
-// the encoding primitives and the SIMD kernels already live apart (pariskv_encoding.hpp,
-// simd/pariskv_kernels.hpp), and the decode-time cache in pariskv_cache.hpp.
+// the encoding primitives and the SIMD kernels already live apart (encoding.hpp,
+// kernels.hpp), and the decode-time cache in cache.hpp.
 #pragma once
 
 #include <algorithm>
@@ -138,7 +138,7 @@ class ParisKV {
     B_ = p_ / m_;
     nc_ = std::int64_t(1) << m_;
     pc_ = (p_ + 31) / 32 * 32;
-    // Stage II records (pariskv_kernels.hpp, "Record of one key"): segments of len coordinates
+    // Stage II records (kernels.hpp, "Record of one key"): segments of len coordinates
     // inside one subspace, 16 segments per lane group
     len_ = p_ >= 16 ? std::min(m_, p_ / 16) : 1;
     groups_ = std::max<std::int64_t>(1, (p_ / len_) / 16);

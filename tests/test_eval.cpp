@@ -328,8 +328,8 @@ TEST_CASE("eval: pariskv keeps its zones, pariskv-flat retrieves the whole budge
     const eval::ParisKVZones z = eval::pariskv_zones(n);
     CHECK(z.sinks == std::min<std::int64_t>(4, n));
     CHECK(z.local == std::min<std::int64_t>(256, (n - z.sinks) / 2));
-    const eval::Compressed c = eval::pariskv_method(in, n, eval::MethodOptions{});
-    const eval::Compressed f = eval::pariskv_flat_method(in, n, eval::MethodOptions{});
+    const eval::Compressed c = eval::retriever_method("pariskv", in, n);
+    const eval::Compressed f = eval::retriever_method("pariskv_flat", in, n);
     REQUIRE(c.per_query.size() == std::size_t(in.q_heads * in.n_queries));
     for (std::size_t i = 0; i < c.per_query.size(); ++i) {
       const auto& p = c.per_query[i];

@@ -16,13 +16,14 @@
 #include <cstdint>
 #include <string>
 
+#include "kvscore/methods.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/core/selection.hpp"
 
 namespace kvscore {
 
 struct StreamingLLM {
-  std::int64_t sinks = 4;  ///< attention-sink tokens kept at the start (Xiao et al. use 4)
+  std::int64_t sinks = kDefaultSinks;  ///< attention-sink tokens kept at the start (Xiao et al. use 4)
 
   /// Tokens kept per head for `budget` over `heads` heads (validated).
   static std::int64_t per_head_budget(std::int64_t heads, Budget budget) {
@@ -79,7 +80,7 @@ struct StreamingLLM {
 };
 
 /// StreamingLLM selection: `sinks` first tokens + the most recent ones, n per head.
-inline Selection streaming_llm(std::int64_t heads, std::int64_t tokens, Budget budget, std::int64_t sinks = 4) {
+inline Selection streaming_llm(std::int64_t heads, std::int64_t tokens, Budget budget, std::int64_t sinks = kDefaultSinks) {
   return StreamingLLM{sinks}.select(heads, tokens, budget);
 }
 

@@ -33,13 +33,14 @@
 #include <vector>
 
 #include "kvscore/core/dtype.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore {
 
 struct ParisKVCacheConfig {
-  std::int64_t sinks = 4;              ///< S: first tokens always attended
-  std::int64_t local = 256;            ///< L: last tokens always attended
+  std::int64_t sinks = kDefaultSinks;         ///< S: first tokens always attended
+  std::int64_t local = kDefaultParisKVLocal;  ///< L: last tokens always attended
   std::int64_t update_interval = 128;  ///< U: local tokens beyond L are indexed in batches of U
   std::int64_t dense_min = 2000;       ///< dense attention while N < max(dense_min, S + L + 2k)
   /// false: never dense, so a query attends at most S + k + the local zone (a fixed budget;

@@ -40,6 +40,7 @@
 
 #include "kvscore/core/splitmix.hpp"
 #include "kvscore/core/dtype.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
@@ -106,14 +107,11 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   static constexpr const char* name = "protokv";
   static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
 
-  /// Neighbourhood radius κ (paper default 5).
-  static constexpr std::int64_t kDefaultKappa = 5;
-  /// SAT candidates p (paper: 20–40 suffice).
-  static constexpr std::int64_t kDefaultSatCandidates = 32;
-  /// LSH bits r: at most 2^r = 4 SAT prototypes (paper: 2–4).
-  static constexpr int kDefaultLshBits = 2;
-  /// PDT chunks v: with 2^r SAT buckets at most 500 prototypes (paper: about 500).
-  static constexpr std::int64_t kDefaultChunks = 496;
+  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/protokv.md).
+  static constexpr std::int64_t kDefaultKappa = kDefaultProtoKVKappa;
+  static constexpr std::int64_t kDefaultSatCandidates = kDefaultProtoKVSatCandidates;
+  static constexpr int kDefaultLshBits = kDefaultProtoKVLshBits;
+  static constexpr std::int64_t kDefaultChunks = kDefaultProtoKVChunks;
   /// Largest cache: scores are exact integers in fp32.
   static constexpr std::int64_t kMaxTokens = std::int64_t(1) << 24;
 
@@ -500,5 +498,17 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   std::vector<float> queries_;  ///< the window queries as given, [q_heads][window][head_dim]
   std::int64_t q_heads_, window_, dim_, group_;
 };
+
+/// "sum", "mean" or "attention".
+inline const char* to_string(ProtoKV::Psi p) noexcept {
+  return p == ProtoKV::Psi::sum ? "sum" : p == ProtoKV::Psi::mean ? "mean" : "attention";
+}
+
+/// "sum" / "mean" / "attention"; anything else throws std::invalid_argument naming it.
+inline ProtoKV::Psi parse_psi(const std::string& s) {
+  for (const ProtoKV::Psi p : {ProtoKV::Psi::sum, ProtoKV::Psi::mean, ProtoKV::Psi::attention})
+    if (s == to_string(p)) return p;
+  detail::throw_invalid("kvscore: psi '" + s + "' must be sum, mean or attention");
+}
 
 }  // namespace kvscore

@@ -45,7 +45,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -116,11 +115,9 @@ inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio,
                                       BudgetRounding rounding = BudgetRounding::nearest) {
   if (tokens < 0)
     detail::throw_invalid("kvscore::budget_from_ratio: tokens must be >= 0 (got " + std::to_string(tokens) + ")");
-  if (!(keep_ratio >= 0.0 && keep_ratio <= 1.0)) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.17g", keep_ratio);
-    detail::throw_invalid(std::string("kvscore::budget_from_ratio: keep_ratio must be in [0, 1] (got ") + buf + ")");
-  }
+  if (!(keep_ratio >= 0.0 && keep_ratio <= 1.0))
+    detail::throw_invalid("kvscore::budget_from_ratio: keep_ratio must be in [0, 1] (got " + detail::num(keep_ratio) +
+                          ")");
   if (tokens == 0 || keep_ratio == 0.0) return 0;
   const double x = keep_ratio * double(tokens);
   const std::int64_t n = rounding == BudgetRounding::floor ? std::int64_t(std::floor(x))
@@ -139,12 +136,6 @@ struct Input {
 
 inline Input input_of(const ScoresView& v) noexcept { return {v.data(), v.heads(), v.tokens(), v.head_stride()}; }
 inline Input input_of(const Scores& s) noexcept { return {s.data(), s.heads(), s.tokens(), s.tokens()}; }
-
-inline std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
 
 inline int default_threads() noexcept {
 #if defined(_OPENMP)

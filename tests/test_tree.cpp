@@ -1,6 +1,10 @@
 // The source tree against what its docs say about it: the floors of include/kvscore
-// (docs/architecture.md, "The floors") worked out from the #include lines.
+// (docs/architecture.md, "The floors") worked out from the #include lines; the front ends
+// name no method and write no default of their own (both come from kvscore/methods.hpp and the
+// library's option structs).
 #include <catch2/catch.hpp>
+
+#include <kvscore/methods.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -132,4 +136,107 @@ TEST_CASE("tree: docs/architecture.md's floors are the include graph's", "[tree]
       for (std::sregex_iterator it(cell.begin(), cell.end(), tick), end; it != end; ++it) deps.insert((*it)[1].str());
     }
   CHECK(text(table) == text(g));
+}
+
+namespace {
+
+/// Every "..." string literal of a C++ source, with its line (comments skipped).
+std::vector<std::pair<int, std::string>> string_literals(const std::string& src) {
+  std::vector<std::pair<int, std::string>> out;
+  int line = 1;
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    const char c = src[i];
+    if (c == '\n') ++line;
+    else if (c == '/' && i + 1 < src.size() && src[i + 1] == '/') {
+      while (i < src.size() && src[i] != '\n') ++i;
+      ++line;
+    } else if (c == '/' && i + 1 < src.size() && src[i + 1] == '*') {
+      for (i += 2; i + 1 < src.size() && !(src[i] == '*' && src[i + 1] == '/'); ++i) line += src[i] == '\n';
+      ++i;
+    } else if (c == '\'') {
+      for (++i; i < src.size() && src[i] != '\''; ++i) i += src[i] == '\\';
+    } else if (c == '"') {
+      std::string lit;
+      for (++i; i < src.size() && src[i] != '"'; ++i) {
+        if (src[i] == '\\') lit += src[i++];
+        lit += src[i];
+      }
+      out.emplace_back(line, lit);
+    }
+  }
+  return out;
+}
+
+/// The front ends' C++: the CLI and the evaluator.
+std::vector<fs::path> front_end_sources() {
+  std::vector<fs::path> files;
+  for (const fs::path dir : {kRoot / "tools", kRoot / "include" / "kvscore" / "eval"})
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".cpp" || e.path().extension() == ".hpp") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+/// What a front end must not write: a spelling of a method of kvscore/methods.hpp as a word of
+/// a string literal ("docs/ojakv.md" is a path, not a name), a default other than 0 or 1 in
+/// --help ("default 4096") or as a flag's fallback (get_int("--window", 4096, ...)).
+struct Findings {
+  std::vector<std::string> names, defaults;
+};
+
+Findings scan(const std::string& src) {
+  static const std::regex name = [] {
+    std::string alternatives;
+    for (const kvscore::MethodInfo& m : kvscore::kMethods) {
+      std::vector<std::string_view> s = kvscore::split_list(m.aliases);
+      s.push_back(m.name);
+      s.push_back(m.cli);
+      for (std::string_view x : s) alternatives += (alternatives.empty() ? "" : "|") + std::string(x);
+    }
+    return std::regex("(^|[^A-Za-z0-9_./-])(" + alternatives + R"()(?![A-Za-z0-9_/-]|\.[a-z]))");
+  }();
+  static const std::regex help_default(R"(default ([0-9][0-9.,]*))");
+  static const std::regex fallback(R"re(get(_int)?\("--[a-z-]+",\s*"?([0-9][0-9.]*))re");
+  const auto allowed = [](const std::string& v) { return v == "0" || v == "1"; };
+  Findings f;
+  for (const auto& [line, lit] : string_literals(src)) {
+    for (std::sregex_iterator it(lit.begin(), lit.end(), name), end; it != end; ++it)
+      f.names.push_back(std::to_string(line) + ": " + (*it)[2].str() + " in \"" + lit + "\"");
+    for (std::sregex_iterator it(lit.begin(), lit.end(), help_default), end; it != end; ++it)
+      if (!allowed((*it)[1].str())) f.defaults.push_back(std::to_string(line) + ": \"" + lit + "\"");
+  }
+  for (std::sregex_iterator it(src.begin(), src.end(), fallback), end; it != end; ++it)
+    if (!allowed((*it)[2].str())) f.defaults.push_back(it->str());
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("tree: the CLI and the evaluator name no method and write no default", "[tree]") {
+  const std::vector<fs::path> files = front_end_sources();
+  CHECK(files.size() > 10);
+  for (const fs::path& file : files) {
+    INFO(file.filename().string());
+    const Findings f = scan(read(file));
+    CHECK(f.names == std::vector<std::string>{});
+    CHECK(f.defaults == std::vector<std::string>{});
+  }
+}
+
+TEST_CASE("tree: the front-end scan finds a method name and a written default", "[tree]") {
+  const std::string src =
+      "// \"knorm\" in a comment\n"
+      "const char* a = \"use snapkv, l2 or windowed-l2.\"; /* \"l2\" */ char c = '\"';\n"
+      "auto b = \"docs/ojakv.md, ojakv.txt, the L2 norm, --kl2, pariskv-codebook \\\" x (default 0)\";\n"
+      "auto w = args.get_int(\"--window\", 4096, 1, 9); auto t = args.get_int(\"--threads\", 0, 0, 9);\n"
+      "auto u = \"(default 4096, > 0)\";\n";
+  const auto lits = string_literals(src);
+  REQUIRE(lits.size() == 5);
+  CHECK(lits[0] == std::pair<int, std::string>{2, "use snapkv, l2 or windowed-l2."});
+  CHECK(lits[1].first == 3);
+  const Findings f = scan(src);
+  CHECK(f.names == std::vector<std::string>{"2: snapkv in \"use snapkv, l2 or windowed-l2.\"",
+                                            "2: l2 in \"use snapkv, l2 or windowed-l2.\"",
+                                            "2: windowed-l2 in \"use snapkv, l2 or windowed-l2.\""});
+  CHECK(f.defaults == std::vector<std::string>{"5: \"(default 4096, > 0)\"", "get_int(\"--window\", 4096"});
 }

@@ -176,7 +176,7 @@ TEST_CASE("cli snapkv: bad input gives exit 2 and one line", "[cli][snapkv]") {
               "--queries applies only to --method snapkv");
     check_bad("score --method l2 --keys " + k + " --out " + out + " --group 2", "--group applies only to --method snapkv");
     check_bad("score --method knorm --keys " + k + " --out " + out + " --window 8",
-              "--window applies only to --method windowed-l2 or snapkv");
+              "--window applies only to --method windowed-l2, snapkv or protokv");
     check_bad(base + " --queries " + q + " --group 0", "--group must be > 0 (got 0)");
     check_bad(base + " --queries " + q + " --group two", "--group: 'two' is not an integer");
     check_bad(base + " --queries " + q + " --window 0", "--window must be > 0 (got 0)");

@@ -378,7 +378,7 @@ TEST_CASE("make_hybrid: OjaKV equals its direct construction (projectors, residu
   CHECK(make_hybrid("ojakv", keys, values, a).cache.head(0).uk.cols() == 4);
 }
 
-TEST_CASE("make_method: every entry but the reference builds through its kind's constructor; wrong kinds are errors",
+TEST_CASE("make_method: every entry but the reference builds through its kind's constructor, wrong kinds are errors",
           "[methods][make_method][errors]") {
   using namespace kvscore;
   const test_support::Cache k = test_support::random_cache(31, 1, 64, 8);

@@ -103,7 +103,7 @@ TEST_CASE("synth: splitmix64, Box-Muller and stream seeds match the numpy refere
   CHECK(synth::stream_seed(~0ull, 5, 1023, 2) == SS.as<std::uint64_t>()[2]);
 }
 
-TEST_CASE("synth: uniform() stays in (0, 1] and below() in range", "[synth]") {
+TEST_CASE("synth: 0 < uniform() <= 1 and below() in range", "[synth]") {
   synth::SplitMix64 r(3);
   double lo = 1, hi = 0;
   std::uint64_t below_max = 0;

@@ -240,3 +240,29 @@ TEST_CASE("tree: the front-end scan finds a method name and a written default", 
                                             "2: windowed-l2 in \"use snapkv, l2 or windowed-l2.\""});
   CHECK(f.defaults == std::vector<std::string>{"5: \"(default 4096, > 0)\"", "get_int(\"--window\", 4096"});
 }
+
+TEST_CASE("tree: every test case is one ctest test (no semicolon, every bracket closed)", "[tree]") {
+  // catch_discover_tests (Catch2 2.x) reads the test names as one CMake list, in which ';'
+  // separates and an unmatched ']' or '[' stops the separating: the names that follow would
+  // become one ctest test. Every TEST_CASE of tests/ and tests/cli/.
+  const std::regex test_case(R"re((?:TEMPLATE_)?TEST_CASE\(\s*"((?:[^"\\]|\\.)*)")re");
+  int names = 0;
+  for (const fs::path dir : {kRoot / "tests", kRoot / "tests" / "cli"})
+    for (const auto& e : fs::directory_iterator(dir)) {
+      if (e.path().extension() != ".cpp") continue;
+      const std::string src = read(e.path());
+      for (std::sregex_iterator it(src.begin(), src.end(), test_case), end; it != end; ++it) {
+        const std::string name = (*it)[1].str();
+        ++names;
+        int depth = 0;
+        bool ok = name.find(';') == std::string::npos;
+        for (const char c : name) {
+          depth += c == '[' ? 1 : c == ']' ? -1 : 0;
+          ok = ok && depth >= 0;
+        }
+        INFO(e.path().filename().string() << ": \"" << name << "\"");
+        CHECK((ok && depth == 0));
+      }
+    }
+  CHECK(names > 250);
+}

@@ -27,14 +27,8 @@ struct EvalFixture {
   synth::Data D;
   std::vector<eval::LayerInput> layers;
   explicit EvalFixture(std::int64_t n_layers = 1, std::int64_t tokens = 256, std::int64_t group = 2) {
-    synth::Spec s;
-    s.layers = n_layers;
-    s.kv_heads = 2;
-    s.group = group;
-    s.tokens = tokens;
-    s.head_dim = 32;
-    s.queries = 4;
-    s.segment = 64;
+    synth::Spec s{.layers = n_layers, .kv_heads = 2, .group = group, .tokens = tokens, .head_dim = 32, .queries = 4,
+                  .segment = 64};
     D = synth::generate(s);
     for (std::int64_t l = 0; l < n_layers; ++l) {
       eval::LayerInput in;

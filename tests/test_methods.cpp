@@ -238,24 +238,16 @@ TEST_CASE("make_scorer: each option reaches the scorers whose registry entry rea
     }
   }
 
-  // the ProtoKV and SnapKV members themselves
+  // the ProtoKV and SnapKV members themselves: ScorerArgs names them as the scorers do
+  const auto set = [](auto& x) {
+    x.seed = 9, x.kappa = 2, x.sat_candidates = 10, x.lsh_bits = 3, x.chunks = 7, x.bandwidth = 0.5;
+    x.psi = ProtoKV::Psi::mean;
+  };
   ScorerArgs a = base;
-  a.seed = 9;
-  a.kappa = 2;
-  a.sat_candidates = 10;
-  a.lsh_bits = 3;
-  a.chunks = 7;
-  a.bandwidth = 0.5;
-  a.psi = ProtoKV::Psi::mean;
+  set(a);
   a.kernel_size = 3;
   ProtoKV proto(q.v.data(), 4, 6, 16);
-  proto.seed = 9;
-  proto.kappa = 2;
-  proto.sat_candidates = 10;
-  proto.lsh_bits = 3;
-  proto.chunks = 7;
-  proto.bandwidth = 0.5;
-  proto.psi = ProtoKV::Psi::mean;
+  set(proto);
   same_scorer(make_scorer("protokv", a), proto, c);
   SnapKV snap(q.v.data(), 4, 6, 16);
   snap.kernel_size = 3;

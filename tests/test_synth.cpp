@@ -146,15 +146,8 @@ TEST_CASE("synth: shapes, kinds and planted positions", "[synth]") {
   for (const auto& [kind, name] : synth::kinds()) {
     INFO(name);
     CHECK(synth::parse_kind(name) == kind);
-    synth::Spec s;
-    s.kind = kind;
-    s.layers = 2;
-    s.kv_heads = 2;
-    s.group = 3;
-    s.tokens = 512;
-    s.head_dim = 32;
-    s.queries = 5;
-    s.segment = 128;
+    synth::Spec s{.kind = kind, .layers = 2, .kv_heads = 2, .group = 3, .tokens = 512, .head_dim = 32, .queries = 5,
+                  .segment = 128};
     const synth::Data D = synth::generate(s);
     CHECK(D.keys.size() == std::size_t(2 * 2 * 512 * 32));
     CHECK(D.values.size() == D.keys.size());

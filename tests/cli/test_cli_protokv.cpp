@@ -23,10 +23,7 @@ namespace fs = std::filesystem;
 namespace npy = kvscore::npy;
 using cli_test::Result;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("protokv");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("protokv"); return d; }
 std::string path(const std::string& name) { return dir().file(name); }
 Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
@@ -52,26 +49,15 @@ struct Params {
 template <class E>
 kvscore::Scores expected(const std::vector<E>& keys, const Params& prm) {
   kvscore::ProtoKV pk(inputs().q.data(), H * G, W, D, G);
-  pk.seed = prm.seed;
-  pk.kappa = prm.kappa;
-  pk.sat_candidates = prm.p;
-  pk.chunks = prm.chunks;
-  pk.lsh_bits = prm.bits;
-  pk.bandwidth = prm.bandwidth;
+  pk.seed = prm.seed, pk.kappa = prm.kappa, pk.sat_candidates = prm.p, pk.chunks = prm.chunks;
+  pk.lsh_bits = prm.bits, pk.bandwidth = prm.bandwidth;
   pk.psi = prm.psi == 1   ? kvscore::ProtoKV::Psi::mean
            : prm.psi == 2 ? kvscore::ProtoKV::Psi::attention
                           : kvscore::ProtoKV::Psi::sum;
   return pk.score(kvscore::KeysView<E>(keys.data(), H, T, D, T * D, D));
 }
 
-void check_scores(const std::string& out_file, const kvscore::Scores& want) {
-  const npy::Array a = npy::load(out_file);
-  CHECK(a.descr == "<f4");
-  REQUIRE(a.shape == std::vector<std::int64_t>{want.heads(), want.tokens()});
-  const std::vector<float> got = a.to_vector<float>();
-  REQUIRE(got.size() == want.values().size());
-  CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
-}
+using cli_test::check_scores;
 
 template <class E>
 void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
@@ -104,13 +90,7 @@ void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
 }
 
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  const std::string out = path("bad_out.npy");
-  fs::remove(out);
-  const Result r = cli(args);
-  cli_test::check_error(r, needle);
-  CHECK(!fs::exists(out));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad_out.npy"});
 }
 
 }  // namespace protokv_cli

@@ -1,8 +1,10 @@
 // kvscore/select.hpp — choose which tokens to keep from fp32 scores [heads][tokens].
 //
-//   Selection s = kvscore::select(scores, kvscore::Budget::per_head(n));            // top-n per head
-//   SelectOptions o; o.sinks = 4; o.recent = 64; o.alloc = Alloc::adakv;            // AdaKV, protected
-//   Selection s = kvscore::select(scores, kvscore::Budget::per_head(n), o);          // ragged heads
+// [snippet select-header: tests/test_snippets.cpp]
+//   kvscore::Selection top = kvscore::select(scores, kvscore::Budget::per_head(n));   // top-n per head
+//   kvscore::SelectOptions p;
+//   p.sinks = 4, p.recent = 64, p.alloc = kvscore::Alloc::adakv;                      // AdaKV, protected
+//   kvscore::Selection ragged = kvscore::select(scores, kvscore::Budget::per_head(n), p);  // ragged heads
 //
 // Result: kvscore::Selection (CSR), kept positions ascending within each head.
 //
@@ -125,6 +127,21 @@ inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio,
   return std::clamp<std::int64_t>(n, 1, tokens);
 }
 
+/// What select() keeps, worked out from its arguments and validated: the one plan of every
+/// path, the CPU's and the GPU's (kvscore/cuda/select.hpp). plan_selection() throws
+/// std::invalid_argument for the arguments select() rejects, with the same message.
+struct SelectionPlan {
+  std::int64_t heads = 0, tokens = 0;
+  Alloc alloc = Alloc::per_head;
+  std::int64_t per_head = 0;     ///< Alloc::per_head: tokens kept per head
+  std::int64_t layer = 0;        ///< total kept (both allocs)
+  std::int64_t sink_end = 0;     ///< protected prefix [0, sink_end)
+  std::int64_t recent_begin = 0; ///< protected suffix [recent_begin, tokens), recent_begin >= sink_end
+  std::int64_t protect = 0;      ///< protected tokens per head
+  std::int64_t guaranteed = 0;   ///< AdaKV: max(safeguard, protect) kept per head before the global step
+  bool normalize = false;        ///< AdaKV: the global step ranks z-scores
+};
+
 namespace detail::sel {
 
 /// Read-only scores [heads][tokens] with a head stride (from a ScoresView or a Scores).
@@ -150,25 +167,21 @@ constexpr std::size_t align64(std::size_t b) noexcept { return (b + 63) & ~std::
 /// Layers with fewer scores run serially unless num_threads asks for threads explicitly.
 inline constexpr std::int64_t kParallelMinScores = std::int64_t(1) << 16;
 
-/// Everything select() derives from its arguments, validated.
-struct Plan {
-  std::int64_t heads = 0, tokens = 0;
-  Alloc alloc = Alloc::per_head;
-  std::int64_t per_head = 0;     ///< Alloc::per_head: tokens kept per head
-  std::int64_t layer = 0;        ///< total kept (both allocs)
-  std::int64_t sink_end = 0;     ///< protected prefix [0, sink_end)
-  std::int64_t recent_begin = 0; ///< protected suffix [recent_begin, tokens), recent_begin >= sink_end
-  std::int64_t protect = 0;      ///< protected tokens per head
-  std::int64_t guaranteed = 0;   ///< AdaKV: max(safeguard, protect) kept per head before the global step
-  bool normalize = false;
+/// The CPU's plan: the selection plan, its threads and its workspace.
+struct Plan : SelectionPlan {
   int threads = 1;               ///< wanted (capped at heads)
   // workspace layout
   std::size_t per_thread = 0, fixed = 0;
   std::size_t bytes(int t) const noexcept { return 64 + fixed + per_thread * std::size_t(t); }
 };
 
-inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
-  const std::string who = "kvscore::select: ";
+inline constexpr const char* kWho = "kvscore::select: ";
+
+}  // namespace detail::sel
+
+inline SelectionPlan plan_selection(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
+  using detail::throw_invalid, detail::checked_mul, detail::num;
+  const std::string who = detail::sel::kWho;
   if (heads < 0 || tokens < 0)
     throw_invalid(who + "negative shape (" + std::to_string(heads) + ", " + std::to_string(tokens) + ")");
   if (budget.count() < 0)
@@ -182,7 +195,7 @@ inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, co
   if (!select_kernels_supported(opt.kernels))
     throw_invalid(who + "kernels '" + select_kernels_name(opt.kernels) + "' are not supported on this CPU");
 
-  Plan p;
+  SelectionPlan p;
   p.heads = heads;
   p.tokens = tokens;
   p.alloc = opt.alloc;
@@ -231,6 +244,15 @@ inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, co
     }
   }
 
+  return p;
+}
+
+namespace detail::sel {
+
+inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
+  const std::string who = kWho;
+  Plan p;
+  static_cast<SelectionPlan&>(p) = plan_selection(heads, tokens, budget, opt);
   // Default thread count: small layers stay serial (a parallel region costs more than it saves).
   std::int64_t cells = 0;
   const bool small = !__builtin_mul_overflow(heads, tokens, &cells) && cells < kParallelMinScores;

@@ -492,11 +492,7 @@ void validate_any(dtype t, const void* x, long long per_head, long long hs, long
                   unsigned long long* bad, cudaStream_t st) {
   KVSCORE_CUDA_CHECK(cudaMemsetAsync(bad, 0xFF, sizeof(unsigned long long), st));
   if (rows == 0) return;
-  switch (t) {
-    case dtype::f32: launch_validate<dtype::f32>(x, per_head, hs, ts, d, rows, bad, st); break;
-    case dtype::f16: launch_validate<dtype::f16>(x, per_head, hs, ts, d, rows, bad, st); break;
-    case dtype::bf16: launch_validate<dtype::bf16>(x, per_head, hs, ts, d, rows, bad, st); break;
-  }
+  for_dtype(t, [&](auto D) { launch_validate<decltype(D)::value>(x, per_head, hs, ts, d, rows, bad, st); });
 }
 
 Consts consts_of(const ParisKVState& s) {
@@ -642,11 +638,7 @@ void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const long long n = k.tokens;
   if (s.center && !s.has_mu) {
-    switch (k.type) {
-      case dtype::f32: launch_mean<dtype::f32>(k, s.mu, st); break;
-      case dtype::f16: launch_mean<dtype::f16>(k, s.mu, st); break;
-      case dtype::bf16: launch_mean<dtype::bf16>(k, s.mu, st); break;
-    }
+    for_dtype(k.type, [&](auto D) { launch_mean<decltype(D)::value>(k, s.mu, st); });
     s.has_mu = true;
   }
   EncodeArgs a{};
@@ -666,11 +658,7 @@ void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
   a.w = s.w;
   a.pop = s.pop;
   a.k = consts_of(s);
-  switch (k.type) {
-    case dtype::f32: encode_dispatch<dtype::f32>(s.P, a, k, st); break;
-    case dtype::f16: encode_dispatch<dtype::f16>(s.P, a, k, st); break;
-    case dtype::bf16: encode_dispatch<dtype::bf16>(s.P, a, k, st); break;
-  }
+  for_dtype(k.type, [&](auto D) { encode_dispatch<decltype(D)::value>(s.P, a, k, st); });
   KVSCORE_CUDA_CHECK(cudaStreamSynchronize(st));
   s.n += n;
 }

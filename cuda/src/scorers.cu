@@ -310,11 +310,9 @@ void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, 
   require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window, merge_tail),
                     "kvscore::cuda::score");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::f16: run<dtype::f16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run<decltype(D)::value>(kind, keys, out, window, merge_tail, host_filters, ws, st);
+  });
 }
 
 }  // namespace kvscore::cuda::detail

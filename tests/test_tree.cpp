@@ -266,3 +266,112 @@ TEST_CASE("tree: every test case is one ctest test (no semicolon, every bracket 
     }
   CHECK(names > 250);
 }
+
+namespace {
+
+/// The regions of tests/test_snippets.cpp (`// [snippet NAME]` ... `// [snippet end]`), dedented.
+std::map<std::string, std::vector<std::string>> snippet_regions() {
+  std::map<std::string, std::vector<std::string>> out;
+  std::istringstream lines(read(kRoot / "tests" / "test_snippets.cpp"));
+  const std::regex begin(R"(^\s*// \[snippet ([\w-]+)\]\s*$)"), end(R"(^\s*// \[snippet end\]\s*$)");
+  std::smatch m;
+  std::string name;
+  std::vector<std::string> body;
+  for (std::string line; std::getline(lines, line);) {
+    if (std::regex_match(line, end)) {
+      REQUIRE(!name.empty());
+      std::size_t indent = std::string::npos;
+      for (const std::string& l : body)
+        if (l.find_first_not_of(' ') != std::string::npos) indent = std::min(indent, l.find_first_not_of(' '));
+      for (std::string& l : body) l = l.size() > indent ? l.substr(indent) : std::string();
+      INFO("snippet " << name);
+      CHECK(out.emplace(name, body).second);  // one region per name
+      name.clear();
+    } else if (std::regex_match(line, m, begin)) {
+      name = m[1].str();
+      body.clear();
+    } else if (!name.empty()) {
+      body.push_back(line);
+    }
+  }
+  CHECK(name.empty());  // every region ends
+  return out;
+}
+
+/// A copy of a region found in a doc page or a header.
+struct SnippetCopy {
+  std::string where, name;
+  std::vector<std::string> lines;
+};
+
+}  // namespace
+
+TEST_CASE("tree: the C++ examples of README, docs and headers are compiled regions of tests/test_snippets.cpp",
+          "[tree][snippets]") {
+  const auto regions = snippet_regions();
+  const std::string source = read(kRoot / "tests" / "test_snippets.cpp");
+  std::vector<SnippetCopy> copies;
+
+  // docs: every ```cpp block is a snippet, or says why not
+  std::vector<fs::path> pages{kRoot / "README.md"};
+  for (const auto& e : fs::directory_iterator(kRoot / "docs"))
+    if (e.path().extension() == ".md") pages.push_back(e.path());
+  const std::regex marker(R"(^<!-- snippet ([\w-]+): tests/test_snippets\.cpp -->$)"), exempt(R"(^<!-- not a snippet: .+ -->$)");
+  for (const fs::path& page : pages) {
+    std::vector<std::string> lines;
+    std::istringstream in(read(page));
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      if (lines[i].rfind("```cpp", 0) != 0) continue;
+      const std::string where = page.filename().string() + ":" + std::to_string(i + 1);
+      INFO(where);
+      std::smatch m;
+      const std::string before = i > 0 ? lines[i - 1] : "";
+      const bool is_snippet = std::regex_match(before, m, marker);
+      CHECK((is_snippet || std::regex_match(before, exempt)));
+      std::size_t j = i + 1;
+      while (j < lines.size() && lines[j].rfind("```", 0) != 0) ++j;
+      if (!is_snippet) continue;
+      SnippetCopy c{where, m[1].str(), {}};
+      std::size_t k = i + 1;
+      for (; k < j && lines[k].rfind("#include ", 0) == 0; ++k)  // the includes the region's file has
+        CHECK(source.find("\n" + lines[k] + "\n") != std::string::npos);
+      if (k > i + 1 && k < j && lines[k].empty()) ++k;
+      c.lines.assign(lines.begin() + std::ptrdiff_t(k), lines.begin() + std::ptrdiff_t(j));
+      copies.push_back(c);
+    }
+  }
+
+  // headers: `// [snippet NAME: tests/test_snippets.cpp]`, then the region as `//   ` lines
+  const std::regex header_marker(R"(^// \[snippet ([\w-]+): tests/test_snippets\.cpp\]$)");
+  for (const auto& e : fs::recursive_directory_iterator(kRoot / "include" / "kvscore")) {
+    if (e.path().extension() != ".hpp") continue;
+    std::vector<std::string> lines;
+    std::istringstream in(read(e.path()));
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      std::smatch m;
+      if (!std::regex_match(lines[i], m, header_marker)) continue;
+      SnippetCopy c{e.path().filename().string() + ":" + std::to_string(i + 1), m[1].str(), {}};
+      for (std::size_t k = i + 1; k < lines.size() && lines[k].rfind("//   ", 0) == 0; ++k) c.lines.push_back(lines[k].substr(5));
+      copies.push_back(c);
+    }
+  }
+
+  std::set<std::string> used;
+  for (const SnippetCopy& c : copies) {
+    INFO(c.where << ": snippet " << c.name);
+    const auto it = regions.find(c.name);
+    REQUIRE(it != regions.end());
+    used.insert(c.name);
+    std::string want, got;
+    for (const std::string& l : it->second) want += l + "\n";
+    for (const std::string& l : c.lines) got += l + "\n";
+    CHECK(got == want);
+  }
+  for (const auto& [name, body] : regions) {
+    INFO("region " << name << " of tests/test_snippets.cpp is shown nowhere");
+    CHECK(used.count(name) == 1);
+  }
+  CHECK(copies.size() >= regions.size());
+}

@@ -2,10 +2,11 @@
 // of kvscore/methods.hpp whose kind is scorer or query_scorer, built by name from one argument
 // struct and held by one type.
 //
-//   ScorerArgs a;  a.queries = q;  a.q_heads = 32;  a.n_queries = 64;  a.head_dim = 128;
-//   const AnyScorer s = make_scorer("snapkv", a);        // any spelling kMethods accepts
-//   Scores scores = s.score(keys);                         // fp32, fp16 or bf16 keys
-//   Selection kept = select(scores, budget, {.recent = s.protected_recent()});
+// [snippet make-scorer-header: tests/test_snippets.cpp]
+//   ScorerArgs args;  args.queries = q;  args.q_heads = 32;  args.n_queries = 64;  args.head_dim = 128;
+//   const AnyScorer snap = make_scorer("snapkv", args);      // any spelling kMethods accepts
+//   Scores scores = snap.score(keys);                         // fp32, fp16 or bf16 keys
+//   Selection top = select(scores, budget, {.recent = snap.protected_recent()});
 //
 // The CLI (`kvscore score`) and the evaluator's scorer methods build scorers here (Python
 // keeps one class per scorer, named from the same registry). Adding a scorer: its kMethods entry, its type in

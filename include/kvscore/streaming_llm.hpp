@@ -2,8 +2,9 @@
 // every head keeps the first `sinks` tokens (attention sinks) and the most recent tokens,
 // n per head in total. No scores are needed.
 //
-//   Selection s = kvscore::streaming_llm(heads, tokens, Budget::per_head(n));      // 4 sinks
-//   Selection s = kvscore::StreamingLLM{/*sinks*/ 8}.select(heads, tokens, Budget::per_head(n));
+// [snippet streaming-llm-header: tests/test_snippets.cpp]
+//   Selection a = kvscore::streaming_llm(heads, tokens, Budget::per_head(n));              // 4 sinks
+//   Selection b = kvscore::StreamingLLM{/*sinks*/ 8}.select(heads, tokens, Budget::per_head(n));
 //
 // Definition: s' = min(sinks, tokens); head h keeps [0, s') and the last n - s' positions.
 // It is exactly kvscore::select(any scores, Budget::per_head(n), StreamingLLM{sinks}.options(tokens, n)):

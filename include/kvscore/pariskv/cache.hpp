@@ -3,9 +3,10 @@
 //
 //   sinks [0, S)  |  retrieval [S, E): indexed by a kvscore::ParisKV  |  local [E, N)
 //
+// [snippet pariskv-cache-header: tests/test_snippets.cpp]
 //   kvscore::ParisKVCache<kvscore::half> cache(head_dim);   // S = 4, L = 256, U = 128, k = 100
 //   cache.append(prompt_k, prompt_v, prompt_len);           // prefill
-//   for (...) { cache.append(k, v); cache.attend(q, out, ws); }   // one decode step
+//   cache.append(k, v); cache.attend(q, out.data(), cws);   // one decode step
 //
 // The local zone holds the last L..L+U−1 tokens: when an append makes it reach L + U tokens,
 // its oldest tokens down to L are encoded into the index (the paper's update buffer of U

@@ -1,6 +1,7 @@
 // kvscore/pariskv/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
 // index over the keys, built by streaming append, searched once per decoding step.
 //
+// [snippet pariskv-header: tests/test_snippets.cpp]
 //   kvscore::ParisKV index(head_dim);              // m = 8, fixed seed, converged Lloyd–Max codebook
 //   index.append(keys_of_head, n, row_stride);     // prefill, then any number of decoded keys at a time
 //   kvscore::ParisKVResult r = index.search(q);    // top-100 positions (ascending) + estimated scores

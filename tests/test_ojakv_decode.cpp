@@ -45,25 +45,21 @@ namespace {
 
 constexpr std::int64_t kSteps = 65536;
 
-/// Attention of q over rows [0, n) of one head: fp32 logits (Eigen GEMV), softmax and output in fp64.
-std::vector<double> exact_attention(const float* K, const float* V, std::int64_t n, std::int64_t d, const float* q) {
+/// Attention of the probes Q [m][d] over rows [0, n) of one head, all probes at once: fp32
+/// logits (an Eigen GEMM), softmax and outputs in fp64; column i is probe i's output [d].
+Eigen::MatrixXd exact_attention(const float* K, const float* V, std::int64_t n, std::int64_t d, const Eigen::MatrixXf& Q) {
   using Rows = Eigen::Map<const kvscore::oja::RowMajorF>;
-  const Eigen::VectorXf z = Rows(K, n, d) * Eigen::Map<const Eigen::VectorXf>(q, d);
-  Eigen::VectorXd p = z.cast<double>() / std::sqrt(double(d));
-  p = (p.array() - p.maxCoeff()).exp();
-  p /= p.sum();
-  const Eigen::VectorXd o = Rows(V, n, d).cast<double>().transpose() * p;
-  return std::vector<double>(o.data(), o.data() + d);
+  const Eigen::MatrixXf z = Rows(K, n, d) * Q.transpose();  // [n][m]
+  Eigen::MatrixXd p = z.cast<double>() / std::sqrt(double(d));
+  for (Eigen::Index i = 0; i < p.cols(); ++i) {
+    p.col(i) = (p.col(i).array() - p.col(i).maxCoeff()).exp();
+    p.col(i) /= p.col(i).sum();
+  }
+  const Eigen::MatrixXd v = Rows(V, n, d).cast<double>();
+  return v.transpose() * p;
 }
 
-double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double e = 0, n = 0;
-  for (std::size_t j = 0; j < a.size(); ++j) {
-    e += (a[j] - b[j]) * (a[j] - b[j]);
-    n += b[j] * b[j];
-  }
-  return std::sqrt(e / n);
-}
+double rel_error(const Eigen::VectorXd& a, const Eigen::VectorXd& b) { return (a - b).norm() / b.norm(); }
 
 }  // namespace
 
@@ -125,7 +121,7 @@ DriftErrors drift_run(bool shift, bool rope) {
   kvscore::detail::SplitMix64 rng(3);
   DriftErrors out;
   for (auto* x : {&out.adapted, &out.frozen, &out.adapted_any, &out.frozen_any}) x->assign(std::size_t(H), 0.0);
-  std::vector<float> k(static_cast<std::size_t>(H * d)), v(k.size()), q(static_cast<std::size_t>(d));
+  std::vector<float> k(static_cast<std::size_t>(H * d)), v(k.size());
   for (std::int64_t n = prefill; n < N; ++n) {
     for (std::int64_t h = 0; h < H; ++h) {
       std::copy_n(K.data() + (h * N + n) * d, d, k.data() + h * d);
@@ -139,17 +135,20 @@ DriftErrors drift_run(bool shift, bool rope) {
       const auto kf = frozen.reconstruct_keys(h), vf = frozen.reconstruct_values(h);
       const float* kh = K.data() + h * N * d;
       const float* vh = V.data() + h * N * d;
+      Eigen::MatrixXf probes(kProbes, d);
       for (int qi = 0; qi < kProbes; ++qi) {
         const std::int64_t lo = qi % 2 == 0 ? n + 1 - 1024 : 0;
         const std::int64_t target = lo + std::int64_t(rng.next() % std::uint64_t(n + 1 - lo));
         for (std::int64_t j = 0; j < d; ++j)
-          q[std::size_t(j)] = 0.25f * kh[target * d + j] + float(0.5 * (rng.uniform_nonzero() - 0.5));
-        const std::vector<double> truth = exact_attention(kh, vh, n + 1, d, q.data());
+          probes(qi, Eigen::Index(j)) = 0.25f * kh[target * d + j] + float(0.5 * (rng.uniform_nonzero() - 0.5));
+      }
+      const Eigen::MatrixXd truth = exact_attention(kh, vh, n + 1, d, probes);
+      const Eigen::MatrixXd oa = exact_attention(ka.data(), va.data(), n + 1, d, probes);
+      const Eigen::MatrixXd of = exact_attention(kf.data(), vf.data(), n + 1, d, probes);
+      for (int qi = 0; qi < kProbes; ++qi) {
         const bool recent = qi % 2 == 0;
-        (recent ? out.adapted : out.adapted_any)[std::size_t(h)] +=
-            rel_error(exact_attention(ka.data(), va.data(), n + 1, d, q.data()), truth);
-        (recent ? out.frozen : out.frozen_any)[std::size_t(h)] +=
-            rel_error(exact_attention(kf.data(), vf.data(), n + 1, d, q.data()), truth);
+        (recent ? out.adapted : out.adapted_any)[std::size_t(h)] += rel_error(oa.col(qi), truth.col(qi));
+        (recent ? out.frozen : out.frozen_any)[std::size_t(h)] += rel_error(of.col(qi), truth.col(qi));
       }
     }
   }

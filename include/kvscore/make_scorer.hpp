@@ -106,14 +106,8 @@ inline SnapKV build(std::type_identity<SnapKV>, const ScorerArgs& a) {
 inline ProtoKV build(std::type_identity<ProtoKV>, const ScorerArgs& a) {
   need_queries(a, "protokv");
   ProtoKV s(a.queries, a.q_heads, a.n_queries, a.head_dim, a.group);
-  s.placement = a.placement;
-  s.seed = a.seed;
-  s.kappa = a.kappa;
-  s.sat_candidates = a.sat_candidates;
-  s.lsh_bits = a.lsh_bits;
-  s.chunks = a.chunks;
-  s.bandwidth = a.bandwidth;
-  s.psi = a.psi;
+  s.placement = a.placement, s.seed = a.seed, s.kappa = a.kappa, s.sat_candidates = a.sat_candidates;
+  s.lsh_bits = a.lsh_bits, s.chunks = a.chunks, s.bandwidth = a.bandwidth, s.psi = a.psi;
   return s;
 }
 

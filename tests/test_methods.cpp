@@ -194,11 +194,7 @@ TEST_CASE("make_scorer: each option reaches the scorers whose registry entry rea
   const test_support::Cache c = test_support::random_cache(12, 2, 80, 16, 0.5f);
   const test_support::Cache q = test_support::random_cache(13, 4, 6, 16);
   ScorerArgs base;
-  base.queries = q.v.data();
-  base.q_heads = 4;
-  base.n_queries = 6;
-  base.head_dim = 16;
-  base.kv_heads = 2;
+  base.queries = q.v.data(), base.q_heads = 4, base.n_queries = 6, base.head_dim = 16, base.kv_heads = 2;
   base.window = 35;  // windowed_manifold_l2: 80 tokens = 2 windows and a tail of 10 that merges
   // a value other than the default for every option a test can change; the inputs (queries,
   // group, filters) are not changed here

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kvscore/cuda/kernels.hpp"
 
@@ -36,6 +37,17 @@ namespace kvscore::cuda::detail {
 /// failure nor taken from its owner: kvscore throws an Error that says so, launches nothing, and
 /// leaves the error pending (docs/cuda.md, "Errors").
 void require_no_pending_error(const char* who);
+
+/// f(std::integral_constant<dtype, D>{}) for the element type t: the one switch over the
+/// element types of every host entry point (`for_dtype(keys.type, [&](auto D) { run<decltype(D)::value>(...); })`).
+template <class F>
+void for_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32: f(std::integral_constant<dtype, dtype::f32>{}); break;
+    case dtype::f16: f(std::integral_constant<dtype, dtype::f16>{}); break;
+    case dtype::bf16: f(std::integral_constant<dtype, dtype::bf16>{}); break;
+  }
+}
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
 

@@ -683,11 +683,7 @@ void score_protokv(const KeysArg& keys, const ScoresArg& out, const ProtoArg& p,
                                             p.chunks),
                     "kvscore::cuda::score(ProtoKV)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(keys, out, p, ws, st, trace, trace_head); break;
-    case dtype::f16: run<dtype::f16>(keys, out, p, ws, st, trace, trace_head); break;
-    case dtype::bf16: run<dtype::bf16>(keys, out, p, ws, st, trace, trace_head); break;
-  }
+  for_dtype(keys.type, [&](auto D) { run<decltype(D)::value>(keys, out, p, ws, st, trace, trace_head); });
 }
 
 }  // namespace kvscore::cuda::detail

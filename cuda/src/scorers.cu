@@ -7,7 +7,7 @@
 //    only on the shape, so the result is bit-identical on every run (no floating atomics).
 //  * rows: one warp per row, fp32 accumulation, butterfly reduction; head_dim 64/128/256 with
 //    vector loads when the rows are aligned, one generic loop otherwise.
-// Invalid rows (non-finite fp32 squared norm) follow scorer_base.hpp: -inf, left out of
+// Invalid rows (non-finite fp32 squared norm) follow scorers/scorer_base.hpp: -inf, left out of
 // every centroid.
 #include "common.cuh"
 
@@ -311,11 +311,9 @@ void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, 
   require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window, merge_tail),
                     "kvscore::cuda::score");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::f16: run<dtype::f16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run<decltype(D)::value>(kind, keys, out, window, merge_tail, host_filters, ws, st);
+  });
 }
 
 }  // namespace kvscore::cuda::detail

@@ -260,11 +260,9 @@ void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_s
   require_workspace(ws, snapkv_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, q_heads, window),
                     "kvscore::cuda::score (SnapKV)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-    case dtype::f16: run<dtype::f16>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run<decltype(D)::value>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st);
+  });
 }
 
 }  // namespace kvscore::cuda::detail

@@ -1,4 +1,4 @@
-// kvscore/impl/qfilter_impl.hpp — Q-Filter calibration (an SVD per query head): inline in
+// kvscore/scorers/qfilter_impl.hpp — Q-Filter calibration (an SVD per query head): inline in
 // header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 

@@ -1,9 +1,9 @@
-// kvscore/impl/ojakv_impl.hpp — definitions of OjaKV's non-template numerics (QR, SVD,
-// power iteration, Oja steps, covariance, metrics; the hybrid cache's are in ojakv_cache_impl.hpp): inline in
+// kvscore/ojakv/ojakv_impl.hpp — definitions of OjaKV's non-template numerics (QR, SVD,
+// power iteration, Oja steps, covariance, metrics; the hybrid cache's are in cache_impl.hpp): inline in
 // header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 
 namespace kvscore {
 namespace oja {

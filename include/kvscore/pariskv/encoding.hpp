@@ -1,6 +1,6 @@
-// kvscore/pariskv_encoding.hpp — ParisKV's encoding primitives (pariskv.txt §4, App. B): the
+// kvscore/pariskv/encoding.hpp — ParisKV's encoding primitives (pariskv.txt §4, App. B): the
 // Lloyd–Max magnitude codebook, the seeded Walsh–Hadamard rotation, the length-adaptive
-// (β, ρ) ratios and the collision tiers. The index that uses them is in kvscore/pariskv.hpp.
+// (β, ρ) ratios and the collision tiers. The index that uses them is in kvscore/pariskv/pariskv.hpp.
 #pragma once
 
 #include <algorithm>

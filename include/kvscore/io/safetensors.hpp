@@ -1,4 +1,4 @@
-// kvscore/safetensors.hpp — reads one tensor of a .safetensors file (the format the Q-Filters
+// kvscore/io/safetensors.hpp — reads one tensor of a .safetensors file (the format the Q-Filters
 // authors publish their filters in, and Hugging Face its weights): 8 bytes little-endian header
 // length N, N bytes of JSON {"name": {"dtype", "shape", "data_offsets": [begin, end]}, ...},
 // then the data, offsets relative to its start. F32, F16 and BF16 tensors are widened to fp32.
@@ -31,5 +31,5 @@ Tensor parse(const std::uint8_t* data, std::size_t size, const std::string& name
 }  // namespace kvscore::safetensors
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/safetensors_impl.hpp"
+#include "kvscore/io/safetensors_impl.hpp"
 #endif

@@ -1,4 +1,4 @@
-// kvscore/impl/eval_evaluate_impl.hpp — kvscore::eval::evaluate(): inline in header-only use,
+// kvscore/eval/evaluate_impl.hpp — kvscore::eval::evaluate(): inline in header-only use,
 // compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 

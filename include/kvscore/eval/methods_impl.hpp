@@ -1,4 +1,4 @@
-// kvscore/impl/eval_methods_impl.hpp — the evaluator's built-in methods, built through the
+// kvscore/eval/methods_impl.hpp — the evaluator's built-in methods, built through the
 // registry's constructors (kvscore/make_method.hpp: every scorer, the selector, ParisKV,
 // OjaKV): inline in header-only use, compiled once into kvscore::dispatch otherwise
 // (kvscore/detail/compiled.hpp).

@@ -1,4 +1,4 @@
-// kvscore/npy.hpp — read and write NumPy .npy files (format versions 1.0, 2.0, 3.0).
+// kvscore/io/npy.hpp — read and write NumPy .npy files (format versions 1.0, 2.0, 3.0).
 //
 // Only what kvscore needs: plain little-endian numeric dtypes in C order. The reader
 // is written to be safe on arbitrary bytes: every length and offset is checked, sizes

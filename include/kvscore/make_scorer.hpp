@@ -1,11 +1,12 @@
-// kvscore/scorers/make_scorer.hpp — the registry's constructors for its scorers: every method
+// kvscore/make_scorer.hpp — the registry's constructors for its scorers: every method
 // of kvscore/methods.hpp whose kind is scorer or query_scorer, built by name from one argument
 // struct and held by one type.
 //
-//   ScorerArgs a;  a.queries = q;  a.q_heads = 32;  a.n_queries = 64;  a.head_dim = 128;
-//   const AnyScorer s = make_scorer("snapkv", a);        // any spelling kMethods accepts
-//   Scores scores = s.score(keys);                         // fp32, fp16 or bf16 keys
-//   Selection kept = select(scores, budget, {.recent = s.protected_recent()});
+// [snippet make-scorer-header: tests/test_snippets.cpp]
+//   ScorerArgs args;  args.queries = q;  args.q_heads = 32;  args.n_queries = 64;  args.head_dim = 128;
+//   const AnyScorer snap = make_scorer("snapkv", args);      // any spelling kMethods accepts
+//   Scores scores = snap.score(keys);                         // fp32, fp16 or bf16 keys
+//   Selection top = select(scores, budget, {.recent = snap.protected_recent()});
 //
 // The CLI (`kvscore score`) and the evaluator's scorer methods build scorers here (Python
 // keeps one class per scorer, named from the same registry). Adding a scorer: its kMethods entry, its type in
@@ -39,11 +40,12 @@ namespace kvscore {
 /// Every scorer type of the registry, in kMethods' order.
 using ScorerTypes = std::tuple<KNorm, KeyDiff, ManifoldL2, WindowedManifoldL2, QFilter, SnapKV, ProtoKV>;
 
-/// What a scorer may need beyond the keys; each scorer reads its part and ignores the rest.
+/// What a scorer may need beyond the keys; each scorer reads its part (its registry entry's
+/// `options`, kvscore/methods.hpp) and ignores the rest. The defaults are the registry's.
 struct ScorerArgs {
   int threads = 0;                          ///< ScorerOptions::num_threads (0 = OpenMP default)
   const simd::KernelTable* isa = nullptr;   ///< ScorerOptions::isa (nullptr = the active table)
-  std::int64_t window = 4096;               ///< windowed_manifold_l2: W
+  std::int64_t window = kDefaultWindow;     ///< windowed_manifold_l2: W
   WindowTail window_tail = WindowTail::merge;  ///< windowed_manifold_l2: the final partial window
   /// qfilter: filters [kv_heads][head_dim] in kvscore's convention (QFilter::filters()); empty =
   /// calibrate_qfilters on `queries` (the evaluator's choice).
@@ -54,6 +56,15 @@ struct ScorerArgs {
   std::int64_t q_heads = 0, n_queries = 0, head_dim = 0;
   std::int64_t group = 0;                   ///< snapkv, protokv: q_heads / kv_heads, 0 = from the keys
   QueryPlacement placement = QueryPlacement::in_cache;  ///< snapkv, protokv
+  std::int64_t kernel_size = kDefaultSnapKVKernel;      ///< snapkv: pooling kernel, odd >= 1
+  // protokv (docs/protokv.md)
+  std::uint64_t seed = 0;                                   ///< RFF seed
+  std::int64_t kappa = kDefaultProtoKVKappa;                ///< neighbourhood radius κ >= 1
+  std::int64_t sat_candidates = kDefaultProtoKVSatCandidates;  ///< SAT candidates p in [0, tokens]
+  int lsh_bits = kDefaultProtoKVLshBits;                    ///< LSH bits r in [0, 16]
+  std::int64_t chunks = kDefaultProtoKVChunks;              ///< PDT chunks v >= 0
+  double bandwidth = 0;                                     ///< RFF bandwidth σ > 0, 0 = median
+  ProtoKV::Psi psi = ProtoKV::Psi::attention;               ///< cluster score ψ
 };
 
 namespace detail {
@@ -89,12 +100,14 @@ inline SnapKV build(std::type_identity<SnapKV>, const ScorerArgs& a) {
   need_queries(a, "snapkv");
   SnapKV s(a.queries, a.q_heads, a.n_queries, a.head_dim, a.group);
   s.placement = a.placement;
+  s.kernel_size = a.kernel_size;
   return s;
 }
 inline ProtoKV build(std::type_identity<ProtoKV>, const ScorerArgs& a) {
   need_queries(a, "protokv");
   ProtoKV s(a.queries, a.q_heads, a.n_queries, a.head_dim, a.group);
-  s.placement = a.placement;
+  s.placement = a.placement, s.seed = a.seed, s.kappa = a.kappa, s.sat_candidates = a.sat_candidates;
+  s.lsh_bits = a.lsh_bits, s.chunks = a.chunks, s.bandwidth = a.bandwidth, s.psi = a.psi;
   return s;
 }
 

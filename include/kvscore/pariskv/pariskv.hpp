@@ -1,6 +1,7 @@
-// kvscore/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
+// kvscore/pariskv/pariskv.hpp — ParisKV (pariskv.txt §4, App. B): a per-KV-head top-k retrieval
 // index over the keys, built by streaming append, searched once per decoding step.
 //
+// [snippet pariskv-header: tests/test_snippets.cpp]
 //   kvscore::ParisKV index(head_dim);              // m = 8, fixed seed, converged Lloyd–Max codebook
 //   index.append(keys_of_head, n, row_stride);     // prefill, then any number of decoded keys at a time
 //   kvscore::ParisKVResult r = index.search(q);    // top-100 positions (ascending) + estimated scores
@@ -33,7 +34,7 @@
 // Determinism: one query runs on one thread; every step is a fixed sequence of fp32/fp64 and
 // integer operations, so results are identical across runs and thread counts (the multi-head
 // helper parallelises over heads only). The kernel sets (portable, AVX2, AVX-512: see
-// kvscore/simd/pariskv_kernels.hpp; Kernels::best follows the KVSCORE_ISA pin) give bit-identical
+// kvscore/pariskv/kernels.hpp; Kernels::best follows the KVSCORE_ISA pin) give bit-identical
 // collision scores, estimates and results.
 // Errors: std::invalid_argument naming the value — keys or queries with a NaN/Inf element or
 // a squared norm that overflows fp32 (the library's invalid-row rule; an append is atomic, a
@@ -45,8 +46,8 @@
 //
 // Why this file is long (~800 lines): the ParisKV class is one index whose append (encoding,
 // records) and search (Stage I patterns, Stage II estimates, rerank) share its private layout;
-// the encoding primitives and the SIMD kernels already live apart (pariskv_encoding.hpp,
-// simd/pariskv_kernels.hpp), and the decode-time cache in pariskv_cache.hpp.
+// the encoding primitives and the SIMD kernels already live apart (encoding.hpp,
+// kernels.hpp), and the decode-time cache in cache.hpp.
 #pragma once
 
 #include <algorithm>
@@ -62,17 +63,17 @@
 #include <vector>
 
 #include "kvscore/core/splitmix.hpp"
-#include "kvscore/pariskv_encoding.hpp"
+#include "kvscore/pariskv/encoding.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/simd/dispatch.hpp"
-#include "kvscore/simd/pariskv_kernels.hpp"
+#include "kvscore/pariskv/kernels.hpp"
 #include "kvscore/core/view.hpp"
 
 namespace kvscore {
 
 // The encoding primitives (codebook, rotation, length-adaptive ratios, tiers) are in
-// kvscore/pariskv_encoding.hpp.
+// kvscore/pariskv/encoding.hpp.
 
 /// Index configuration (fixed at construction).
 struct ParisKVConfig {
@@ -138,7 +139,7 @@ class ParisKV {
     B_ = p_ / m_;
     nc_ = std::int64_t(1) << m_;
     pc_ = (p_ + 31) / 32 * 32;
-    // Stage II records (pariskv_kernels.hpp, "Record of one key"): segments of len coordinates
+    // Stage II records (kernels.hpp, "Record of one key"): segments of len coordinates
     // inside one subspace, 16 segments per lane group
     len_ = p_ >= 16 ? std::min(m_, p_ / 16) : 1;
     groups_ = std::max<std::int64_t>(1, (p_ / len_) / 16);

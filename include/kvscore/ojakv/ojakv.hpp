@@ -1,4 +1,4 @@
-// kvscore/ojakv.hpp — OjaKV (ojakv.txt): an online low-rank projector per KV head plus a
+// kvscore/ojakv/ojakv.hpp — OjaKV (ojakv.txt): an online low-rank projector per KV head plus a
 // hybrid cache that keeps the tokens with the largest query-weighted residual at full rank.
 //
 //   OjaBasis      one orthonormal basis U (d x r): seeded random start or calibration (SVD),
@@ -8,7 +8,7 @@
 //   OjaProjector  U_k and U_v of one KV head (two OjaBasis).
 //   OjaResidual   the full-rank score e_t = mean_{q in W_t} |q^T (k_t - U U^T k_t)| / sqrt(d)
 //                 [heads][tokens] (higher = keep full rank); pass it to kvscore::select.
-//   OjaHybridCache  (kvscore/ojakv_cache.hpp) codes K~ = K U_k, V~ = V U_v for most tokens,
+//   OjaHybridCache  (kvscore/ojakv/cache.hpp) codes K~ = K U_k, V~ = V U_v for most tokens,
 //                 full rows for the selected ones; reconstruction, reference attention,
 //                 memory accounting; append() during generation.
 //   residual_energy_ratio / subspace_overlap: RER and SO of ojakv.txt §4.
@@ -503,9 +503,9 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
 }  // namespace kvscore
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/ojakv_impl.hpp"
+#include "kvscore/ojakv/ojakv_impl.hpp"
 #endif
 
-// The hybrid cache built on the projectors; included here so that `#include "kvscore/ojakv.hpp"`
+// The hybrid cache built on the projectors; included here so that `#include "kvscore/ojakv/ojakv.hpp"`
 // gives the whole method, as it did before the split.
-#include "kvscore/ojakv_cache.hpp"
+#include "kvscore/ojakv/cache.hpp"

@@ -1,8 +1,8 @@
-// kvscore/ojakv_cache.hpp — OjaKV's hybrid store (ojakv.txt §3): per KV head, codes
+// kvscore/ojakv/cache.hpp — OjaKV's hybrid store (ojakv.txt §3): per KV head, codes
 // K~ = K U_k, V~ = V U_v for most tokens and full rows for the tokens the residual rule keeps;
 // reconstruction K^ = K~ U_k^T, reference attention, memory accounting, and append() during
 // generation (blocks of T tokens: basis update, rebase, the residual rule on the block, codes
-// in the new basis). The projectors and the residual scorer are in kvscore/ojakv.hpp; the
+// in the new basis). The projectors and the residual scorer are in kvscore/ojakv/ojakv.hpp; the
 // decisions are in docs/ojakv.md.
 #pragma once
 
@@ -14,7 +14,7 @@
 #include <Eigen/Dense>
 
 #include "kvscore/detail/compiled.hpp"
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 #include "kvscore/core/selection.hpp"
 #include "kvscore/core/view.hpp"
 #include "kvscore/simd/dispatch.hpp"
@@ -308,5 +308,5 @@ void OjaHybridCache::append(std::vector<OjaProjector>& proj, const T* k, const T
 }  // namespace kvscore
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/ojakv_cache_impl.hpp"
+#include "kvscore/ojakv/cache_impl.hpp"
 #endif

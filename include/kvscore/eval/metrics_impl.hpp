@@ -1,4 +1,4 @@
-// kvscore/impl/eval_metrics_impl.hpp — the evaluator's full-attention reference (an Eigen
+// kvscore/eval/metrics_impl.hpp — the evaluator's full-attention reference (an Eigen
 // GEMM): inline in header-only use, compiled once into kvscore::dispatch otherwise
 // (kvscore/detail/compiled.hpp).
 #pragma once

@@ -1,4 +1,4 @@
-// kvscore/impl/safetensors_impl.hpp — the .safetensors reader (nlohmann-json): inline in
+// kvscore/io/safetensors_impl.hpp — the .safetensors reader (nlohmann-json): inline in
 // header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvscore/core/dtype.hpp"
-#include "kvscore/safetensors.hpp"
+#include "kvscore/io/safetensors.hpp"
 
 namespace kvscore::safetensors {
 

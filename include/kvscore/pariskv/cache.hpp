@@ -1,11 +1,12 @@
-// kvscore/pariskv_cache.hpp — ParisKV's decode-time cache for one KV head (pariskv.txt §4.2.1,
+// kvscore/pariskv/cache.hpp — ParisKV's decode-time cache for one KV head (pariskv.txt §4.2.1,
 // "Buffer update"): the keys and values in full precision, split into three zones,
 //
 //   sinks [0, S)  |  retrieval [S, E): indexed by a kvscore::ParisKV  |  local [E, N)
 //
+// [snippet pariskv-cache-header: tests/test_snippets.cpp]
 //   kvscore::ParisKVCache<kvscore::half> cache(head_dim);   // S = 4, L = 256, U = 128, k = 100
 //   cache.append(prompt_k, prompt_v, prompt_len);           // prefill
-//   for (...) { cache.append(k, v); cache.attend(q, out, ws); }   // one decode step
+//   cache.append(k, v); cache.attend(q, out.data(), cws);   // one decode step
 //
 // The local zone holds the last L..L+U−1 tokens: when an append makes it reach L + U tokens,
 // its oldest tokens down to L are encoded into the index (the paper's update buffer of U
@@ -33,13 +34,14 @@
 #include <vector>
 
 #include "kvscore/core/dtype.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/methods.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore {
 
 struct ParisKVCacheConfig {
-  std::int64_t sinks = 4;              ///< S: first tokens always attended
-  std::int64_t local = 256;            ///< L: last tokens always attended
+  std::int64_t sinks = kDefaultSinks;         ///< S: first tokens always attended
+  std::int64_t local = kDefaultParisKVLocal;  ///< L: last tokens always attended
   std::int64_t update_interval = 128;  ///< U: local tokens beyond L are indexed in batches of U
   std::int64_t dense_min = 2000;       ///< dense attention while N < max(dense_min, S + L + 2k)
   /// false: never dense, so a query attends at most S + k + the local zone (a fixed budget;

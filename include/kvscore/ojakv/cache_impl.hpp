@@ -1,9 +1,9 @@
-// kvscore/impl/ojakv_cache_impl.hpp — OjaHybridCache's numerics (attention, rebase,
+// kvscore/ojakv/cache_impl.hpp — OjaHybridCache's numerics (attention, rebase,
 // reconstruction, block close; the projections go through the simd kernel table): inline in
 // header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
-#include "kvscore/ojakv_cache.hpp"
+#include "kvscore/ojakv/cache.hpp"
 
 namespace kvscore {
 

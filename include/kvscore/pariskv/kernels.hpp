@@ -1,4 +1,4 @@
-// kvscore/simd/pariskv_kernels.hpp — ParisKV's search kernels, one body per kernel set:
+// kvscore/pariskv/kernels.hpp — ParisKV's search kernels, one body per kernel set:
 // portable C++ (every CPU), AVX2 + FMA, AVX-512 F/BW/VL/DQ + VBMI, and on AArch64 NEON (Stage
 // I's collision table lookup; its other stages are the portable ones, which the compiler
 // targets at AArch64 with native fused multiply-adds).

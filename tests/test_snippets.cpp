@@ -418,3 +418,37 @@ TEST_CASE("snippet streaming-llm and synth (streaming_llm.hpp, synth.hpp)", "[sn
   // [snippet end]
   CHECK(data.keys.size() == std::size_t(4 * 2048 * 64));
 }
+
+TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
+  const int n_layer = 3;
+  const std::int64_t kv_heads = 2, tokens = 300, head_dim = 32, budget = 120;
+  std::vector<std::vector<float>> cache;
+  for (int l = 0; l < n_layer; ++l) cache.push_back(layer<float>(kv_heads, tokens, head_dim, 40u + std::uint32_t(l)));
+  auto keys_of_layer = [&](int l) { return kvscore::KeysView<float>(cache[std::size_t(l)].data(), kv_heads, tokens, head_dim); };
+  kvscore::KNorm scorer;
+  std::vector<std::pair<std::int64_t, std::int64_t>> removed;  // what an engine would remove
+  auto remove_positions = [&](std::int64_t begin, std::int64_t end) { removed.emplace_back(begin, end); };
+  // [snippet joint]
+  std::vector<kvscore::Scores> per_layer;                  // [kv_heads][tokens] each, any scorer
+  for (int l = 0; l < n_layer; ++l) per_layer.push_back(scorer.score(keys_of_layer(l)));
+
+  kvscore::JointOptions o;
+  o.sinks = 4;                                             // always kept, inside the budget
+  o.recent = 64;
+  // o.aggregate = kvscore::JointAggregate::max;           // the default (measured below)
+  std::vector<std::int64_t> keep = kvscore::select_joint(per_layer, budget, o);   // ascending
+  for (auto r : kvscore::evicted_ranges(keep, tokens))     // llama.cpp: llama_memory_seq_rm(mem, seq, r.begin, r.end)
+    remove_positions(r.begin, r.end);
+  // [snippet end]
+  REQUIRE(std::int64_t(keep.size()) == budget);
+  CHECK(keep.front() == 0);
+  CHECK(keep.back() == tokens - 1);
+  std::int64_t gone = 0;
+  for (const auto& [b, e] : removed) gone += e - b;
+  CHECK(gone == tokens - budget);
+  // [snippet joint-header]
+  kvscore::JointOptions opt;  opt.sinks = 4;  opt.recent = 64;   // aggregate: max by default
+  std::vector<std::int64_t> kept = kvscore::select_joint(per_layer, 100, opt);   // ascending
+  // [snippet end]
+  CHECK(kept.size() == 100);
+}

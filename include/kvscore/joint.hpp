@@ -2,10 +2,13 @@
 // every layer, for token-granular caches that can only drop a token everywhere at once
 // (llama.cpp's cells, removed with llama_memory_seq_rm; paged caches whose blocks hold all heads).
 //
-//   std::vector<kvscore::Scores> per_layer = ...;                 // [kv_heads][tokens] each
-//   kvscore::JointOptions o;  o.sinks = 4;  o.recent = 64;         // aggregate: max by default
-//   std::vector<std::int64_t> keep = kvscore::select_joint(per_layer, 512, o);   // ascending
-//   for (auto r : kvscore::evicted_ranges(keep, tokens)) llama_memory_seq_rm(mem, 0, r.begin, r.end);
+// [snippet joint-header: tests/test_snippets.cpp]
+//   kvscore::JointOptions opt;  opt.sinks = 4;  opt.recent = 64;   // aggregate: max by default
+//   std::vector<std::int64_t> kept = kvscore::select_joint(per_layer, 100, opt);   // ascending
+//
+// per_layer: std::vector<kvscore::Scores>, one [kv_heads][tokens] per layer; then
+// kvscore::evicted_ranges(kept, tokens) (slots.hpp) gives the ranges to remove, e.g. with
+// llama.cpp's llama_memory_seq_rm(mem, seq, r.begin, r.end).
 //
 // Rows. Every (layer, head) row of fp32 scores (higher = keep) is one voice; all rows have the
 // same `tokens`. Scales differ between heads and layers (a K-norm row of layer 0 and one of

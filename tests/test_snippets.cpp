@@ -424,7 +424,9 @@ TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every hea
   const std::int64_t kv_heads = 2, tokens = 300, head_dim = 32, budget = 120;
   std::vector<std::vector<float>> cache;
   for (int l = 0; l < n_layer; ++l) cache.push_back(layer<float>(kv_heads, tokens, head_dim, 40u + std::uint32_t(l)));
-  auto keys_of_layer = [&](int l) { return kvscore::KeysView<float>(cache[std::size_t(l)].data(), kv_heads, tokens, head_dim); };
+  auto keys_of_layer = [&](int l) {
+    return kvscore::KeysView<float>(cache[std::size_t(l)].data(), kv_heads, tokens, head_dim, tokens * head_dim, head_dim);
+  };
   kvscore::KNorm scorer;
   std::vector<std::pair<std::int64_t, std::int64_t>> removed;  // what an engine would remove
   auto remove_positions = [&](std::int64_t begin, std::int64_t end) { removed.emplace_back(begin, end); };

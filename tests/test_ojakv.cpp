@@ -476,6 +476,35 @@ TEST_CASE("ojakv: after_cache residual - every query sees every token, a window 
   }
 }
 
+TEST_CASE("ojakv: a full-rank basis scores every valid key exactly 0; the selector keeps the lowest positions",
+          "[ojakv]") {
+  // r = d: k - UU^T k is 0, and the product would rank rounding noise (CPU and GPU disagreed on
+  // it, issue 30). Head 0 full rank, head 1 rank d - 1 (a real one-dimensional residual).
+  const std::int64_t H = 2, N = 50, d = 16, w = 4;
+  std::vector<float> kf = to_f32(gaussian(H * N, d, 91));
+  kf[std::size_t(7 * d + 2)] = kNaN;  // head 0, token 7
+  const std::vector<float> q = to_f32(gaussian(H * w, d, 92));
+  const std::vector<Mat> u = {kvscore::oja::random_orthonormal(d, d, 93), kvscore::oja::random_orthonormal(d, d - 1, 94)};
+  const kvscore::OjaResidual scorer(q.data(), H, w, d, u);
+  const kvscore::Scores s = scorer.score(KeysView<float>(kf.data(), H, N, d, N * d, d));
+  const std::vector<double> ref = ref_residual(kf, H, N, d, q, H, w, u);
+  for (std::int64_t t = 0; t < N; ++t) {
+    INFO("token " << t);
+    if (t == 7) {
+      CHECK(s(0, t) == kvscore::kInvalidScore);
+    } else {
+      CHECK(s(0, t) == 0.f);
+      CHECK(std::abs(ref[std::size_t(t)]) < 1e-12);  // the product in fp64: noise only
+    }
+    CHECK(double(s(1, t)) == Approx(ref[std::size_t(N + t)]).epsilon(1e-6));  // rank d - 1: a real score
+    CHECK(s(1, t) > 1e-4f);
+  }
+  kvscore::SelectOptions o;
+  o.recent = 0;
+  const kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_head(5), o);
+  CHECK(std::vector<std::int64_t>(kept.head(0).begin(), kept.head(0).end()) == std::vector<std::int64_t>{0, 1, 2, 3, 4});
+}
+
 TEST_CASE("ojakv: planted high-residual tokens are the ones kept at full rank", "[ojakv]") {
   const std::int64_t N = 300, d = 32, r = 6;
   const Mat b = gram_schmidt(gaussian(d, r, 91));

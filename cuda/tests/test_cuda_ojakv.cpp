@@ -350,6 +350,15 @@ void compare_residual(std::int64_t H, std::int64_t G, std::int64_t w, std::int64
   // The selection it feeds: identical positions when no pair near the cut is within tolerance.
   const std::int64_t k = N / 4;
   for (std::int64_t h = 0; h < H; ++h) {
+    if (bases[std::size_t(h)].cols() == d) {  // full rank: residual 0 by definition, on both sides exactly
+      for (std::int64_t t = 0; t < N; ++t) {
+        const float c = cpu(h, t);
+        INFO("full-rank head " << h << " token " << t);
+        REQUIRE((c == 0.f || c == kvscore::kInvalidScore));
+        REQUIRE(g[std::size_t(h * N + t)] == c);
+      }
+      continue;  // all ties: the tie rule (lower position) decides, on both sides
+    }
     std::vector<float> v(cpu.values().begin() + h * N, cpu.values().begin() + (h + 1) * N);
     std::sort(v.begin(), v.end(), std::greater<float>());
     INFO("head " << h << " cut " << v[std::size_t(k - 1)] << " / " << v[std::size_t(k)]);
@@ -366,7 +375,8 @@ void compare_residual(std::int64_t H, std::int64_t G, std::int64_t w, std::int64
 TEST_CASE("cuda ojakv: residual scores match OjaResidual and select the same tokens", "[cuda][gpu]") {
   compare_residual<float>(2, 2, 16, 1100, 64, {8, 16}, hf(2, 1100, 64));
   compare_residual<half>(2, 4, 32, 900, 128, {32}, hf(2, 900, 128));
-  compare_residual<bfloat16>(3, 1, 8, 600, 128, {32, 4, 128}, token_major(3, 600, 128));
+  compare_residual<bfloat16>(3, 1, 8, 600, 128, {32, 4, 128}, token_major(3, 600, 128));  // 128 = d: issue 30
+  compare_residual<float>(2, 2, 8, 400, 64, {64, 63}, hf(2, 400, 64));  // full rank beside d - 1
   compare_residual<half>(2, 2, 16, 500, 40, {10, 40}, hf(2, 500, 40));
   compare_residual<float>(1, 8, 64, 300, 256, {64}, hf(1, 300, 256));  // d = 256: 32-token tiles in 82 KB of shared memory (opt-in above 48 KB)
   compare_residual<float>(2, 1, 40, 40, 32, {8}, hf(2, 40, 32));       // window = tokens: every query partial

@@ -377,7 +377,10 @@ class OjaProjector {
 /// e_t = 1/|W_t| Σ_{(g,i) ∈ W_t} |q_{g,i}^T (k_t − U_k U_k^T k_t)| / √d (ojakv.txt §5.1), higher =
 /// keep at full rank. W_t: the group's window queries that see t (query i of w sits at position
 /// N − w + i, causal; with `placement = QueryPlacement::after_cache` every query sees every t). Invalid keys score −inf. Feed it to kvscore::select (sinks, recent,
-/// budgets, AdaKV work as for any scorer).
+/// budgets, AdaKV work as for any scorer). A full-rank basis (r = head_dim) loses nothing:
+/// k − UUᵀk is 0, so every valid key of that head scores exactly 0 (not the rounding noise the
+/// product would give, which differs between CPU and GPU) and the selector's tie rule keeps the
+/// lowest positions.
 class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResidual> {
  public:
   using detail::AllocatingScore<OjaResidual>::score;
@@ -466,10 +469,16 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
     const double inv_sqrt_d = 1.0 / std::sqrt(double(d));
     Eigen::MatrixXd k(kChunk, d);
     std::vector<unsigned char> ok(kChunk);
+    const bool full_rank = u.cols() == d;  // the residual is 0 by definition
     keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t len, std::int64_t stride) {
       for (std::int64_t c0 = 0; c0 < len; c0 += kChunk) {
         const std::int64_t m = std::min(kChunk, len - c0);
         std::vector<double> row(static_cast<std::size_t>(d));
+        if (full_rank) {
+          for (std::int64_t i = 0; i < m; ++i)
+            out[t0 + c0 + i] = oja::widen_row(first + (c0 + i) * stride, d, row.data()) ? 0.f : kInvalidScore;
+          continue;
+        }
         for (std::int64_t i = 0; i < m; ++i) {
           ok[std::size_t(i)] = oja::widen_row(first + (c0 + i) * stride, d, row.data()) ? 1 : 0;
           for (std::int64_t j = 0; j < d; ++j) k(i, j) = ok[std::size_t(i)] ? row[std::size_t(j)] : 0.0;

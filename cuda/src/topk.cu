@@ -25,7 +25,7 @@ namespace kvscore::cuda::detail {
 namespace {
 
 constexpr int kBlock = 512;
-constexpr int kItems = 4;                   // per thread per tile of the ordered write
+constexpr int kItems = 4;                   // per thread per tile of the ordered write (8 was slower at k = N/2)
 constexpr int kTile = kBlock * kItems;
 constexpr int kBins = 2048;
 constexpr int kBinsPerThread = kBins / kBlock;
@@ -88,12 +88,25 @@ struct MaskOut {  // AdaKV global step: keep[i] = 1
 
 // -------------------------------------------------------------- block building blocks
 
+/// kLoads coalesced loads per thread are issued before their atomics: one load at a time left the
+/// row pass latency-bound (1.7 TB/s on an H200, issue 30).
+constexpr int kLoads = 8;
+
 template <class Src>
 __device__ void block_hist(const Src& src, long long r, long long b, long long e, std::uint32_t prefix,
                            std::uint32_t mask, int level, unsigned* hist) {
   const int shift = level_shift(level);
   const std::uint32_t dmask = std::uint32_t(level_bins(level) - 1);
-  for (long long i = b + threadIdx.x; i < e; i += kBlock) {
+  long long i0 = b + threadIdx.x;
+  for (; i0 + (kLoads - 1) * kBlock < e; i0 += kLoads * kBlock) {
+    std::uint32_t k[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) k[u] = src.key(r, i0 + u * kBlock);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if ((k[u] & mask) == prefix) atomicAdd(&hist[(k[u] >> shift) & dmask], 1u);
+  }
+  for (long long i = i0; i < e; i += kBlock) {
     const std::uint32_t k = src.key(r, i);
     if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & dmask], 1u);
   }
@@ -250,7 +263,18 @@ __global__ void __launch_bounds__(kBlock) mc_count(Src src, long long n, long lo
   const long long r = blockIdx.y, b = blockIdx.x * chunk, e = b + chunk < n ? b + chunk : n;
   const Th t = th[r];
   long long g = 0, q = 0;
-  for (long long i = b + threadIdx.x; i < e; i += kBlock) {
+  long long i0 = b + threadIdx.x;
+  for (; i0 + (kLoads - 1) * kBlock < e; i0 += kLoads * kBlock) {
+    std::uint32_t k[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) k[u] = src.key(r, i0 + u * kBlock);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      g += k[u] > t.key;
+      q += k[u] == t.key;
+    }
+  }
+  for (long long i = i0; i < e; i += kBlock) {
     const std::uint32_t k = src.key(r, i);
     g += k > t.key;
     q += k == t.key;

@@ -10,10 +10,17 @@
 // Logits are recomputed in step 4 (as the CPU's second pass) from fp32 tiles in shared memory:
 // T keys and T queries, T = 64 for head_dim <= 127, halved until the tiles fit 96 KB.
 // Fixed partitions and in-order sums: bit-identical across runs.
+//
+// fp16 keys with head_dim 64/128/256 take the tensor cores for the logits of steps 2 and 4 (see
+// "tensor-core path" below); fp32 and bf16 keys and other head_dims keep the FMA tiles.
 #include "common.cuh"
+
+#include <mma.h>
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
+#include <vector>
 
 namespace kvscore::cuda::detail {
 namespace {
@@ -37,6 +44,9 @@ struct Work {
   float* M = nullptr;              // [H][nq]
   double* S = nullptr;             // [H][nq]
   float* q = nullptr;              // [q_heads][w][d]
+  __half* qhi = nullptr;           // [q_heads][w][d]: fp16(q·2^e), tensor-core path
+  __half* qlo = nullptr;           // [q_heads][w][d]: fp16(q·2^e − qhi)
+  unsigned* qmax = nullptr;        // bits of max |q| (the scale 2^e)
 };
 
 Work carve(Carver& c, long long H, long long N, long long d, long long q_heads, long long w) {
@@ -49,6 +59,9 @@ Work carve(Carver& c, long long H, long long N, long long d, long long q_heads, 
   k.M = c.take<float>(std::size_t(H * nq));
   k.S = c.take<double>(std::size_t(H * nq));
   k.q = c.take<float>(std::size_t(q_heads * w * d));
+  k.qhi = c.take<__half>(std::size_t(q_heads * w * d));
+  k.qlo = c.take<__half>(std::size_t(q_heads * w * d));
+  k.qmax = c.take<unsigned>(1);
   return k;
 }
 
@@ -206,6 +219,244 @@ __global__ void pool(Shape s, Work k, long long kernel, float* out, long long ou
   out[h * out_hs + t] = k.valid[h * s.N + t] ? r : kNegInf;
 }
 
+
+// ------------------------------------------------------------------ tensor-core path (fp16 keys)
+//
+// The logits of steps 2 and 4 on the tensor cores (WMMA 16×16×16, fp16 operands, fp32
+// accumulation); everything after the logits (masks, clamping, expf, fp64 sums, the partition)
+// is the FMA path's. The fp32 queries q/√d are scaled by a power of two 2^e (max |q|·2^e in
+// [2^13, 2^14): no fp16 overflow) and split into q_hi = fp16(q·2^e) and q_lo = fp16(q·2^e − q_hi),
+// so q keeps ~22 bits (fp16 keys are exact operands) and l = 2^−e·(q_hi·k + q_lo·k): two MMAs per
+// product, the error of an fp32 dot product (the test's bound, derived in test_snapkv.cpp). A
+// 64 × 64 logit tile goes through shared memory; 4 threads per query row (stats) or per key
+// (accumulate) reduce it in a fixed order.
+
+constexpr int kTcT = 64;     // queries and keys per tile
+constexpr int kTcPad = 8;    // halves of padding per row (banks; WMMA ldm a multiple of 8)
+constexpr int kTcLPad = 4;   // floats of padding per logit row
+
+template <int DIM>
+struct TcSmem {
+  static constexpr int ldq = DIM + kTcPad;
+  static constexpr int ldl = kTcT + kTcLPad;
+  static constexpr std::size_t tile = std::size_t(kTcT) * ldq;  // halves of one Q or K tile
+  static constexpr std::size_t bytes = 3 * tile * sizeof(__half) + std::size_t(kTcT) * ldl * sizeof(float);
+};
+
+template <int DIM>
+__device__ void tc_load_keys(const std::uint16_t* keys, const Shape& s, long long h, long long t0, int m, bool vec16,
+                             __half* Ks) {
+  constexpr int ldq = TcSmem<DIM>::ldq, CH = DIM / 8;
+  if (vec16) {
+    for (int i = threadIdx.x; i < kTcT * CH; i += kThreads) {
+      const int r = i / CH, c = i % CH;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < m) v = __ldg(reinterpret_cast<const uint4*>(keys + h * s.hs + (t0 + r) * s.ts) + c);
+      *reinterpret_cast<uint4*>(Ks + r * ldq + c * 8) = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTcT * DIM; i += kThreads) {
+      const int r = i / DIM, j = i % DIM;
+      Ks[r * ldq + j] = __ushort_as_half(r < m ? keys[h * s.hs + (t0 + r) * s.ts + j] : std::uint16_t(0));
+    }
+  }
+}
+
+/// Rows [0, nqr) of a [rows][DIM] fp16 array into a Q tile, zeros below.
+template <int DIM>
+__device__ void tc_load_q(const __half* src, int nqr, __half* Qs) {
+  constexpr int ldq = TcSmem<DIM>::ldq, CH = DIM / 8;
+  for (int i = threadIdx.x; i < kTcT * CH; i += kThreads) {
+    const int r = i / CH, c = i % CH;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r < nqr) v = *(reinterpret_cast<const uint4*>(src + std::size_t(r) * DIM) + c);
+    *reinterpret_cast<uint4*>(Qs + r * ldq + c * 8) = v;
+  }
+}
+
+/// L[i][r] = 2^−e·(q_hi,i + q_lo,i)·k_r for the 64 × 64 tile (unmasked).
+template <int DIM>
+__device__ void tc_logits(const __half* Qh, const __half* Ql, const __half* Ks, float* L, float unscale) {
+  using namespace nvcuda;
+  constexpr int ldq = TcSmem<DIM>::ldq, ldl = TcSmem<DIM>::ldl;
+  for (int tt = threadIdx.x >> 5; tt < 16; tt += kThreads / 32) {
+    const int qi = tt >> 2, ki = tt & 3;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+    wmma::fill_fragment(c, 0.f);
+#pragma unroll
+    for (int kk = 0; kk < DIM; kk += 16) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;  // B(j, r) = K[r][j]
+      wmma::load_matrix_sync(b, Ks + ki * 16 * ldq + kk, ldq);
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+      wmma::load_matrix_sync(a, Qh + qi * 16 * ldq + kk, ldq);
+      wmma::mma_sync(c, a, b, c);
+      wmma::load_matrix_sync(a, Ql + qi * 16 * ldq + kk, ldq);
+      wmma::mma_sync(c, a, b, c);
+    }
+#pragma unroll
+    for (int i = 0; i < c.num_elements; ++i) c.x[i] *= unscale;  // a power of two: exact
+    wmma::store_matrix_sync(L + qi * 16 * ldl + ki * 16, c, ldl, wmma::mem_row_major);
+  }
+}
+
+/// The logit the FMA path's logits() would give: −inf where masked or NaN, +inf clamped.
+__device__ __forceinline__ float tc_masked(float x, bool visible) {
+  return visible ? (x == x ? fminf(x, FLT_MAX) : kNegInf) : kNegInf;
+}
+
+/// max |q| as float bits (non-negative floats order as integers: atomicMax is exact).
+__global__ void q_absmax(const float* q, long long n, unsigned* out) {
+  unsigned m = 0;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    m = max(m, __float_as_uint(fabsf(q[i])));
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0) atomicMax(out, m);
+}
+
+/// e with max |q|·2^e in [2^13, 2^14) (clamped: 2^±100 stays a normal float).
+__device__ __forceinline__ int tc_exponent(unsigned qmax_bits) {
+  int ex = 0;
+  const float qmax = __uint_as_float(qmax_bits);
+  if (qmax > 0.f) frexpf(qmax, &ex);
+  const int e = 14 - ex;
+  return e < -100 ? -100 : (e > 100 ? 100 : e);
+}
+
+/// q·2^e into fp16 hi + lo (x − hi is exact in fp32; lo keeps the next 11 bits).
+__global__ void split_queries(const float* q, long long n, const unsigned* qmax, __half* hi, __half* lo) {
+  const int e = tc_exponent(*qmax);
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const float x = ldexpf(q[i], e);
+    const __half h = __float2half_rn(x);
+    hi[i] = h;
+    lo[i] = __float2half_rn(x - __half2float(h));
+  }
+}
+
+template <int DIM>
+__global__ void __launch_bounds__(kThreads) stats_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
+  extern __shared__ __align__(128) unsigned char tc_sm[];
+  using SM = TcSmem<DIM>;
+  __half* Qh = reinterpret_cast<__half*>(tc_sm);
+  __half* Ql = Qh + SM::tile;
+  __half* Ks = Ql + SM::tile;
+  float* L = reinterpret_cast<float*>(Ks + SM::tile);
+  const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
+  const long long h = blockIdx.y, kb = blockIdx.x, q0 = (long long)blockIdx.z * kTcT;
+  const int nqr = int(s.nq - q0 < kTcT ? s.nq - q0 : kTcT);
+  tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, Qh);
+  tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, Ql);
+  const int row = threadIdx.x >> 2, part = threadIdx.x & 3;  // 4 lanes per query row, 16 keys each
+  const long long q = q0 + row;
+  float mx = kNegInf;
+  double sum = 0.0;
+  const long long b = kb * kKeysPerBlock, e = b + kKeysPerBlock < s.N ? b + kKeysPerBlock : s.N;
+  for (long long t0 = b; t0 < e; t0 += kTcT) {
+    const int m = int(e - t0 < kTcT ? e - t0 : kTcT);
+    __syncthreads();
+    tc_load_keys<DIM>(keys, s, h, t0, m, vec16, Ks);
+    __syncthreads();
+    tc_logits<DIM>(Qh, Ql, Ks, L, unscale);
+    __syncthreads();
+    float x[16];
+    float cm = kNegInf;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int r = part * 16 + c;
+      const long long t = t0 + r;
+      const bool vis = row < nqr && r < m && t <= s.P + q % s.w && k.valid[h * s.N + t];
+      x[c] = tc_masked(L[row * SM::ldl + r], vis);
+      cm = fmaxf(cm, x[c]);
+    }
+    cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+    cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+    const float nm = fmaxf(mx, cm);
+    const float base = nm == kNegInf ? 0.f : nm;  // a row with nothing visible yet: every x is -inf
+    double ts = 0.0;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) ts += double(expf(x[c] - base));
+    ts += __shfl_xor_sync(0xffffffffu, ts, 1);  // the same sum on the 4 lanes (a + b == b + a)
+    ts += __shfl_xor_sync(0xffffffffu, ts, 2);
+    if (cm != kNegInf) {
+      sum = (mx == kNegInf ? 0.0 : sum * exp(double(mx) - double(nm))) + ts;
+      mx = nm;
+    }
+  }
+  if (row < nqr && part == 0) {
+    const long long cell = (h * s.nq + q) * s.nkb + kb;
+    k.pmax[cell] = mx;
+    k.psum[cell] = sum;
+  }
+}
+
+template <int DIM>
+__global__ void __launch_bounds__(kThreads) accumulate_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
+  extern __shared__ __align__(128) unsigned char tc_sm[];
+  using SM = TcSmem<DIM>;
+  __half* Qh = reinterpret_cast<__half*>(tc_sm);
+  __half* Ql = Qh + SM::tile;
+  __half* Ks = Ql + SM::tile;
+  float* L = reinterpret_cast<float*>(Ks + SM::tile);
+  const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
+  const long long h = blockIdx.y, t0 = (long long)blockIdx.x * kTcT;
+  const int m = int(s.N - t0 < kTcT ? s.N - t0 : kTcT);
+  tc_load_keys<DIM>(keys, s, h, t0, m, vec16, Ks);
+  __shared__ float sM[kTcT];
+  __shared__ double sInv[kTcT];
+  const int col = threadIdx.x >> 2, part = threadIdx.x & 3;  // 4 lanes per key, 16 queries each
+  const long long t = t0 + col;
+  const bool kv = col < m && k.valid[h * s.N + t];
+  double acc = 0.0;
+  for (long long q0 = 0; q0 < s.nq; q0 += kTcT) {
+    const int nqr = int(s.nq - q0 < kTcT ? s.nq - q0 : kTcT);
+    __syncthreads();
+    tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, Qh);
+    tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, Ql);
+    if (threadIdx.x < nqr) {  // the same 1/S the FMA path divides by, once per query
+      const double S = k.S[h * s.nq + q0 + threadIdx.x];
+      sM[threadIdx.x] = k.M[h * s.nq + q0 + threadIdx.x];
+      sInv[threadIdx.x] = S > 0.0 ? 1.0 / S : 0.0;
+    }
+    __syncthreads();
+    tc_logits<DIM>(Qh, Ql, Ks, L, unscale);
+    __syncthreads();
+    if (kv)
+#pragma unroll 4
+      for (int c = 0; c < 16; ++c) {
+        const int i = part * 16 + c;
+        const long long q = q0 + i;
+        if (i >= nqr || t > s.P + q % s.w) continue;
+        const float l = tc_masked(L[i * SM::ldl + col], true);
+        if (sInv[i] > 0.0 && l != kNegInf) acc += double(expf(l - sM[i])) * sInv[i];
+      }
+  }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  if (col < m && part == 0) k.acc[h * s.N + t] = acc;
+}
+
+/// The tensor-core path takes fp16 keys of head_dim 64/128/256.
+bool tc_dim(long long d) { return d == 64 || d == 128 || d == 256; }
+
+template <int DIM>
+void run_tc(const std::uint16_t* keys, const Shape& s, const Work& k, bool vec16, long long nq_total, cudaStream_t st) {
+  KVSCORE_CUDA_CHECK(cudaMemsetAsync(k.qmax, 0, sizeof(unsigned), st));
+  q_absmax<<<64, 256, 0, st>>>(k.q, nq_total, k.qmax);
+  KVSCORE_CUDA_LAUNCHED();
+  split_queries<<<64, 256, 0, st>>>(k.q, nq_total, k.qmax, k.qhi, k.qlo);
+  KVSCORE_CUDA_LAUNCHED();
+  const std::size_t smem = TcSmem<DIM>::bytes;
+  KVSCORE_CUDA_CHECK(cudaFuncSetAttribute(stats_tc<DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  KVSCORE_CUDA_CHECK(cudaFuncSetAttribute(accumulate_tc<DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  stats_tc<DIM><<<dim3(grid_dim(s.nkb), grid_dim(s.H), grid_dim((s.nq + kTcT - 1) / kTcT)), kThreads, smem, st>>>(
+      keys, s, k, vec16);
+  KVSCORE_CUDA_LAUNCHED();
+  combine<<<grid_dim((s.H * s.nq + 255) / 256), 256, 0, st>>>(s, k);
+  KVSCORE_CUDA_LAUNCHED();
+  accumulate_tc<DIM><<<dim3(grid_dim((s.N + kTcT - 1) / kTcT), grid_dim(s.H)), kThreads, smem, st>>>(keys, s, k, vec16);
+  KVSCORE_CUDA_LAUNCHED();
+}
+
 template <dtype D>
 void run(const KeysArg& a, const ScoresArg& out, const float* host_q, long long q_heads, long long w,
          long long kernel, Workspace ws, cudaStream_t st) {
@@ -228,6 +479,18 @@ void run(const KeysArg& a, const ScoresArg& out, const float* host_q, long long 
       cudaMemcpyAsync(k.q, host_q, std::size_t(q_heads * w * s.d) * sizeof(float), cudaMemcpyHostToDevice, st));
   validity<D><<<dim3(grid_dim((s.N + 7) / 8), grid_dim(s.H)), kThreads, 0, st>>>(keys, s, k);
   KVSCORE_CUDA_LAUNCHED();
+  if constexpr (D == dtype::f16) {
+    if (tc_dim(s.d)) {
+      const long long nq_total = q_heads * w * s.d;
+      const bool vec16 = reinterpret_cast<std::uintptr_t>(a.data) % 16 == 0 && s.hs % 8 == 0 && s.ts % 8 == 0;
+      if (s.d == 64) run_tc<64>(keys, s, k, vec16, nq_total, st);
+      else if (s.d == 128) run_tc<128>(keys, s, k, vec16, nq_total, st);
+      else run_tc<256>(keys, s, k, vec16, nq_total, st);
+      pool<<<dim3(grid_dim((s.N + 255) / 256), grid_dim(s.H)), 256, 0, st>>>(s, k, kernel, out.data, out.head_stride);
+      KVSCORE_CUDA_LAUNCHED();
+      return;
+    }
+  }
   const std::size_t smem = smem_for(s.T, s.d);
   KVSCORE_CUDA_CHECK(cudaFuncSetAttribute(stats<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   KVSCORE_CUDA_CHECK(cudaFuncSetAttribute(accumulate<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -275,42 +275,63 @@ TEST_CASE("cuda: a head with no valid key, and a zero KeyDiff anchor", "[cuda][g
   for (std::int64_t t = 0; t < N; ++t) REQUIRE(g2[std::size_t(t)] == -kInf);
 }
 
-TEST_CASE("cuda: SnapKV matches the CPU path", "[cuda][gpu]") {
+namespace {
+/// GPU SnapKV vs the CPU one on the same keys, within test_snapkv.cpp's bound.
+template <class T>
+void compare_snapkv(std::int64_t d, const Layout& L, float qscale = 0.3f) {
   const std::int64_t H = 2, G = 2, w = 16, N = 1500;
-  for (std::int64_t d : {64, 128, 40}) {
-    std::mt19937 rng(static_cast<unsigned>(d));
-    std::normal_distribution<float> nd(0.f, 0.3f);
-    std::vector<float> q(std::size_t(H * G * w * d));
-    for (auto& x : q) x = nd(rng);
-    kvscore::SnapKV s(q.data(), H * G, w, d);
-    s.num_threads = 1;
-    const std::vector<half> host = make_keys<half>(H, N, d, hf(H, N, d), 3, true);
-    const kvscore::KeysView<half> cview(host.data(), H, N, d, N * d, d);
-    const kvscore::Scores cpu = s.score(cview);
-    const kc::DeviceBuffer dk = upload(host);
-    const kc::DeviceKeysView<half> keys(dk.as<half>(), H, N, d, N * d, d);
-    kc::DeviceBuffer ws(kc::score_workspace_bytes(s, keys));
-    kc::DeviceBuffer out(std::size_t(H * N) * sizeof(float));
-    kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
-    const auto g = download<float>(out, std::size_t(H * N));
-    // test_snapkv.cpp's bound: (3(d+2)·L + 8)·u relative, L = max Σ_j |q_j k_j| / √d.
-    double Lmax = 0;
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t qi = 0; qi < G * w; ++qi)
-        for (std::int64_t t = 0; t < N; ++t) {
-          double a = 0;
-          bool ok = true;
-          for (std::int64_t j = 0; j < d; ++j) {
-            const double k = kvscore::to_float(host[std::size_t((h * N + t) * d + j)]);
-            ok = ok && std::isfinite(k);
-            a += std::fabs(double(q[std::size_t(((h * G * w) + qi) * d + j)]) * k);
-          }
-          if (ok) Lmax = std::max(Lmax, a / std::sqrt(double(d)));
+  INFO("dtype " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " d " << d << " layout " << L.name << " qscale "
+                << qscale);
+  std::mt19937 rng(static_cast<unsigned>(d));
+  std::normal_distribution<float> nd(0.f, qscale);
+  std::vector<float> q(std::size_t(H * G * w * d));
+  for (auto& x : q) x = nd(rng);
+  kvscore::SnapKV s(q.data(), H * G, w, d);
+  s.num_threads = 1;
+  const std::vector<T> host = make_keys<T>(H, N, d, L, 3, true);
+  const kvscore::KeysView<T> cview(host.data(), H, N, d, L.hs, L.ts);
+  const kvscore::Scores cpu = s.score(cview);
+  const kc::DeviceBuffer dk = upload(host);
+  const kc::DeviceKeysView<T> keys(dk.as<T>(), H, N, d, L.hs, L.ts);
+  kc::DeviceBuffer ws(kc::score_workspace_bytes(s, keys));
+  kc::DeviceBuffer out(std::size_t(H * N) * sizeof(float));
+  kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+  const auto g = download<float>(out, std::size_t(H * N));
+  // test_snapkv.cpp's bound: (3(d+2)·L + 8)·u relative, L = max Σ_j |q_j k_j| / √d. The fp16
+  // tensor-core path (q split into fp16 hi + lo, ~22 bits) stays inside it: its q rounding adds
+  // 4·L·u, far below 3(d+2)·L·u.
+  double Lmax = 0;
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t qi = 0; qi < G * w; ++qi)
+      for (std::int64_t t = 0; t < N; ++t) {
+        double a = 0;
+        bool ok = true;
+        for (std::int64_t j = 0; j < d; ++j) {
+          const double k = kvscore::to_float(host[std::size_t(h * L.hs + t * L.ts + j)]);
+          ok = ok && std::isfinite(k);
+          a += std::fabs(double(q[std::size_t(((h * G * w) + qi) * d + j)]) * k);
         }
-    const double rel = (3.0 * double(d + 2) * Lmax + 8.0) / 16777216.0;
-    INFO("d " << d << " L " << Lmax << " rel bound " << rel);
-    check_scores(cpu.values(), g, H, N, false, rel);
-  }
+        if (ok) Lmax = std::max(Lmax, a / std::sqrt(double(d)));
+      }
+  const double rel = (3.0 * double(d + 2) * Lmax + 8.0) / 16777216.0;
+  INFO("L " << Lmax << " rel bound " << rel);
+  check_scores(cpu.values(), g, H, N, false, rel);
+  kc::score(s, keys, kc::DeviceScoresView(out.as<float>(), H, N), {ws.get(), ws.bytes()});
+  const auto again = download<float>(out, std::size_t(H * N));
+  REQUIRE(std::memcmp(g.data(), again.data(), g.size() * sizeof(float)) == 0);  // deterministic
+}
+}  // namespace
+
+TEST_CASE("cuda: SnapKV matches the CPU path", "[cuda][gpu]") {
+  // fp16 at d = 64/128/256: the tensor-core path (16-byte rows, and padded rows: element loads);
+  // d = 40, bf16 and fp32: the FMA path.
+  for (std::int64_t d : {64, 128, 256, 40}) compare_snapkv<half>(d, hf(2, 1500, d));
+  compare_snapkv<half>(128, token_major(2, 1500, 128));
+  compare_snapkv<half>(64, padded(2, 1500, 64));
+  compare_snapkv<half>(128, hf(2, 1500, 128), 40.f);    // large queries: q·2^e with e < 0
+  compare_snapkv<half>(128, hf(2, 1500, 128), 1e-4f);  // tiny ones
+  compare_snapkv<bfloat16>(64, hf(2, 1500, 64));
+  compare_snapkv<float>(128, hf(2, 1500, 128));
 }
 
 // ================================================================ GPU: selection

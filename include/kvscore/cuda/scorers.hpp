@@ -100,12 +100,9 @@ void score(const SnapKV& s, const DeviceKeysView<T>& keys, const DeviceScoresVie
   detail::check_scores(keys, out, SnapKV::name);
   snapkv_check_placement(s);
   s.check(keys);
-  // q/√d rounded once, exactly as the CPU SnapKV does.
-  const double inv_sqrt_d = 1.0 / std::sqrt(double(s.head_dim()));
-  std::vector<float> scaled(s.queries().size());
-  for (std::size_t k = 0; k < scaled.size(); ++k) scaled[k] = float(double(s.queries()[k]) * inv_sqrt_d);
-  detail::score_snapkv(detail::keys_arg(keys), detail::scores_arg(out), scaled.data(), s.q_heads(), s.window(),
-                       s.kernel_size, ws, stream);
+  // q/√d rounded once, the CPU SnapKV's own (no per-call host pass over the queries).
+  detail::score_snapkv(detail::keys_arg(keys), detail::scores_arg(out), s.scaled_queries().data(), s.q_heads(),
+                       s.window(), s.kernel_size, ws, stream);
 }
 
 }  // namespace kvscore::cuda

@@ -90,6 +90,8 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
   std::int64_t group() const noexcept { return group_; }
   /// Queries as given, [q_heads][window][head_dim].
   const std::vector<float>& queries() const noexcept { return queries_; }
+  /// q/√d rounded once to fp32, [q_heads][window][head_dim]: what the scores are computed from.
+  const std::vector<float>& scaled_queries() const noexcept { return scaled_; }
   /// Tokens at the end of the cache that SnapKV always keeps (the observation window; 0 when
   /// the queries follow the cache): pass it to the selector, `SelectOptions::recent`.
   std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }

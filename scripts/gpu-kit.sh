@@ -5,7 +5,7 @@
 # torch comparison script and scripts/gpu-checks.sh, which runs every check with its own time limit
 # and writes the logs. Reading the resource usage and the SASS costs no GPU time: do it here first
 # (cuobjdump --dump-resource-usage / --dump-sass build-cuda/cuda/libkvscore_cuda.a).
-#   bash scripts/gpu-kit.sh [KIT_DIR] [ARCH]      (default build-gpu-kit, 90)
+#   [BEFORE_REF=<commit>] bash scripts/gpu-kit.sh [KIT_DIR] [ARCH]      (default build-gpu-kit, 90)
 #   then, on the GPU machine, from the kit:  OUT=logs bash gpu-checks.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +24,16 @@ for b in "$KIT/kvscore_cuda_tests" "$KIT/kvscore_cuda_bench"; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -E 'libcudart|libbenchmark|libgomp' | xargs -r -I{} cp -L {} "$KIT/lib/"
 done
 git rev-parse --short HEAD > "$KIT/COMMIT" 2>/dev/null || true
+# BEFORE_REF=<commit>: also the bench of that commit, in KIT/before (gpu-checks.sh runs it after this
+# one's, on the same GPU: before/after figures from one run)
+if [ -n "${BEFORE_REF:-}" ]; then
+  SRC=build-gpu-before/src
+  rm -rf "$SRC" && mkdir -p "$SRC" && git archive "$BEFORE_REF" | tar -x -C "$SRC"
+  cmake -S "$SRC" -B build-gpu-before/build -DKVSCORE_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
+    -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_BUILD_TYPE=Release -DKVSCORE_BUILD_EXAMPLES=OFF \
+    -DKVSCORE_BUILD_TOOLS=OFF >/dev/null
+  cmake --build build-gpu-before/build -j"$(nproc)" --target kvscore_cuda_bench
+  mkdir -p "$KIT/before" && cp build-gpu-before/build/cuda/kvscore_cuda_bench "$KIT/before/"
+  git rev-parse --short "$BEFORE_REF" > "$KIT/before/COMMIT"
+fi
 du -sh "$KIT"

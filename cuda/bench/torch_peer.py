@@ -20,6 +20,7 @@ largest score.
 Only where PyTorch with CUDA is present; otherwise prints why and exits 0.
 
     python3 cuda/bench/torch_peer.py build-cuda/cuda/kvscore_cuda_bench [--filter REGEX] [--min-time S]
+        [--json FILE]   (kvscore's times from a --benchmark_out file instead of a new run)
 """
 import argparse
 import json
@@ -32,12 +33,19 @@ UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 CASES = "BM_cuda_(knorm|l2|windowed_l2|keydiff|snapkv|topk)/"
 
 
-def kvscore_times(binary, flt, min_time):
-    """{(name, args...): (seconds, bandwidth_fraction)} from the bench's JSON output."""
-    out = subprocess.run([binary, f"--benchmark_filter={flt}", "--benchmark_format=json",
-                          f"--benchmark_min_time={min_time}"], check=True, capture_output=True, text=True).stdout
+def kvscore_times(binary, flt, min_time, json_file=None):
+    """{(name, args...): (seconds, bandwidth_fraction)} from the bench's JSON output (run now, or
+    read from a `--benchmark_out` file of a run made just before on the same GPU)."""
+    if json_file:
+        with open(json_file) as f:
+            out = f.read()
+    else:
+        out = subprocess.run([binary, f"--benchmark_filter={flt}", "--benchmark_format=json",
+                              f"--benchmark_min_time={min_time}"], check=True, capture_output=True, text=True).stdout
     res = {}
     for b in json.loads(out[out.index("{"):])["benchmarks"]:
+        if not re.match(flt, b["name"]):
+            continue
         parts = b["name"].split("/")  # BM_cuda_knorm/N:65536/heads:8/manual_time
         args = dict(p.split(":") for p in parts[1:] if ":" in p)
         res[(parts[0][len("BM_cuda_"):], tuple(sorted((k, int(v)) for k, v in args.items())))] = (
@@ -88,9 +96,13 @@ def torch_case(torch, name, a):
         G, w = 4, 64
         q = torch.randn(H, G * w, d, device="cuda", dtype=torch.float16)
         causal = torch.arange(N, device="cuda")[None, :] > (N - w + torch.arange(w, device="cuda"))[:, None]
+        step = max(1, (1 << 28) // (G * w * N))  # heads per matmul: fp32 logits <= 1 GiB (32 x 1M fits)
+        def part(h0):
+            h1 = min(H, h0 + step)
+            logits = (torch.matmul(q[h0:h1], keys[h0:h1].transpose(1, 2)).float() / math.sqrt(d)).view(h1 - h0, G, w, N)
+            return logits.masked_fill(causal, float("-inf")).softmax(-1).sum(2).sum(1) / (G * w)
         def f():
-            logits = (torch.matmul(q, keys.transpose(1, 2)).float() / math.sqrt(d)).view(H, G, w, N)
-            x = logits.masked_fill(causal, float("-inf")).softmax(-1).sum(2).sum(1) / (G * w)
+            x = torch.cat([part(h0) for h0 in range(0, H, step)], 0)
             return torch.cat([F.avg_pool1d(x[:, None, : N - w], 5, 1, 2)[:, 0], x[:, N - w:]], 1)
     else:
         raise ValueError(name)
@@ -105,6 +117,7 @@ def main() -> int:
     ap.add_argument("bench", help="path to kvscore_cuda_bench")
     ap.add_argument("--filter", default=CASES, help=f"benchmark filter (default {CASES})")
     ap.add_argument("--min-time", default="0.1", help="--benchmark_min_time for kvscore's side")
+    ap.add_argument("--json", help="read kvscore's times from this --benchmark_out JSON instead of running")
     o = ap.parse_args()
     try:
         import torch
@@ -114,13 +127,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("torch_peer.py: no CUDA device for PyTorch -- skipping the torch column")
         return 0
-    ours = kvscore_times(o.bench, o.filter, o.min_time)
+    ours = kvscore_times(o.bench, o.filter, o.min_time, o.json)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'case':<44} {'kvscore_us':>11} {'torch_us':>10} {'speedup':>8} {'bw_frac':>8}")
     for (name, args), (t_ours, bw) in sorted(ours.items()):
         a = dict(args)
-        t_torch = torch_case(torch, name, a)
         label = name + " " + " ".join(f"{k}={v}" for k, v in args)
+        try:
+            t_torch = torch_case(torch, name, a)
+        except torch.cuda.OutOfMemoryError:  # torch's version needs more memory than this GPU has
+            torch.cuda.empty_cache()
+            print(f"{label:<44} {t_ours * 1e6:>11.1f} {'OOM':>10} {'-':>8} {bw:>8.3f}", flush=True)
+            continue
         print(f"{label:<44} {t_ours * 1e6:>11.1f} {t_torch * 1e6:>10.1f} {t_torch / t_ours:>8.2f} {bw:>8.3f}",
               flush=True)
     return 0

@@ -102,7 +102,11 @@ TEST_CASE("cuda errors: after a failed allocation every kind of kvscore launch r
   clean("windowed_manifold_l2", [&] { score_once(kvscore::WindowedManifoldL2(128), keys, out.as<float>()); });
   clean("qfilter", [&] { score_once(kvscore::QFilter(normal(std::size_t(H * d), 4), H, d), keys, out.as<float>()); });
   clean("snapkv", [&] { score_once(kvscore::SnapKV(queries.data(), 2 * H, 16, d), keys, out.as<float>()); });
-  clean("protokv", [&] { score_once(kvscore::ProtoKV(queries.data(), 2 * H, 16, d), keys, out.as<float>()); });
+  clean("protokv", [&] {
+    kvscore::ProtoKV p(queries.data(), 2 * H, 16, d);
+    p.psi = kvscore::ProtoKV::Psi::sum;  // the GPU path has sum and mean (attention runs on the CPU)
+    score_once(p, keys, out.as<float>());
+  });
   const std::vector<Eigen::MatrixXd> bases = {kvscore::oja::random_orthonormal(d, 8, 5),
                                               kvscore::oja::random_orthonormal(d, 8, 6)};
   clean("ojakv residual", [&] { score_once(kc::OjaResidual(queries.data(), 2 * H, 16, d, bases), keys, out.as<float>()); });

@@ -303,18 +303,38 @@ def _f32_4d(x, name):
 
 def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, recent: int = 0,
              alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, window_tail: str = "merge",
-             budget_rounding: str = "nearest", query_placement: str = "after_cache", threads: int = 1) -> dict:
+             budget_rounding: str = "nearest", query_placement: str = "after_cache", threads: int = 1,
+             window_queries=None, calib_queries=None, protocol: str | None = None, mix_metric: str = "recall") -> dict:
     """`kvscore eval` as a function: the same report (attention-mass recall, output error, top-k
-    overlap, time per method and keep fraction), as a dict. K, V [layers, kv_heads, tokens, d],
-    Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's precision).
-    budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest integer.
-    query_placement: Q follows the cache ('after_cache', default: snapkv, protokv and ojakv see every
-    key, nothing protected beyond `recent`) or is the cache's last n_q positions ('in_cache')."""
+    overlap, time per method and keep fraction, per_layer_best), as a dict. K, V [layers, kv_heads,
+    tokens, d], Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's
+    precision). budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest
+    integer. query_placement (shared protocol): Q follows the cache ('after_cache', default: snapkv,
+    protokv and ojakv see every key, nothing protected beyond `recent`) or is the cache's last n_q
+    positions ('in_cache').
+
+    The leak-free protocol (docs/evaluate.md; the default when window_queries is given):
+    window_queries [layers, q_heads, n_w, d] are the queries of the cache's own last n_w tokens
+    (what snapkv, protokv and ojakv see, in the cache, the window protected), calib_queries
+    [layers, q_heads, n_c, d] other text's (Q-Filters' calibration; qfilter is skipped without
+    them), and Q only measures. protocol: 'leak_free' or 'shared' (every method sees Q).
+    mix_metric: 'recall', 'error' or 'overlap', what per_layer_best optimises."""
     if not isinstance(methods, str):
         methods = ",".join(methods)
+    if protocol is None:
+        protocol = "leak_free" if window_queries is not None else "shared"
+    protocol = protocol.replace("-", "_")
+    if protocol not in ("leak_free", "shared"):
+        raise ValueError(f"protocol '{protocol}' must be 'leak_free' or 'shared'")
+    if protocol == "leak_free" and window_queries is None:
+        raise ValueError("protocol 'leak_free' needs window_queries (the queries of the cache's last tokens)")
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")
+    Wf = _f32_4d(window_queries, "window_queries") if protocol == "leak_free" else None
+    Cf = _f32_4d(calib_queries, "calib_queries") if protocol == "leak_free" and calib_queries is not None else None
     return _json.loads(_k.evaluate_json(Kf, Vf, Qf, methods, [float(f) for f in keep], sinks, recent, alloc, alpha,
-                                        window, window_tail, budget_rounding, query_placement, threads))
+                                        window, window_tail, budget_rounding, query_placement, threads,
+                                        window_queries=Wf, calib_queries=Cf, protocol=protocol,
+                                        mix_metric=mix_metric))
 
 
 def synth(kind: str = "mixed", *, layers: int = 1, kv_heads: int = 4, group: int = 2, tokens: int = 2048,

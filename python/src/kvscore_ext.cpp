@@ -9,6 +9,7 @@
 // (nanobind's translation), so the message is the C++ one.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -547,7 +549,9 @@ NB_MODULE(_kvscore, m) {
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
          std::int64_t sinks, std::int64_t recent, const std::string& alloc, double alpha, std::int64_t window,
-         const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads) {
+         const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads,
+         const std::optional<Any>& W, const std::optional<Any>& C, const std::string& protocol,
+         const std::string& mix_metric) {
         auto c_f32 = [](const Any& a, const char* what) {
           if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
           if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
@@ -570,8 +574,22 @@ NB_MODULE(_kvscore, m) {
         std::vector<kvscore::eval::LayerInput> layers(static_cast<std::size_t>(L));
         const std::int64_t H = K.shape(1), N = K.shape(2), D = K.shape(3), DV = V.shape(3), HQ = Q.shape(1),
                            NQ = Q.shape(2);
-        for (std::int64_t l = 0; l < L; ++l)
+        // leak-free protocol: the cache's last-window queries and other text's (both like Q)
+        auto like_q = [&](const std::optional<Any>& a, const char* what) -> std::int64_t {
+          if (!a) return 0;
+          c_f32(*a, what);
+          if (std::int64_t(a->shape(0)) != L || a->shape(1) != Q.shape(1) || a->shape(3) != Q.shape(3))
+            bad(std::string("evaluate: ") + what + " must have Q's layers, q_heads and head_dim");
+          return std::int64_t(a->shape(2));
+        };
+        const std::int64_t NW = like_q(W, "window_queries"), NC = like_q(C, "calib_queries");
+        for (std::int64_t l = 0; l < L; ++l) {
           layers[std::size_t(l)] = {k + l * H * N * D, v + l * H * N * DV, q + l * HQ * NQ * D, H, N, D, DV, HQ, NQ};
+          if (W) layers[std::size_t(l)].window_queries = static_cast<const float*>(W->data()) + l * HQ * NW * D;
+          if (C) layers[std::size_t(l)].calib_queries = static_cast<const float*>(C->data()) + l * HQ * NC * D;
+          layers[std::size_t(l)].n_window = NW;
+          layers[std::size_t(l)].n_calib = NC;
+        }
         kvscore::eval::EvalOptions o;
         o.methods = kvscore::eval::resolve_methods(methods);
         o.keep = keep;
@@ -587,6 +605,14 @@ NB_MODULE(_kvscore, m) {
         o.rounding = rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest;
         o.method.threads = threads;
         o.threads = threads;
+        if (protocol != "leak_free" && protocol != "shared")
+          bad("evaluate: protocol '" + protocol + "' must be 'leak_free' or 'shared'");
+        o.method.protocol = protocol == "leak_free" ? kvscore::eval::Protocol::leak_free : kvscore::eval::Protocol::shared;
+        if (mix_metric != "recall" && mix_metric != "error" && mix_metric != "overlap")
+          bad("evaluate: mix_metric '" + mix_metric + "' must be 'recall', 'error' or 'overlap'");
+        o.mix_metric = mix_metric == "recall" ? kvscore::eval::MixMetric::recall
+                       : mix_metric == "error" ? kvscore::eval::MixMetric::output_error
+                                               : kvscore::eval::MixMetric::overlap;
         std::string json;
         {
           nb::gil_scoped_release unlocked;
@@ -595,7 +621,8 @@ NB_MODULE(_kvscore, m) {
         return json;
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
-      "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a);
+      "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a, "window_queries"_a = nb::none(),
+      "calib_queries"_a = nb::none(), "protocol"_a = "shared", "mix_metric"_a = "recall");
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.
   m.def(

@@ -178,3 +178,92 @@ class KvscoreDecodingPress(DecodingPress):
                  hidden_states_buffer_size: int = 256, **options):
         super().__init__(base_press=KvscorePress(method, 0.0, **options), compression_interval=compression_interval,
                          target_size=target_size, hidden_states_buffer_size=hidden_states_buffer_size)
+
+
+class PerLayerPress(KvscorePress):
+    """A per-layer mix of kvscore methods: layer l is compressed by `methods[l]` (a list, one
+    method per layer), or, with a dict {keep fraction: [method per layer]}, by the list whose
+    keep is nearest to 1 - compression_ratio (ties: the larger keep). Each method runs as a
+    KvscorePress with the shared options (sinks, recent, filters= for qfilter, window= for
+    snapkv / protokv). PerLayerPress.from_report() builds it from a leak-free `kvscore eval`
+    report (its per_layer_best: the best press-able method per layer at each keep)."""
+
+    def __init__(self, methods, compression_ratio: float = 0.0, *, sinks: int = 0, recent: int = 0,
+                 threads: int = 0, window: int = 64, filters=None, **options):
+        if isinstance(methods, dict):
+            plans = {float(k): list(v) for k, v in methods.items()}
+        else:
+            plans = {None: list(methods)}
+        if not plans or any(not v for v in plans.values()):
+            raise ValueError("PerLayerPress: methods must be a non-empty list (one method per layer) or a dict "
+                             "{keep: [method per layer]}")
+        n = {len(v) for v in plans.values()}
+        if len(n) != 1:
+            raise ValueError(f"PerLayerPress: every plan must cover the same layers (got lengths {sorted(n)})")
+        canon = {m: _kv.method_name(m) for v in plans.values() for m in v}  # ValueError for an unknown name
+        if any(c == "qfilter" for c in canon.values()) and filters is None:
+            raise ValueError("PerLayerPress: a layer uses qfilter: give filters=[layers, kv_heads, head_dim]")
+        self.plans = {k: [canon[m] for m in v] for k, v in plans.items()}
+        self._shared = dict(sinks=sinks, recent=recent, threads=threads, **options)
+        self._window, self._filters_all = int(window), filters
+        self._subs = {}
+        # the parent's options stay neutral: compress() hands each layer to its method's press
+        super().__init__("knorm", compression_ratio, sinks=sinks, recent=recent, threads=threads)
+
+    def __repr__(self) -> str:
+        return f"PerLayerPress(plans={self.plans!r}, compression_ratio={self.compression_ratio})"
+
+    @classmethod
+    def from_report(cls, report, compression_ratio: float = 0.0, *, allow_shared: bool = False, **options):
+        """From a `kvscore eval` report (a dict, or the path of its JSON) made under the
+        leak-free protocol: {keep: methods} of its per_layer_best. A shared-protocol report is a
+        ValueError unless allow_shared (there the query-aware methods saw the evaluation queries
+        and win the choice for that reason)."""
+        if not isinstance(report, dict):
+            import json
+            import pathlib
+
+            report = json.loads(pathlib.Path(report).read_text())
+        protocol = report.get("options", {}).get("protocol", "shared")
+        if protocol != "leak-free" and not allow_shared:
+            raise ValueError(f"PerLayerPress.from_report: the report's protocol is '{protocol}'; choose per layer on a "
+                             "leak-free report (kvscore eval --dump DIR of a dump_kv.py --following dump)")
+        best = report.get("per_layer_best") or []
+        if not best:
+            raise ValueError("PerLayerPress.from_report: the report has no per_layer_best (no press-able method ran)")
+        return cls({b["keep"]: b["methods"] for b in best}, compression_ratio, **options)
+
+    def plan(self):
+        """The methods per layer used at this compression ratio."""
+        if None in self.plans:
+            return self.plans[None]
+        keep = 1.0 - self.compression_ratio
+        k = min(self.plans, key=lambda x: (abs(x - keep), -x))
+        return self.plans[k]
+
+    def _sub(self, method: str) -> KvscorePress:
+        p = self._subs.get(method)
+        if p is None:
+            opts = dict(self._shared)
+            if method == "qfilter":
+                opts["filters"] = self._filters_all
+            elif method in _QUERY_METHODS:
+                opts["window"] = self._window
+            p = self._subs[method] = KvscorePress(method, 0.0, **opts)
+        p.compression_ratio = self.compression_ratio
+        return p
+
+    def _layer_press(self, module) -> KvscorePress:
+        plan = self.plan()
+        layer = int(module.layer_idx)
+        if not 0 <= layer < len(plan):
+            raise ValueError(f"PerLayerPress: layer {layer} has no method (the plan covers {len(plan)} layers)")
+        return self._sub(plan[layer])
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return self._layer_press(module).score(module, hidden_states, keys, values, attentions, kwargs)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        return self._layer_press(module).compress(module, hidden_states, keys, values, attentions, kwargs)

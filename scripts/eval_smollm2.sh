@@ -58,3 +58,4 @@ fi
 echo "eval_smollm2: the per-layer mix is $OUT/mix-qa.json (per_layer_best)"
 [ "$MIX_ONLY" = 1 ] && exit 0
 "$PY" tools/smollm2_report.py "$OUT"
+cp "$OUT/per_layer.svg" docs/smollm2_per_layer.svg  # the figure of docs/evaluate.md

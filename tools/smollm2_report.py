@@ -104,8 +104,8 @@ def main(argv) -> int:
                 continue
             s = series.setdefault(m, {"points": {}, "dash": m in ("oracle", "pariskv", "ojakv")})
             s["points"][key] = pts
-    svg = svg_plot(series, "SmolLM2-135M-Instruct, leak-free protocol: attention-mass recall per layer at keep 0.25 "
-                   "(dashed: the oracle and the methods no press can run)", panels)
+    svg = svg_plot(series, "SmolLM2-135M-Instruct, leak-free: recall per layer at keep 0.25 (dashed: oracle, "
+                   "pariskv, ojakv)", panels)
     (d / "per_layer.svg").write_text(svg)
     print(f"smollm2_report: wrote {d}/tables.md and {d}/per_layer.svg")
     return 0

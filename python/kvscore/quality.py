@@ -90,6 +90,14 @@ NEEDLES = (
     ("The village library keeps {x} rare maps.", "How many rare maps does the village library keep?",
      "The village library keeps "),
 )
+# Other templates for the dumps a per-layer mix is chosen on (workload_texts): the same kind of
+# task, none of the benchmark's wording.
+WORKLOAD_NEEDLES = (
+    ("The green bicycle costs {x} dollars.", "How much does the green bicycle cost?", "The green bicycle costs "),
+    ("Carol's flight number is {x}.", "What is Carol's flight number?", "Carol's flight number is "),
+    ("The harbour crane lifts {x} tons.", "How many tons does the harbour crane lift?", "The harbour crane lifts "),
+    ("The silver key opens locker {x}.", "Which locker does the silver key open?", "The silver key opens locker "),
+)
 DEPTHS = (0.10, 0.35, 0.60, 0.85)
 CONTINUATION = 64        # tokens of the continuation task
 MAX_NEW_TOKENS = 3       # the 3 digits ("... is " ends the prefix; SmolLM2 has one token per digit)
@@ -174,7 +182,7 @@ class Context:
     length: int                    # nominal length (tokens)
     index: int                     # context number at this length
     text: str                      # the context (haystack with the needles)
-    needles: list                  # [(template index in NEEDLES, number, depth)]
+    needles: list                  # [((fact, question, answer prefix) template, number, depth)]
     continuation: str              # the text that follows the context
 
     @property
@@ -182,20 +190,20 @@ class Context:
         return f"{self.length}:{self.index}"
 
 
-def make_contexts(tok, lengths, contexts, seed: int = 0, depths=DEPTHS, texts=HAYSTACK_TEXTS):
+def make_contexts(tok, lengths, contexts, seed: int = 0, depths=DEPTHS, texts=HAYSTACK_TEXTS, needles=NEEDLES):
     """The benchmark's contexts: for each nominal length L and i < contexts[L], a slice of the
     haystack token stream (a different offset per context) of L - RESERVE - needle tokens, the 4
-    needles inserted at DEPTHS (distinct names, distinct random 4-digit numbers), and the
+    needles (distinct templates of `needles`, distinct random 3-digit numbers) inserted at DEPTHS, and the
     CONTINUATION tokens that follow the slice in the stream. Deterministic for a seed."""
     stream = tok.encode(license_text(texts), add_special_tokens=False)
     rng = random.Random(seed)
     out = []
     for L in lengths:
         for i in range(contexts[L]):
-            kinds = rng.sample(range(len(NEEDLES)), len(depths))
+            kinds = rng.sample(range(len(needles)), len(depths))
             numbers = rng.sample(range(100, 1000), len(depths))
-            needles = [(k, x, d) for k, x, d in zip(kinds, numbers, depths)]
-            facts = [" " + NEEDLES[k][0].format(x=x) + " " for k, x, _ in needles]
+            planted = [(needles[k], x, d) for k, x, d in zip(kinds, numbers, depths)]
+            facts = [" " + t[0].format(x=x) + " " for t, x, _ in planted]
             budget = L - RESERVE - sum(len(tok.encode(f, add_special_tokens=False)) for f in facts) - 40
             need = budget + CONTINUATION
             if need > len(stream):
@@ -204,28 +212,28 @@ def make_contexts(tok, lengths, contexts, seed: int = 0, depths=DEPTHS, texts=HA
             ids = (stream + stream)[start:start + need]  # wraps around the end of the stream
             hay, cont = ids[:budget], ids[budget:]
             pieces, last = [], 0
-            for (_, _, d), fact in zip(needles, facts):
+            for (_, _, d), fact in zip(planted, facts):
                 pos = int(len(hay) * d)
                 pieces += [tok.decode(hay[last:pos]), fact]
                 last = pos
             pieces.append(tok.decode(hay[last:]))
-            out.append(Context(L, i, "".join(pieces), needles, tok.decode(cont)))
+            out.append(Context(L, i, "".join(pieces), planted, tok.decode(cont)))
     return out
 
 
 def questions(ctx: Context):
     """[(question, answer_prefix, expected)] of a context's needles."""
-    return [(NEEDLES[k][1], NEEDLES[k][2], str(x)) for k, x, _ in ctx.needles]
+    return [(t[1], t[2], str(x)) for t, x, _ in ctx.needles]
 
 
 def workload_texts(tok, length: int, seed: int = 1):
     """(context, following) of the benchmark's kind on other text, for choosing a per-layer mix
     on a dump (scripts/eval_smollm2.sh: dump_kv.py --text context --following-text following
-    --no-special-tokens): a context of DUMP_TEXTS with 4 other needles, wrapped in the chat
+    --no-special-tokens): a context of DUMP_TEXTS with the 4 WORKLOAD_NEEDLES, wrapped in the chat
     template exactly as kvpress's pipeline wraps it, and the 4 questions, each with the
     pipeline's question suffix, the answer prefix and the right answer (whose queries are the
     ones that must find the needle)."""
-    c = make_contexts(tok, [length], {length: 1}, seed=seed, texts=DUMP_TEXTS)[0]
+    c = make_contexts(tok, [length], {length: 1}, seed=seed, texts=DUMP_TEXTS, needles=WORKLOAD_NEEDLES)[0]
     sep = "#" * (len(c.text) + 10)  # KVPressTextGenerationPipeline.preprocess's split of the template
     full = tok.apply_chat_template([{"role": "user", "content": c.text + sep}], add_generation_prompt=True,
                                    tokenize=False)
@@ -535,7 +543,8 @@ def svg_plot(series, title, panels) -> str:
     pw, ph, top, left, gap = 420, 300, 50, 70, 90
     names = list(series)
     W = left + len(panels) * (pw + gap)
-    legend_rows = (len(names) + 2) // 3
+    cols = max(1, (W - left) // 250)
+    legend_rows = (len(names) + cols - 1) // cols
     H = top + ph + 70 + 18 * legend_rows
     esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
@@ -555,8 +564,10 @@ def svg_plot(series, title, panels) -> str:
             v = lo + (hi - lo) * t / 4
             o.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" stroke="#ddd"/>')
             o.append(f'<text x="{x0 - 5}" y="{Y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
-        for x in xs:
-            o.append(f'<text x="{X(x):.1f}" y="{y0 + ph + 16}" text-anchor="middle">{x:g}</text>')
+        step = 1 if len(xs) <= 12 else 5  # many x values (layers): every 5th labelled
+        for i, x in enumerate(xs):
+            if i % step == 0 or i == len(xs) - 1 and step == 1:
+                o.append(f'<text x="{X(x):.1f}" y="{y0 + ph + 16}" text-anchor="middle">{x:g}</text>')
         o.append(f'<text x="{x0 + pw / 2:.0f}" y="{y0 + ph + 34}" text-anchor="middle">{esc(xlabel)}</text>')
         for i, name in enumerate(names):
             pts = sorted(series[name]["points"].get(key, []))
@@ -570,7 +581,7 @@ def svg_plot(series, title, panels) -> str:
                 o.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3" fill="{c}"><title>{esc(name)} '
                          f'{x:g}: {y:.3f}</title></circle>')
     for i, name in enumerate(names):
-        lx, ly = left + (i % 3) * 330, top + ph + 60 + 18 * (i // 3)
+        lx, ly = left + (i % cols) * 250, top + ph + 60 + 18 * (i // cols)
         c = colours[i % len(colours)]
         dash = ' stroke-dasharray="6,3"' if series[name].get("dash") else ""
         o.append(f'<line x1="{lx}" x2="{lx + 26}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="3"{dash}/>')

@@ -17,7 +17,9 @@ Methods (kvscore.METHODS names or aliases): knorm, keydiff, manifold_l2, windowe
 filters_path= a published .safetensors file), snapkv (window=64, kernel=5: the last `window`
 queries of the prompt, recomputed like kvpress's SnapKVPress, window kept), protokv (window=,
 ProtoKV options), streaming_llm (sinks + most recent). `sinks=` / `recent=` protect tokens for
-any method. kvpress is optional for kvscore; this module needs it.
+any method. `alloc="adakv"` (`alpha=0.2`): kvscore's AdaKV allocation across the heads of a
+layer, applied by masking as kvpress's AdaKVPress does. PerLayerPress: one method per layer.
+kvpress is optional for kvscore; this module needs it.
 """
 
 from __future__ import annotations
@@ -56,15 +58,21 @@ class KvscorePress(ScorerPress):
     """A kvpress ScorerPress whose scores and selection come from kvscore (see the module doc)."""
 
     def __init__(self, method: str = "manifold_l2", compression_ratio: float = 0.0, *, sinks: int = 0,
-                 recent: int = 0, threads: int = 0, **method_options):
+                 recent: int = 0, threads: int = 0, alloc: str = "per_head", alpha: float = 0.2, **method_options):
         self.method = _kv.method_name(method)
         self.compression_ratio = compression_ratio
         self.sinks = int(sinks)
         self.recent = int(recent)
         self.threads = int(threads)
+        self.alloc = alloc
+        self.alpha = float(alpha)
         self.method_options = dict(method_options)
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks {sinks} and recent {recent} must be >= 0")
+        if alloc not in ("per_head", "adakv"):
+            raise ValueError(f"alloc '{alloc}' must be 'per_head' or 'adakv'")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha {alpha} must be in [0, 1]")
         if not 0 <= compression_ratio < 1:
             raise ValueError(f"compression_ratio {compression_ratio} must be in [0, 1)")
         self._filters = None
@@ -87,8 +95,9 @@ class KvscorePress(ScorerPress):
         self.__post_init__()
 
     def __repr__(self) -> str:
+        alloc = f", alloc='adakv', alpha={self.alpha}" if self.alloc == "adakv" else ""
         return (f"KvscorePress(method={self.method!r}, compression_ratio={self.compression_ratio}, "
-                f"sinks={self.sinks}, recent={self.recent}, **{self.method_options!r})")
+                f"sinks={self.sinks}, recent={self.recent}{alloc}, **{self.method_options!r})")
 
     # --- scoring
     def _scorer_for(self, module, hidden_states, kwargs, b: int):
@@ -131,6 +140,8 @@ class KvscorePress(ScorerPress):
             return keys, values
         bsz, _, k_len, d = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
+        if self.alloc == "adakv":
+            return self._compress_adakv(module, hidden_states, keys, values, kwargs, n_kept)
         kept_k, kept_v = [], []
         for b in range(bsz):
             if self.method == "streaming_llm":
@@ -146,6 +157,34 @@ class KvscorePress(ScorerPress):
             kept_k.append(keys[b].gather(1, idx))
             kept_v.append(values[b].gather(1, idx.expand(-1, -1, values.shape[-1])))
         return torch.stack(kept_k).contiguous(), torch.stack(kept_v).contiguous()
+
+    def _compress_adakv(self, module, hidden_states, keys, values, kwargs, n_kept):
+        """AdaKV allocation (kvscore.select(alloc="adakv"): per-head safeguard of ⌊alpha·n⌋
+        tokens, the rest of the layer's n·kv_heads by one global top-k; sinks / recent protected).
+        Heads keep different numbers of tokens, which a rectangular cache cannot hold, so, like
+        kvpress's AdaKVPress, the evicted keys are masked (module.masked_key_indices, applied by
+        kvpress's attention patch) instead of removed."""
+        if getattr(module.config, "_attn_implementation", None) == "eager":
+            raise ValueError("alloc='adakv' masks through kvpress's attention patch, which eager attention "
+                             "does not use: load the model with attn_implementation='sdpa'")
+        bsz, heads, k_len, _ = keys.shape
+        bi, hi, si = [], [], []
+        for b in range(bsz):
+            if self.method == "streaming_llm":
+                raise ValueError("alloc='adakv' needs scores; streaming_llm keeps the same tokens in every head")
+            sc = self._scorer_for(module, hidden_states, kwargs, b)
+            sel = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc), alloc="adakv",
+                             alpha=self.alpha)
+            keep = torch.zeros(heads, k_len, dtype=torch.bool)
+            for h, idx in enumerate(sel):
+                keep[h, idx] = True
+            h_idx, s_idx = (~keep).nonzero(as_tuple=True)
+            bi.append(torch.full_like(h_idx, b))
+            hi.append(h_idx)
+            si.append(s_idx)
+        dev = keys.device
+        module.masked_key_indices = (torch.cat(bi).to(dev), torch.cat(hi).to(dev), torch.cat(si).to(dev))
+        return keys, values
 
 
 class ManifoldKVPress(KvscorePress):

@@ -107,7 +107,7 @@ SINKS = 4                # first tokens every kvscore press keeps (the attention
 THREADS = 1              # torch threads: on 2 shared cores 1 thread decoded 1.7x faster than 2 (measured)
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
-FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 3}, "ratios": RATIOS,
+FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 2}, "ratios": RATIOS,
         "calib_tokens": QFILTER_CALIB_TOKENS}
 QUICK = {"lengths": (1024,), "contexts": {1024: 1}, "ratios": (0.5, 0.9), "calib_tokens": 512}
 
@@ -296,6 +296,8 @@ def method_table(filters=None, mix=None):
         "kvscore:snapkv": ("kvscore", lambda r: ks.KvscorePress("snapkv", r, window=64, sinks=s)),
         "kvscore:protokv": ("kvscore", lambda r: ks.ProtoKVPress(r, window=64, sinks=s)),
         "kvscore:streaming_llm": ("kvscore", lambda r: ks.KvscorePress("streaming_llm", r, sinks=s)),
+        "kvscore:keydiff-adakv": ("kvscore", lambda r: ks.KvscorePress("keydiff", r, sinks=s, alloc="adakv")),
+        "kvscore:l2-adakv": ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s, alloc="adakv")),
     }
     if filters is not None:
         t["kvscore:qfilter"] = ("kvscore", lambda r: ks.KvscorePress("qfilter", r, filters=filters, sinks=s))

@@ -55,7 +55,10 @@ if [ ! -s "$OUT/dump-qa/Qcal.npy" ]; then
     --out "$OUT/dump-qa"
 fi
 "$CLI" eval --dump "$OUT/dump-qa" --keep 0.1,0.25,0.5,0.75 --sinks 4 --threads 2 --out "$OUT/mix-qa.json" >/dev/null
-echo "eval_smollm2: the per-layer mix is $OUT/mix-qa.json (per_layer_best)"
+# the same choice among the query-agnostic methods only, with AdaKV allocation (kvscore:mix-agnostic)
+"$CLI" eval --dump "$OUT/dump-qa" --keep 0.1,0.25,0.5,0.75 --sinks 4 --alloc adakv --threads 2 \
+  --methods knorm,keydiff,l2,windowed-l2,qfilter,streaming_llm --out "$OUT/mix-qa-agnostic.json" >/dev/null
+echo "eval_smollm2: the per-layer mixes are $OUT/mix-qa.json and $OUT/mix-qa-agnostic.json (per_layer_best)"
 [ "$MIX_ONLY" = 1 ] && exit 0
 "$PY" tools/smollm2_report.py "$OUT"
 cp "$OUT/per_layer.svg" docs/smollm2_per_layer.svg  # the figure of docs/evaluate.md

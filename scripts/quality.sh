@@ -21,9 +21,8 @@ MIX=()
 case " $* " in
   *" --quick "* | *" --mix "* | *" --list "* | *" --help "* | *" -h "*) ;;
   *)
-    MIXFILE=build/smollm2/mix-qa.json
-    [ -s "$MIXFILE" ] || bash scripts/eval_smollm2.sh --mix-only build/smollm2
-    MIX=(--mix "$MIXFILE")
+    [ -s build/smollm2/mix-qa-agnostic.json ] || bash scripts/eval_smollm2.sh --mix-only build/smollm2
+    MIX=(--mix "mix=build/smollm2/mix-qa.json,mix-agnostic=build/smollm2/mix-qa-agnostic.json")
     ;;
 esac
 HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} exec "$PY" -m kvscore.quality --model "$MODEL" "${MIX[@]}" "$@"

@@ -255,15 +255,20 @@ class PerLayerPress(KvscorePress):
     @classmethod
     def from_report(cls, report, compression_ratio: float = 0.0, *, allow_shared: bool = False, **options):
         """From a `kvscore eval` report (a dict, or the path of its JSON) made under the
-        leak-free protocol: {keep: methods} of its per_layer_best. A shared-protocol report is a
-        ValueError unless allow_shared (there the query-aware methods saw the evaluation queries
-        and win the choice for that reason)."""
+        leak-free protocol: {keep: methods} of its per_layer_best, and by default the report's
+        own selection options (sinks, recent, alloc: the choice was made with them). A
+        shared-protocol report is a ValueError unless allow_shared (there the query-aware
+        methods saw the evaluation queries and win the choice for that reason)."""
         if not isinstance(report, dict):
             import json
             import pathlib
 
             report = json.loads(pathlib.Path(report).read_text())
-        protocol = report.get("options", {}).get("protocol", "shared")
+        ropt = report.get("options", {})
+        options.setdefault("sinks", int(ropt.get("sinks", 0)))
+        options.setdefault("recent", int(ropt.get("recent", 0)))
+        options.setdefault("alloc", str(ropt.get("alloc", "per-head")).replace("-", "_"))
+        protocol = ropt.get("protocol", "shared")
         if protocol != "leak-free" and not allow_shared:
             raise ValueError(f"PerLayerPress.from_report: the report's protocol is '{protocol}'; choose per layer on a "
                              "leak-free report (kvscore eval --dump DIR of a dump_kv.py --following dump)")
@@ -284,6 +289,8 @@ class PerLayerPress(KvscorePress):
         p = self._subs.get(method)
         if p is None:
             opts = dict(self._shared)
+            if method == "streaming_llm":
+                opts["alloc"] = "per_head"  # the same tokens in every head: nothing to allocate
             if method == "qfilter":
                 opts["filters"] = self._filters_all
             elif method in _QUERY_METHODS:

@@ -301,9 +301,10 @@ def method_table(filters=None, mix=None):
     }
     if filters is not None:
         t["kvscore:qfilter"] = ("kvscore", lambda r: ks.KvscorePress("qfilter", r, filters=filters, sinks=s))
-    if mix is not None:
-        t["kvscore:mix"] = ("kvscore", lambda r: ks.PerLayerPress.from_report(mix, r, filters=filters, window=64,
-                                                                               sinks=s))
+    mixes = {"mix": mix} if isinstance(mix, (str, pathlib.Path)) else dict(mix or {})
+    for name, path in mixes.items():  # the report's own sinks / recent / alloc
+        t[f"kvscore:{name}"] = ("kvscore", lambda r, path=path: ks.PerLayerPress.from_report(path, r, filters=filters,
+                                                                                             window=64))
     t.update({
         "kvpress:random": ("kvpress", lambda r: kp.RandomPress(compression_ratio=r, seed=0)),
         "kvpress:knorm": ("kvpress", lambda r: kp.KnormPress(compression_ratio=r)),
@@ -536,6 +537,20 @@ def table(summary, ratios) -> str:
     return head + "\n".join(rows) + f"\n\n({nq} needle questions per cell; ΔNLL: nats/token over the full cache)\n"
 
 
+def table_by_length(summary, ratio) -> str:
+    """Markdown: needle accuracy per method and context length at one compression ratio."""
+    lengths = sorted({L for m in summary.values() for x in m.values() for L in x["by_length"]})
+    out = f"| method (compression {ratio:g}) | " + " | ".join(f"{L} tok" for L in lengths) + " |\n"
+    out += "| --- |" + " ---: |" * len(lengths) + "\n"
+    for m in _order(summary):
+        x = summary[m].get(ratio if m != "none" else 0.0)
+        if not x:
+            continue
+        out += f"| {m} | " + " | ".join(f"{x['by_length'][L]:.2f}" if L in x["by_length"] else "—"
+                                        for L in lengths) + " |\n"
+    return out
+
+
 def svg_plot(series, title, panels) -> str:
     """A small standalone SVG line plot: panels = [(title, xlabel, key, (lo, hi))], series =
     {name: {"points": {panel key: [(x, y)]}, "dash": bool}}. Every point has a tooltip."""
@@ -694,6 +709,9 @@ def run(out, *, quick=False, model_path=None, methods=None, ratios=None, lengths
     summary = summarize([r for r in records if r["method"] in names + ["none"] and r["length"] in lengths])
     ratios = [r for r in ratios]
     md = table(summary, ratios)
+    for r in (0.5, 0.75):
+        if r in ratios and len(lengths) > 1:
+            md += "\n" + table_by_length(summary, r)
     title = (f"SmolLM2-135M-Instruct, needles + continuation, contexts "
              f"{', '.join(f'{per[L]}x{L}' for L in lengths)} tokens")
     (out / "table.md").write_text(md)
@@ -716,8 +734,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", help="compression ratios (default 0.25,0.5,0.75,0.9; quick 0.5,0.9)")
     ap.add_argument("--lengths", help="context lengths in tokens (default 1024,2048,4096,8192; quick 1024)")
     ap.add_argument("--contexts", type=int, help="contexts per length (default: the design's, see docs/quality.md)")
-    ap.add_argument("--mix", help="a leak-free `kvscore eval` report (JSON): adds kvscore:mix, its per-layer "
-                    "choice (per_layer_best) as a press")
+    ap.add_argument("--mix", help="leak-free `kvscore eval` reports (JSON), comma list of [NAME=]PATH: adds "
+                    "kvscore:NAME (default mix), the report's per-layer choice (per_layer_best) as a press")
     ap.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS}; 0: torch's "
                     "default)")
     ap.add_argument("--no-shared-prefill", action="store_true", help="call the pipeline per press and question "
@@ -742,7 +760,7 @@ def main(argv=None) -> int:
         print(f"quality: wrote {d}/context.txt and following.txt")
         return 0
     if a.list:
-        for m, (fam, _) in method_table(filters=True, mix=a.mix or "report.json").items():
+        for m, (fam, _) in method_table(filters=True, mix={"mix": "report.json"}).items():
             print(f"{m:34s} {fam}")
         return 0
     try:
@@ -755,9 +773,15 @@ def main(argv=None) -> int:
             ap.error(f"--ratios: {r} is not in (0, 1)")
     if a.contexts is not None and a.contexts < 1:
         ap.error(f"--contexts {a.contexts} must be >= 1")
+    mix = None
+    if a.mix:
+        mix = {}
+        for item in a.mix.split(","):
+            name, _, path = item.rpartition("=")
+            mix[name or "mix"] = path
     try:
         run(a.out, quick=a.quick, model_path=a.model, methods=a.methods.split(",") if a.methods else None,
-            ratios=ratios, lengths=lengths, contexts=a.contexts, mix=a.mix, shared=not a.no_shared_prefill,
+            ratios=ratios, lengths=lengths, contexts=a.contexts, mix=mix, shared=not a.no_shared_prefill,
             threads=a.threads)
     except (FileNotFoundError, ValueError) as e:
         print(f"kvscore.quality: {e}", file=sys.stderr)

@@ -256,6 +256,16 @@ def test_per_layer_press_applies_each_layers_method(smol, ctx):
         PerLayerPress(["qfilter"] * 30, 0.5)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         PerLayerPress(["nope"] * 30, 0.5)
+    # from_report: the report's own selection options unless given (the choice was made with them)
+    rep = {"options": {"protocol": "leak-free", "sinks": 4, "recent": 0, "alloc": "adakv"},
+           "per_layer_best": [{"keep": 0.5, "methods": ["l2", "streaming_llm"] * 15}]}
+    p = PerLayerPress.from_report(rep, 0.5)
+    assert p._sub("manifold_l2").sinks == 4 and p._sub("manifold_l2").alloc == "adakv"
+    assert p._sub("streaming_llm").alloc == "per_head"  # the same tokens in every head
+    assert PerLayerPress.from_report(rep, 0.5, sinks=0)._sub("manifold_l2").sinks == 0
+    masked = pre.replay(p)  # AdaKV layers mask, StreamingLLM layers shrink
+    assert masked.layers[0].keys.shape[2] == pre.context_length
+    assert masked.layers[1].keys.shape[2] == compute_n_kept(pre.context_length, 0.5)
     with pytest.raises(ValueError, match="protocol is 'shared'"):
         PerLayerPress.from_report({"options": {"protocol": "shared"}, "per_layer_best": [{"keep": 0.5,
                                                                                           "methods": ["l2"]}]})

@@ -163,21 +163,27 @@ class KvscorePress(ScorerPress):
         tokens, the rest of the layer's n·kv_heads by one global top-k; sinks / recent protected).
         Heads keep different numbers of tokens, which a rectangular cache cannot hold, so, like
         kvpress's AdaKVPress, the evicted keys are masked (module.masked_key_indices, applied by
-        kvpress's attention patch) instead of removed."""
+        kvpress's attention patch) instead of removed. streaming_llm masks the same way (sinks +
+        recent in every head), so that every layer of a PerLayerPress keeps the cache's length:
+        transformers builds one causal mask for all layers."""
         if getattr(module.config, "_attn_implementation", None) == "eager":
             raise ValueError("alloc='adakv' masks through kvpress's attention patch, which eager attention "
                              "does not use: load the model with attn_implementation='sdpa'")
         bsz, heads, k_len, _ = keys.shape
         bi, hi, si = [], [], []
         for b in range(bsz):
-            if self.method == "streaming_llm":
-                raise ValueError("alloc='adakv' needs scores; streaming_llm keeps the same tokens in every head")
-            sc = self._scorer_for(module, hidden_states, kwargs, b)
-            sel = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc), alloc="adakv",
-                             alpha=self.alpha)
             keep = torch.zeros(heads, k_len, dtype=torch.bool)
-            for h, idx in enumerate(sel):
-                keep[h, idx] = True
+            if self.method == "streaming_llm":
+                # the same tokens in every head, masked too: every layer of a mix keeps its length
+                sinks = min(self.sinks, n_kept)
+                keep[:, :sinks] = True
+                keep[:, k_len - (n_kept - sinks):] = True
+            else:
+                sc = self._scorer_for(module, hidden_states, kwargs, b)
+                sel = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc),
+                                 alloc="adakv", alpha=self.alpha)
+                for h, idx in enumerate(sel):
+                    keep[h, idx] = True
             h_idx, s_idx = (~keep).nonzero(as_tuple=True)
             bi.append(torch.full_like(h_idx, b))
             hi.append(h_idx)
@@ -289,8 +295,6 @@ class PerLayerPress(KvscorePress):
         p = self._subs.get(method)
         if p is None:
             opts = dict(self._shared)
-            if method == "streaming_llm":
-                opts["alloc"] = "per_head"  # the same tokens in every head: nothing to allocate
             if method == "qfilter":
                 opts["filters"] = self._filters_all
             elif method in _QUERY_METHODS:

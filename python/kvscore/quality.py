@@ -107,7 +107,7 @@ SINKS = 4                # first tokens every kvscore press keeps (the attention
 THREADS = 1              # torch threads: on 2 shared cores 1 thread decoded 1.7x faster than 2 (measured)
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
-FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 2}, "ratios": RATIOS,
+FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 3}, "ratios": RATIOS,
         "calib_tokens": QFILTER_CALIB_TOKENS}
 QUICK = {"lengths": (1024,), "contexts": {1024: 1}, "ratios": (0.5, 0.9), "calib_tokens": 512}
 

@@ -261,11 +261,14 @@ def test_per_layer_press_applies_each_layers_method(smol, ctx):
            "per_layer_best": [{"keep": 0.5, "methods": ["l2", "streaming_llm"] * 15}]}
     p = PerLayerPress.from_report(rep, 0.5)
     assert p._sub("manifold_l2").sinks == 4 and p._sub("manifold_l2").alloc == "adakv"
-    assert p._sub("streaming_llm").alloc == "per_head"  # the same tokens in every head
     assert PerLayerPress.from_report(rep, 0.5, sinks=0)._sub("manifold_l2").sinks == 0
-    masked = pre.replay(p)  # AdaKV layers mask, StreamingLLM layers shrink
-    assert masked.layers[0].keys.shape[2] == pre.context_length
-    assert masked.layers[1].keys.shape[2] == compute_n_kept(pre.context_length, 0.5)
+    masked = pre.replay(p)  # every layer masks (StreamingLLM too): one length for transformers' causal mask
+    n = pre.context_length
+    assert all(layer.keys.shape[2] == n for layer in masked.layers)
+    sl = model.model.layers[1].self_attn.masked_key_indices  # StreamingLLM: sinks + the most recent
+    kept = sorted(set(range(n)) - set(sl[2][sl[1] == 0].tolist()))
+    assert kept == list(range(4)) + list(range(n - (compute_n_kept(n, 0.5) - 4), n))
+    assert quality.kept_tokens(model, masked) == compute_n_kept(n, 0.5)
     with pytest.raises(ValueError, match="protocol is 'shared'"):
         PerLayerPress.from_report({"options": {"protocol": "shared"}, "per_layer_best": [{"keep": 0.5,
                                                                                           "methods": ["l2"]}]})

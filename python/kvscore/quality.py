@@ -312,6 +312,7 @@ def method_table(filters=None, mix=None):
         "kvpress:streaming_llm": ("kvpress", lambda r: kp.StreamingLLMPress(compression_ratio=r)),
         "kvpress:snapkv": ("kvpress", lambda r: kp.SnapKVPress(compression_ratio=r)),
         "kvpress:tova": ("kvpress", lambda r: kp.TOVAPress(compression_ratio=r)),
+        "kvpress:adakv_keydiff": ("kvpress", lambda r: kp.AdaKVPress(kp.KeyDiffPress(compression_ratio=r))),
         "kvpress:expected_attention": (
             "kvpress", lambda r: kp.AdaKVPress(kp.ExpectedAttentionPress(compression_ratio=r, epsilon=1e-2))),
         "kvpress:expected_attention_plain": ("kvpress", lambda r: kp.ExpectedAttentionPress(compression_ratio=r)),

@@ -1,4 +1,4 @@
-// OjaKV (include/kvscore/ojakv.hpp): the prefill update and the decode update of one head,
+// OjaKV (include/kvscore/ojakv/ojakv.hpp): the prefill update and the decode update of one head,
 // against exact recomputation measured in the same process (thread CPU time):
 //
 //   ojakv/prefill/N<n>/d<d>/r<r>/p<pool>  counters: speedup_vs_svd (BDCSVD of the same N x d
@@ -34,7 +34,7 @@
 #include <tuple>
 #include <vector>
 
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 
 #include "bench_common.hpp"

@@ -1,4 +1,4 @@
-// ParisKV retrieval (include/kvscore/pariskv.hpp): one head, d = 128, fp16 keys, k = 100, one
+// ParisKV retrieval (include/kvscore/pariskv/pariskv.hpp): one head, d = 128, fp16 keys, k = 100, one
 // query per call, one thread, against an exact scan of the same fp16 keys with the library's
 // SIMD dot kernel (active kernel table) followed by kvscore::select_into (top-100), timed in the
 // same process as thread CPU time per query, in interleaved calls (see BM_pariskv).
@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 
 #if defined(KVSCORE_BENCH_FAISS) && __has_include(<faiss/IndexFlat.h>)
 #include <faiss/IndexFlat.h>

@@ -1,4 +1,4 @@
-// ParisKV's decode-time cache (include/kvscore/pariskv_cache.hpp): one decode step = append one
+// ParisKV's decode-time cache (include/kvscore/pariskv/cache.hpp): one decode step = append one
 // token (key, value) + attend one query, one KV head, d = 128, fp16 K/V, the default zones
 // (4 sinks, local 256, updates every 128 tokens, top-100 retrieved with an exact rerank of 300:
 // the keys are resident), one thread.
@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "kvscore/pariskv_cache.hpp"
+#include "kvscore/pariskv/cache.hpp"
 
 namespace {
 

@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <vector>
 
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 #include <kvscore/synth.hpp>
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "fuzz_common.hpp"
-#include "kvscore/npy.hpp"
+#include "kvscore/io/npy.hpp"
 
 namespace {
 std::size_t itemsize(const std::string& descr) {

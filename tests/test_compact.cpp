@@ -27,16 +27,6 @@ using kvscore::half;
 using kvscore::MutKeysView;
 using kvscore::Selection;
 
-/// Random bit patterns: every row is distinct, and a misplaced row is caught by memcmp.
-template <class T>
-std::vector<T> random_buffer(std::size_t n, std::mt19937_64& rng) {
-  std::vector<T> v(n);
-  std::vector<unsigned char> bytes(n * sizeof(T));
-  for (auto& b : bytes) b = static_cast<unsigned char>(rng());
-  if (n > 0) std::memcpy(v.data(), bytes.data(), bytes.size());
-  return v;
-}
-
 /// Each head keeps a random subset; counts range over 0..tokens (ragged), with all-or-nothing cases.
 Selection random_selection(std::int64_t heads, std::int64_t tokens, std::mt19937_64& rng) {
   Selection s;
@@ -106,7 +96,7 @@ TEMPLATE_TEST_CASE("compact HF layout with capacity: random ragged selections vs
     const std::int64_t S = std::int64_t(rng() % 40), cap = S + std::int64_t(rng() % 5), D = 1 + std::int64_t(rng() % 9);
     const std::int64_t b = std::int64_t(rng() % std::uint64_t(B));
     const CompactTail tail = (iter & 1) ? CompactTail::zero : CompactTail::keep;
-    std::vector<T> layer = random_buffer<T>(std::size_t(B * H * cap * D), rng);
+    std::vector<T> layer = test_support::random_bits<T>(std::size_t(B * H * cap * D), rng);
     const std::vector<T> before = layer;
     const auto v = MutKeysView<T>::hf(layer.data(), b, B, H, S, D, cap);
     const Selection s = random_selection(H, S, rng);
@@ -140,7 +130,7 @@ TEMPLATE_TEST_CASE("compact token-major layout: ragged heads, each head's column
   for (int iter = 0; iter < 300; ++iter) {
     const std::int64_t N = std::int64_t(rng() % 40), H = 1 + std::int64_t(rng() % 5), D = 1 + std::int64_t(rng() % 9);
     const CompactTail tail = (iter & 1) ? CompactTail::zero : CompactTail::keep;
-    std::vector<T> cache = random_buffer<T>(std::size_t(N * H * D), rng);
+    std::vector<T> cache = test_support::random_bits<T>(std::size_t(N * H * D), rng);
     const std::vector<T> before = cache;
     const auto v = MutKeysView<T>::token_major(cache.data(), N, H, D);
     const Selection s = random_selection(H, N, rng);
@@ -159,7 +149,7 @@ TEMPLATE_TEST_CASE("compact a general strided view with gaps between rows and he
   for (int iter = 0; iter < 100; ++iter) {
     const std::int64_t N = 1 + std::int64_t(rng() % 30), H = 1 + std::int64_t(rng() % 4), D = 1 + std::int64_t(rng() % 8);
     const std::int64_t ts = D + std::int64_t(rng() % 3), hs = N * ts + std::int64_t(rng() % 5);
-    std::vector<T> buf = random_buffer<T>(std::size_t(H * hs), rng);
+    std::vector<T> buf = test_support::random_bits<T>(std::size_t(H * hs), rng);
     const std::vector<T> before = buf;
     const MutKeysView<T> v(buf.data(), H, N, D, hs, ts);
     const Selection s = random_selection(H, N, rng);
@@ -175,7 +165,7 @@ TEMPLATE_TEST_CASE("compact K and V together (different head_dim), lengths to ca
   for (int iter = 0; iter < 100; ++iter) {
     const std::int64_t N = std::int64_t(rng() % 33), H = 1 + std::int64_t(rng() % 4);
     const std::int64_t Dk = 1 + std::int64_t(rng() % 9), Dv = 1 + std::int64_t(rng() % 9);
-    std::vector<T> k = random_buffer<T>(std::size_t(N * H * Dk), rng), vv = random_buffer<T>(std::size_t(N * H * Dv), rng);
+    std::vector<T> k = test_support::random_bits<T>(std::size_t(N * H * Dk), rng), vv = test_support::random_bits<T>(std::size_t(N * H * Dv), rng);
     const std::vector<T> k0 = k, v0 = vv;
     const bool token_major = iter & 1;
     const auto kv = token_major ? MutKeysView<T>::token_major(k.data(), N, H, Dk)
@@ -194,7 +184,7 @@ TEMPLATE_TEST_CASE("compact K and V together (different head_dim), lengths to ca
 TEST_CASE("compact: empty selection, keep-all, empty caches", "[compact]") {
   const std::int64_t H = 3, N = 10, D = 4;
   std::mt19937_64 rng(15);
-  std::vector<half> cache = random_buffer<half>(std::size_t(H * N * D), rng);
+  std::vector<half> cache = test_support::random_bits<half>(std::size_t(H * N * D), rng);
   const std::vector<half> before = cache;
   const auto v = MutKeysView<half>::token_major(cache.data(), N, H, D);
 
@@ -234,7 +224,7 @@ TEST_CASE("compact: bad selections and views throw std::invalid_argument naming 
           "[compact][errors]") {
   const std::int64_t H = 4, N = 16, D = 8;
   std::mt19937_64 rng(16);
-  std::vector<float> k = random_buffer<float>(std::size_t(H * N * D), rng), val = random_buffer<float>(std::size_t(H * N * D), rng);
+  std::vector<float> k = test_support::random_bits<float>(std::size_t(H * N * D), rng), val = test_support::random_bits<float>(std::size_t(H * N * D), rng);
   const std::vector<float> k0 = k, v0 = val;
   const auto kv = MutKeysView<float>::hf(k.data(), 0, 1, H, N, D);
   const auto vv = MutKeysView<float>::hf(val.data(), 0, 1, H, N, D);
@@ -295,7 +285,7 @@ TEST_CASE("compact: bad selections and views throw std::invalid_argument naming 
 TEST_CASE("compact: results do not depend on the thread count", "[compact]") {
   std::mt19937_64 rng(17);
   const std::int64_t N = 257, H = 8, D = 64;
-  const std::vector<bfloat16> orig = random_buffer<bfloat16>(std::size_t(N * H * D), rng);
+  const std::vector<bfloat16> orig = test_support::random_bits<bfloat16>(std::size_t(N * H * D), rng);
   const Selection s = random_selection(H, N, rng);
   std::vector<bfloat16> a = orig, b = orig;
   kvscore::compact(MutKeysView<bfloat16>::token_major(a.data(), N, H, D), s, CompactOptions{CompactTail::zero, false, 1});

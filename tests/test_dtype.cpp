@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/dtype.hpp"
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
 using kvscore::bfloat16;
@@ -163,6 +163,26 @@ TEST_CASE("vector convert() equals the scalar path bit for bit", "[dtype]") {
   kvscore::convert(src.data(), b.data(), src.size());
   for (std::size_t i = 0; i < src.size(); ++i)
     if (!std::isnan(src[i])) REQUIRE(b[i].bits == kvscore::float_to_bf16_bits(src[i]));
+}
+
+TEST_CASE("convert(): every length 0..24 (the vector loop's tails) equals the scalar path, both ways", "[dtype]") {
+  INFO("convert path: " << kvscore::convert_path());
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (std::size_t n = 0; n <= 24; ++n) {
+    INFO("n = " << n);
+    std::vector<float> src(n + 1), back(n + 1, -7.f), back_slow(n + 1, -7.f);
+    for (auto& f : src) f = std::bit_cast<float>(bits(rng) & 0xbfffffffu);  // finite, in or below half range
+    std::vector<half> h(n + 1, half{0x1234}), h_slow(n + 1, half{0x1234});
+    kvscore::convert(src.data(), h.data(), n);
+    kvscore::convert_scalar(src.data(), h_slow.data(), n);
+    kvscore::convert(h_slow.data(), back.data(), n);
+    kvscore::convert_scalar(h_slow.data(), back_slow.data(), n);
+    for (std::size_t i = 0; i <= n; ++i) {  // index n: past the end, untouched
+      CHECK(h[i].bits == h_slow[i].bits);
+      CHECK(std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(back_slow[i]));
+    }
+  }
 }
 
 TEST_CASE("convert() follows the ISA pin, and every pinned path equals the scalar one", "[dtype][simd]") {

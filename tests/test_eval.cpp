@@ -27,14 +27,8 @@ struct EvalFixture {
   synth::Data D;
   std::vector<eval::LayerInput> layers;
   explicit EvalFixture(std::int64_t n_layers = 1, std::int64_t tokens = 256, std::int64_t group = 2) {
-    synth::Spec s;
-    s.layers = n_layers;
-    s.kv_heads = 2;
-    s.group = group;
-    s.tokens = tokens;
-    s.head_dim = 32;
-    s.queries = 4;
-    s.segment = 64;
+    synth::Spec s{.layers = n_layers, .kv_heads = 2, .group = group, .tokens = tokens, .head_dim = 32, .queries = 4,
+                  .segment = 64};
     D = synth::generate(s);
     for (std::int64_t l = 0; l < n_layers; ++l) {
       eval::LayerInput in;
@@ -328,8 +322,8 @@ TEST_CASE("eval: pariskv keeps its zones, pariskv-flat retrieves the whole budge
     const eval::ParisKVZones z = eval::pariskv_zones(n);
     CHECK(z.sinks == std::min<std::int64_t>(4, n));
     CHECK(z.local == std::min<std::int64_t>(256, (n - z.sinks) / 2));
-    const eval::Compressed c = eval::pariskv_method(in, n, eval::MethodOptions{});
-    const eval::Compressed f = eval::pariskv_flat_method(in, n, eval::MethodOptions{});
+    const eval::Compressed c = eval::retriever_method("pariskv", in, n);
+    const eval::Compressed f = eval::retriever_method("pariskv_flat", in, n);
     REQUIRE(c.per_query.size() == std::size_t(in.q_heads * in.n_queries));
     for (std::size_t i = 0; i < c.per_query.size(); ++i) {
       const auto& p = c.per_query[i];

@@ -9,7 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/eval/metrics.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 
 #include <cmath>
 #include <cstdint>

@@ -22,7 +22,9 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/kvscore.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
+
+#include "test_support.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -39,42 +41,9 @@
 
 namespace {
 
-using kvscore::bfloat16;
-using kvscore::half;
-using kvscore::KeysView;
-using kvscore::Scores;
-using kvscore::ScoresView;
+using namespace test_support;  // fixtures, kernel_tables, ...
 
 constexpr double kRelTol = 1e-5;
-
-std::string golden_dir() { return std::string(KVSCORE_TEST_DATA_DIR) + "/golden"; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) FAIL("cannot open " << path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// params.json is a flat object of integers written by gen_fixtures.py; this is all the
-// JSON the tests need.
-std::int64_t json_int(const std::string& text, const std::string& key) {
-  const std::string quoted = "\"" + key + "\"";
-  const auto k = text.find(quoted);
-  if (k == std::string::npos) FAIL("params.json has no key " << key);
-  const auto colon = text.find(':', k + quoted.size());
-  REQUIRE(colon != std::string::npos);
-  return std::stoll(text.substr(colon + 1));
-}
-
-std::vector<std::string> case_names() {
-  std::istringstream in(read_text(golden_dir() + "/manifest.txt"));
-  std::vector<std::string> names;
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) names.push_back(line);
-  return names;
-}
 
 struct Case {
   std::string name, dir;
@@ -84,26 +53,16 @@ struct Case {
 Case load_case(const std::string& name) {
   Case c;
   c.name = name;
-  c.dir = golden_dir() + "/" + name;
+  c.dir = fixture_dir("golden") + "/" + name;
   const std::string p = read_text(c.dir + "/params.json");
-  c.heads = json_int(p, "heads");
-  c.tokens = json_int(p, "tokens");
-  c.dim = json_int(p, "head_dim");
-  c.window = json_int(p, "window");
-  c.qfilter_layer = json_int(p, "qfilter_layer");
+  c.heads = json_int(p, "heads"), c.tokens = json_int(p, "tokens"), c.dim = json_int(p, "head_dim");
+  c.window = json_int(p, "window"), c.qfilter_layer = json_int(p, "qfilter_layer");
   return c;
 }
 
 template <class T>
-constexpr const char* tag() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, half>) return "f16";
-  else return "bf16";
-}
-
-template <class T>
 std::vector<T> load_keys(const Case& c) {
-  const auto a = kvscore::npy::load(c.dir + "/keys_" + tag<T>() + ".npy");
+  const auto a = kvscore::npy::load(c.dir + "/keys_" + type_tag<T>() + ".npy");
   REQUIRE(a.shape == std::vector<std::int64_t>{c.heads, c.tokens, c.dim});
   return a.template to_vector<T>();
 }
@@ -198,13 +157,6 @@ void for_each_scorer(const Case& c, F&& f) {
   f(std::string("qfilter"), kvscore::QFilter::from_npy(c.dir + "/filters.npy", c.qfilter_layer));
 }
 
-/// The ISA paths to run: nullptr (the active table) and every table this CPU supports.
-std::vector<const kvscore::simd::KernelTable*> isa_paths() {
-  std::vector<const kvscore::simd::KernelTable*> out{nullptr};
-  for (const auto* t : kvscore::simd::available_tables()) out.push_back(t);
-  return out;
-}
-
 template <class T>
 void run_golden_case(const Case& c) {
   const std::vector<T> keys = load_keys<T>(c);
@@ -240,13 +192,13 @@ void run_golden_case(const Case& c) {
   } layouts[] = {{"hf", &hf_view}, {"hf-capacity", &padded_view}, {"token-major", &tm_view}};
 
   for_each_scorer(c, [&](const std::string& method, auto scorer) {
-    const std::vector<double> expected = load_expected(c, method, tag<T>());
+    const std::vector<double> expected = load_expected(c, method, type_tag<T>());
     const std::vector<double> scale = scales(c, keys64, method, qf);
-    for (const auto* isa : isa_paths()) {
+    for (const auto* isa : kernel_tables()) {
       scorer.isa = isa;
       const std::string isa_name = isa ? isa->name : "active";
       for (const auto& layout : layouts) {
-        INFO("case " << c.name << ", method " << method << ", dtype " << tag<T>() << ", layout " << layout.name
+        INFO("case " << c.name << ", method " << method << ", dtype " << type_tag<T>() << ", layout " << layout.name
                      << ", isa " << isa_name);
         const Scores s = scorer.score(*layout.view);
         REQUIRE(s.heads() == H);
@@ -255,7 +207,7 @@ void run_golden_case(const Case& c) {
       }
       // Caller-owned output with a padded head stride: the gaps must stay untouched.
       {
-        INFO("case " << c.name << ", method " << method << ", dtype " << tag<T>() << ", strided output, isa "
+        INFO("case " << c.name << ", method " << method << ", dtype " << type_tag<T>() << ", strided output, isa "
                      << isa_name);
         const std::int64_t os = N + 2;
         const float sentinel = -12345.5f;
@@ -272,7 +224,7 @@ void run_golden_case(const Case& c) {
 }  // namespace
 
 TEST_CASE("golden fixtures are present and consistent", "[golden]") {
-  const auto names = case_names();
+  const auto names = manifest("golden");
   REQUIRE(names.size() >= 4);
   for (const auto& name : names) {
     const Case c = load_case(name);
@@ -294,15 +246,15 @@ TEST_CASE("golden fixtures are present and consistent", "[golden]") {
 }
 
 TEST_CASE("golden scores: float32 keys", "[golden]") {
-  for (const auto& name : case_names()) run_golden_case<float>(load_case(name));
+  for (const auto& name : manifest("golden")) run_golden_case<float>(load_case(name));
 }
 
 TEST_CASE("golden scores: float16 keys", "[golden]") {
-  for (const auto& name : case_names()) run_golden_case<half>(load_case(name));
+  for (const auto& name : manifest("golden")) run_golden_case<half>(load_case(name));
 }
 
 TEST_CASE("golden scores: bfloat16 keys", "[golden]") {
-  for (const auto& name : case_names()) run_golden_case<bfloat16>(load_case(name));
+  for (const auto& name : manifest("golden")) run_golden_case<bfloat16>(load_case(name));
 }
 
 TEST_CASE("golden: every SIMD path is listed and named", "[golden]") {
@@ -319,7 +271,7 @@ TEST_CASE("golden: every SIMD path is listed and named", "[golden]") {
 }
 
 TEST_CASE("golden: QFilter::from_npy and the filters vector agree", "[golden]") {
-  for (const auto& name : case_names()) {
+  for (const auto& name : manifest("golden")) {
     const Case c = load_case(name);
     INFO("case " << name);
     const auto keys = load_keys<float>(c);
@@ -343,7 +295,7 @@ TEST_CASE("golden: QFilter::from_npy and the filters vector agree", "[golden]") 
 }
 
 TEST_CASE("golden: calibrate_qfilters matches numpy SVD", "[golden]") {
-  const std::string dir = golden_dir() + "/calib";
+  const std::string dir = fixture_dir("golden") + "/calib";
   const std::string p = read_text(dir + "/params.json");
   const std::int64_t hq = json_int(p, "q_heads"), n = json_int(p, "n"), d = json_int(p, "head_dim"),
                      hkv = json_int(p, "kv_heads");

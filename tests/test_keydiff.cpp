@@ -13,8 +13,6 @@
 
 namespace {
 
-using kvscore::bfloat16;
-using kvscore::Scores;
 using namespace test_support;  // Cache, random_cache, run, close, ...
 
 }  // namespace

@@ -11,7 +11,6 @@
 
 namespace {
 
-using kvscore::Scores;
 using namespace test_support;  // Cache, random_cache, run, close, ...
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The method registry (include/kvscore/methods.hpp): every spelling finds its entry, the
 // evaluator's built-ins are the registry in its order, each entry's header and doc page exist
-// and the doc page names the method; its constructors (scorers/make_scorer.hpp,
+// and the doc page names the method; its constructors (make_scorer.hpp,
 // make_method.hpp) build under every spelling what a direct construction gives, and reject
 // the rest. (The scorer types are tied to it in test_contract.cpp, the CLI in
 // tests/cli/test_cli.cpp, Python in python/tests/test_core.py.)
@@ -9,10 +9,12 @@
 #include <kvscore/eval/methods.hpp>
 #include <kvscore/make_method.hpp>
 #include <kvscore/methods.hpp>
-#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/make_scorer.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -186,6 +188,68 @@ TEST_CASE("make_scorer: given filters, threads, the ISA table and in-cache place
   CHECK(make_scorer("knorm", a).protected_recent() == 0);
 }
 
+TEST_CASE("make_scorer: each option reaches the scorers whose registry entry reads it, and no other",
+          "[methods][make_scorer]") {
+  using namespace kvscore;
+  const test_support::Cache c = test_support::random_cache(12, 2, 80, 16, 0.5f);
+  const test_support::Cache q = test_support::random_cache(13, 4, 6, 16);
+  ScorerArgs base;
+  base.queries = q.v.data(), base.q_heads = 4, base.n_queries = 6, base.head_dim = 16, base.kv_heads = 2;
+  base.window = 35;  // windowed_manifold_l2: 80 tokens = 2 windows and a tail of 10 that merges
+  // a value other than the default for every option a test can change; the inputs (queries,
+  // group, filters) are not changed here
+  const std::pair<const char*, std::function<void(ScorerArgs&)>> changes[] = {
+      {"window", [](ScorerArgs& a) { a.window = 20; }},
+      {"window_tail", [](ScorerArgs& a) { a.window_tail = WindowTail::own; }},
+      {"placement", [](ScorerArgs& a) { a.placement = QueryPlacement::after_cache; }},
+      {"kernel_size", [](ScorerArgs& a) { a.kernel_size = 3; }},
+      {"seed", [](ScorerArgs& a) { a.seed = 9; }},
+      {"kappa", [](ScorerArgs& a) { a.kappa = 2; }},
+      {"sat_candidates", [](ScorerArgs& a) { a.sat_candidates = 10; }},
+      {"lsh_bits", [](ScorerArgs& a) { a.lsh_bits = 3; }},
+      {"chunks", [](ScorerArgs& a) { a.chunks = 7; }},
+      {"bandwidth", [](ScorerArgs& a) { a.bandwidth = 0.5; }},
+      {"psi", [](ScorerArgs& a) { a.psi = ProtoKV::Psi::sum; }},
+  };
+  const std::set<std::string> inputs = {"queries", "group", "filters"};
+  for (const MethodInfo& m : kMethods) {
+    if (!is_scorer(m)) continue;
+    for (std::string_view o : split_list(m.options)) {
+      INFO(m.name << " reads '" << o << "'");
+      const bool known = inputs.count(std::string(o)) > 0 ||
+                         std::any_of(std::begin(changes), std::end(changes), [&](const auto& x) { return o == x.first; });
+      CHECK(known);  // a new option: add a change above
+    }
+    const AnyScorer ref = make_scorer(m.name, base);
+    const kvscore::Scores ref_scores = test_support::run(ref, c);
+    for (const auto& [option, change] : changes) {
+      INFO(m.name << ", option " << option);
+      ScorerArgs a = base;
+      change(a);
+      const AnyScorer s = make_scorer(m.name, a);
+      const kvscore::Scores scores = test_support::run(s, c);
+      const bool same = s.protected_recent() == ref.protected_recent() &&
+                        std::memcmp(scores.data(), ref_scores.data(), sizeof(float) * ref_scores.values().size()) == 0;
+      CHECK(same != reads_option(m, option));  // on this cache every option a scorer reads changes it
+    }
+  }
+
+  // the ProtoKV and SnapKV members themselves: ScorerArgs names them as the scorers do
+  const auto set = [](auto& x) {
+    x.seed = 9, x.kappa = 2, x.sat_candidates = 10, x.lsh_bits = 3, x.chunks = 7, x.bandwidth = 0.5;
+    x.psi = ProtoKV::Psi::mean;
+  };
+  ScorerArgs a = base;
+  set(a);
+  a.kernel_size = 3;
+  ProtoKV proto(q.v.data(), 4, 6, 16);
+  set(proto);
+  same_scorer(make_scorer("protokv", a), proto, c);
+  SnapKV snap(q.v.data(), 4, 6, 16);
+  snap.kernel_size = 3;
+  same_scorer(make_scorer("snapkv", a), snap, c);
+}
+
 TEST_CASE("make_scorer: a method that is not a scorer, an unknown name, missing queries or filters are errors",
           "[methods][make_scorer][errors]") {
   using namespace kvscore;
@@ -302,7 +366,7 @@ TEST_CASE("make_hybrid: OjaKV equals its direct construction (projectors, residu
   CHECK(make_hybrid("ojakv", keys, values, a).cache.head(0).uk.cols() == 4);
 }
 
-TEST_CASE("make_method: every entry but the reference builds through its kind's constructor; wrong kinds are errors",
+TEST_CASE("make_method: every entry but the reference builds through its kind's constructor, wrong kinds are errors",
           "[methods][make_method][errors]") {
   using namespace kvscore;
   const test_support::Cache k = test_support::random_cache(31, 1, 64, 8);

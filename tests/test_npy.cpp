@@ -1,4 +1,4 @@
-// Tests of kvscore/npy.hpp: round trips, the exact bytes written, real NumPy files,
+// Tests of kvscore/io/npy.hpp: round trips, the exact bytes written, real NumPy files,
 // and every error path of the reader.
 #include <catch2/catch.hpp>
 
@@ -15,7 +15,7 @@
 
 #include <unistd.h>
 
-#include "kvscore/npy.hpp"
+#include "kvscore/io/npy.hpp"
 
 namespace fs = std::filesystem;
 namespace npy = kvscore::npy;

@@ -5,7 +5,7 @@
 // accounting formula), RoPE-rotated keys, element types and error paths.
 #include <catch2/catch.hpp>
 
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 #include <kvscore/synth.hpp>
 
@@ -45,25 +45,33 @@ namespace {
 
 constexpr std::int64_t kSteps = 65536;
 
-/// Attention of q over rows [0, n) of one head: fp32 logits (Eigen GEMV), softmax and output in fp64.
-std::vector<double> exact_attention(const float* K, const float* V, std::int64_t n, std::int64_t d, const float* q) {
+/// Eigen's products on one thread for a generation run, restored after it. Each product is small
+/// (a block's rebase, a reconstruction, a checkpoint's probes), and with two OpenMP threads on a
+/// busy 2-core machine the threads spent their time waiting for each other: a run took over 200 s
+/// under ctest -j2, 13 s on one thread, with the same results (every printed digit).
+struct SerialEigen {
+  const int before = Eigen::nbThreads();
+  SerialEigen() { Eigen::setNbThreads(1); }
+  ~SerialEigen() { Eigen::setNbThreads(before); }
+  SerialEigen(const SerialEigen&) = delete;
+  SerialEigen& operator=(const SerialEigen&) = delete;
+};
+
+/// Attention of the probes Q [m][d] over rows [0, n) of one head, all probes at once: fp32
+/// logits (an Eigen GEMM), softmax and outputs in fp64; column i is probe i's output [d].
+Eigen::MatrixXd exact_attention(const float* K, const float* V, std::int64_t n, std::int64_t d, const Eigen::MatrixXf& Q) {
   using Rows = Eigen::Map<const kvscore::oja::RowMajorF>;
-  const Eigen::VectorXf z = Rows(K, n, d) * Eigen::Map<const Eigen::VectorXf>(q, d);
-  Eigen::VectorXd p = z.cast<double>() / std::sqrt(double(d));
-  p = (p.array() - p.maxCoeff()).exp();
-  p /= p.sum();
-  const Eigen::VectorXd o = Rows(V, n, d).cast<double>().transpose() * p;
-  return std::vector<double>(o.data(), o.data() + d);
+  const Eigen::MatrixXf z = Rows(K, n, d) * Q.transpose();  // [n][m]
+  Eigen::MatrixXd p = z.cast<double>() / std::sqrt(double(d));
+  for (Eigen::Index i = 0; i < p.cols(); ++i) {
+    p.col(i) = (p.col(i).array() - p.col(i).maxCoeff()).exp();
+    p.col(i) /= p.col(i).sum();
+  }
+  const Eigen::MatrixXd v = Rows(V, n, d).cast<double>();
+  return v.transpose() * p;
 }
 
-double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double e = 0, n = 0;
-  for (std::size_t j = 0; j < a.size(); ++j) {
-    e += (a[j] - b[j]) * (a[j] - b[j]);
-    n += b[j] * b[j];
-  }
-  return std::sqrt(e / n);
-}
+double rel_error(const Eigen::VectorXd& a, const Eigen::VectorXd& b) { return (a - b).norm() / b.norm(); }
 
 }  // namespace
 
@@ -90,10 +98,12 @@ struct DriftErrors {
 /// OjaHybridCache::attention: test_ojakv.cpp). With `rope` keys are rotated by their position
 /// first: the cache takes post-RoPE rows as an engine holds them.
 DriftErrors drift_run(bool shift, bool rope) {
+  const SerialEigen serial;
   const std::int64_t H = 4, d = 64, r = 12, prefill = 4096, steps = kSteps, N = prefill + steps, w = 32;
   const std::int64_t switch_at = shift ? prefill + steps / 4 : N;
   constexpr int kProbes = 32;
-  const kvscore::synth::Data data = test_support::drift_head(N, d, 7, 4 * H);
+  // the same synth heads for every run (generated once: a quarter of a run's time)
+  static const kvscore::synth::Data data = test_support::drift_head(N, d, 7, 4 * H);
   std::vector<float> K(static_cast<std::size_t>(H * N * d)), V(K.size());  // [H][N][d]
   for (std::int64_t h = 0; h < H; ++h)
     for (std::int64_t t = 0; t < N; ++t) {
@@ -125,7 +135,7 @@ DriftErrors drift_run(bool shift, bool rope) {
   kvscore::detail::SplitMix64 rng(3);
   DriftErrors out;
   for (auto* x : {&out.adapted, &out.frozen, &out.adapted_any, &out.frozen_any}) x->assign(std::size_t(H), 0.0);
-  std::vector<float> k(static_cast<std::size_t>(H * d)), v(k.size()), q(static_cast<std::size_t>(d));
+  std::vector<float> k(static_cast<std::size_t>(H * d)), v(k.size());
   for (std::int64_t n = prefill; n < N; ++n) {
     for (std::int64_t h = 0; h < H; ++h) {
       std::copy_n(K.data() + (h * N + n) * d, d, k.data() + h * d);
@@ -139,17 +149,20 @@ DriftErrors drift_run(bool shift, bool rope) {
       const auto kf = frozen.reconstruct_keys(h), vf = frozen.reconstruct_values(h);
       const float* kh = K.data() + h * N * d;
       const float* vh = V.data() + h * N * d;
+      Eigen::MatrixXf probes(kProbes, d);
       for (int qi = 0; qi < kProbes; ++qi) {
         const std::int64_t lo = qi % 2 == 0 ? n + 1 - 1024 : 0;
         const std::int64_t target = lo + std::int64_t(rng.next() % std::uint64_t(n + 1 - lo));
         for (std::int64_t j = 0; j < d; ++j)
-          q[std::size_t(j)] = 0.25f * kh[target * d + j] + float(0.5 * (rng.uniform_nonzero() - 0.5));
-        const std::vector<double> truth = exact_attention(kh, vh, n + 1, d, q.data());
+          probes(qi, Eigen::Index(j)) = 0.25f * kh[target * d + j] + float(0.5 * (rng.uniform_nonzero() - 0.5));
+      }
+      const Eigen::MatrixXd truth = exact_attention(kh, vh, n + 1, d, probes);
+      const Eigen::MatrixXd oa = exact_attention(ka.data(), va.data(), n + 1, d, probes);
+      const Eigen::MatrixXd of = exact_attention(kf.data(), vf.data(), n + 1, d, probes);
+      for (int qi = 0; qi < kProbes; ++qi) {
         const bool recent = qi % 2 == 0;
-        (recent ? out.adapted : out.adapted_any)[std::size_t(h)] +=
-            rel_error(exact_attention(ka.data(), va.data(), n + 1, d, q.data()), truth);
-        (recent ? out.frozen : out.frozen_any)[std::size_t(h)] +=
-            rel_error(exact_attention(kf.data(), vf.data(), n + 1, d, q.data()), truth);
+        (recent ? out.adapted : out.adapted_any)[std::size_t(h)] += rel_error(oa.col(qi), truth.col(qi));
+        (recent ? out.frozen : out.frozen_any)[std::size_t(h)] += rel_error(of.col(qi), truth.col(qi));
       }
     }
   }
@@ -224,6 +237,7 @@ TEST_CASE("ojakv decode: RoPE-rotated drifting keys (post-RoPE inputs)", "[ojakv
 TEST_CASE("ojakv decode: memory per token equals the accounting formula to 1% (d 128, ranks 32 + 32)",
           "[ojakv][decode][drift]") {
   // Llama-like head: d = 128, r_k = r_v = 32 (4x per side), fp32 store, 10% full rank.
+  const SerialEigen serial;
   const std::int64_t d = 128, r = 32, prompt = 4096, steps = kSteps, N = prompt + steps;
   const kvscore::synth::Data data = test_support::drift_head(N, d, 21);
   const std::vector<float>& K = data.keys;

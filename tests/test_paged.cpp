@@ -33,15 +33,6 @@ using kvscore::Selection;
 
 using test_support::error_of;
 
-template <class T>
-std::vector<T> random_bits(std::size_t n, std::mt19937_64& rng) {
-  std::vector<T> v(n);
-  std::vector<unsigned char> bytes(n * sizeof(T));
-  for (auto& b : bytes) b = static_cast<unsigned char>(rng());
-  if (n > 0) std::memcpy(v.data(), bytes.data(), bytes.size());
-  return v;
-}
-
 /// A random paged geometry: pool of NB blocks, one sequence of N tokens over distinct random blocks
 /// (a shuffled subset, so ids are non-contiguous and unordered, sometimes consecutive), plus
 /// garbage entries after the used part of the table (vLLM pads its rows).
@@ -203,7 +194,7 @@ TEMPLATE_TEST_CASE("paged view: gathering the runs equals a contiguous copy", "[
   std::mt19937_64 rng(22);
   for (int iter = 0; iter < 100; ++iter) {
     const Geometry g = random_geometry(rng);
-    const std::vector<T> pool = random_bits<T>(g.pool_size(), rng);
+    const std::vector<T> pool = test_support::random_bits<T>(g.pool_size(), rng);
     const auto v = view_of(g, pool.data());
     std::vector<T> via_runs(std::size_t(g.H * g.N * g.D)), via_ref(via_runs.size());
     for (std::int64_t h = 0; h < g.H; ++h) {
@@ -292,7 +283,7 @@ TEMPLATE_TEST_CASE("compact a paged sequence in place: other blocks untouched", 
   std::mt19937_64 rng(24);
   for (int iter = 0; iter < 200; ++iter) {
     const Geometry g = random_geometry(rng, iter % 4 == 0);
-    std::vector<T> kpool = random_bits<T>(g.pool_size(), rng), vpool = random_bits<T>(g.pool_size(), rng);
+    std::vector<T> kpool = test_support::random_bits<T>(g.pool_size(), rng), vpool = test_support::random_bits<T>(g.pool_size(), rng);
     const std::vector<T> k0 = kpool, v0 = vpool;
     const BlockTable table = g.table();
     const auto kv = g.layout == PagedLayout::nhd ? MutPagedKeysView<T>::nhd(kpool.data(), g.H, g.D, table)

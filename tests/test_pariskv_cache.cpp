@@ -1,8 +1,8 @@
-// ParisKV's decode-time cache (include/kvscore/pariskv_cache.hpp): zones, the update rule,
+// ParisKV's decode-time cache (include/kvscore/pariskv/cache.hpp): zones, the update rule,
 // the dense fallback, and a long drifting generation checked against brute force.
 #include <catch2/catch.hpp>
 
-#include <kvscore/pariskv_cache.hpp>
+#include <kvscore/pariskv/cache.hpp>
 #include <kvscore/synth.hpp>
 
 #include "test_support.hpp"

@@ -12,8 +12,11 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/kvscore.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/make_scorer.hpp>
 #include <kvscore/scorers/protokv.hpp>
+
+#include "test_support.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -30,87 +33,34 @@
 
 namespace {
 
-using kvscore::half;
-using kvscore::KeysView;
 using kvscore::ProtoKV;
-using kvscore::Scores;
-using kvscore::ScoresView;
 using Catch::Matchers::Contains;
+using namespace test_support;  // randn, kernel_tables, BlockView, fixtures, ...
 
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-std::vector<float> pk_randn(std::size_t n, std::uint32_t seed, float scale = 1.f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> nd(0.f, scale);  // test data only: no cross-platform claim
-  std::vector<float> v(n);
-  for (float& x : v) x = nd(g);
-  return v;
-}
-
-std::vector<const kvscore::simd::KernelTable*> pk_tables() {
-  std::vector<const kvscore::simd::KernelTable*> out{nullptr};
-  for (const auto* t : kvscore::simd::available_tables()) out.push_back(t);
-  return out;
-}
 
 // ----------------------------------------------------------------- fixtures
-
-std::string pk_dir() { return std::string(KVSCORE_TEST_DATA_DIR) + "/protokv"; }
-
-std::string pk_read(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) FAIL("cannot open " << path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::string pk_json_raw(const std::string& text, const std::string& key) {
-  const std::string quoted = "\"" + key + "\"";
-  const auto k = text.find(quoted);
-  if (k == std::string::npos) FAIL("params.json has no key " << key);
-  const auto colon = text.find(':', k + quoted.size());
-  const auto end = text.find_first_of(",\n}", colon);
-  std::string v = text.substr(colon + 1, end - colon - 1);
-  v.erase(0, v.find_first_not_of(" \""));
-  v.erase(v.find_last_not_of(" \"") + 1);
-  return v;
-}
 
 struct PkCase {
   std::string name, dir, keys_dir;
   std::int64_t kv = 0, hq = 0, group = 0, N = 0, d = 0, w = 0;
-  ProtoKV::Psi psi = ProtoKV::Psi::sum;
-  std::int64_t kappa = 0, p = 0, v = 0;
-  int r = 0;
-  double bandwidth = 0;
-  std::uint64_t seed = 0;
+  kvscore::ScorerArgs opt;  ///< ProtoKV's options (the members ScorerArgs and ProtoKV name alike)
 };
 
 std::vector<PkCase> pk_cases() {
-  std::istringstream in(pk_read(pk_dir() + "/manifest.txt"));
   std::vector<PkCase> out;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
+  for (const std::string& line : manifest("protokv")) {
     PkCase c;
     c.name = line;
-    c.dir = pk_dir() + "/" + line;
-    const std::string p = pk_read(c.dir + "/params.json");
-    c.keys_dir = pk_dir() + "/" + pk_json_raw(p, "keys_from");
-    c.kv = std::stoll(pk_json_raw(p, "kv_heads"));
-    c.hq = std::stoll(pk_json_raw(p, "q_heads"));
-    c.group = std::stoll(pk_json_raw(p, "group"));
-    c.N = std::stoll(pk_json_raw(p, "tokens"));
-    c.d = std::stoll(pk_json_raw(p, "head_dim"));
-    c.w = std::stoll(pk_json_raw(p, "window"));
-    c.kappa = std::stoll(pk_json_raw(p, "kappa"));
-    c.p = std::stoll(pk_json_raw(p, "sat_candidates"));
-    c.r = std::stoi(pk_json_raw(p, "lsh_bits"));
-    c.v = std::stoll(pk_json_raw(p, "chunks"));
-    c.bandwidth = std::stod(pk_json_raw(p, "bandwidth"));
-    c.seed = std::stoull(pk_json_raw(p, "seed"));
-    c.psi = pk_json_raw(p, "psi") == "mean" ? ProtoKV::Psi::mean : ProtoKV::Psi::sum;
+    c.dir = fixture_dir("protokv") + "/" + line;
+    const std::string p = read_text(c.dir + "/params.json");
+    c.keys_dir = fixture_dir("protokv") + "/" + json_value(p, "keys_from");
+    c.kv = json_int(p, "kv_heads"), c.hq = json_int(p, "q_heads"), c.group = json_int(p, "group");
+    c.N = json_int(p, "tokens"), c.d = json_int(p, "head_dim"), c.w = json_int(p, "window");
+    kvscore::ScorerArgs& o = c.opt;
+    o.kappa = json_int(p, "kappa"), o.sat_candidates = json_int(p, "sat_candidates");
+    o.lsh_bits = int(json_int(p, "lsh_bits")), o.chunks = json_int(p, "chunks");
+    o.bandwidth = std::stod(json_value(p, "bandwidth")), o.seed = std::stoull(json_value(p, "seed"));
+    o.psi = json_value(p, "psi") == "mean" ? ProtoKV::Psi::mean : ProtoKV::Psi::sum;
     out.push_back(c);
   }
   return out;
@@ -118,67 +68,21 @@ std::vector<PkCase> pk_cases() {
 
 ProtoKV pk_make(const PkCase& c, const std::vector<float>& q) {
   ProtoKV pk(q.data(), c.hq, c.w, c.d, c.group);
-  pk.kappa = c.kappa;
-  pk.sat_candidates = c.p;
-  pk.lsh_bits = c.r;
-  pk.chunks = c.v;
-  pk.bandwidth = c.bandwidth;
-  pk.seed = c.seed;
-  pk.psi = c.psi;
+  const kvscore::ScorerArgs& o = c.opt;
+  pk.kappa = o.kappa, pk.sat_candidates = o.sat_candidates, pk.lsh_bits = o.lsh_bits, pk.chunks = o.chunks;
+  pk.bandwidth = o.bandwidth, pk.seed = o.seed, pk.psi = o.psi;
   return pk;
 }
 
 template <class T>
-const char* pk_tname() {
-  return std::is_same_v<T, float> ? "f32" : "f16";
-}
-
-/// Token-major copy [N][H][d] of [H][N][d] keys.
-template <class T>
-std::vector<T> pk_token_major(const std::vector<T>& k, std::int64_t H, std::int64_t N, std::int64_t d) {
-  std::vector<T> out(k.size());
-  for (std::int64_t h = 0; h < H; ++h)
-    for (std::int64_t t = 0; t < N; ++t)
-      std::memcpy(&out[std::size_t((t * H + h) * d)], &k[std::size_t((h * N + t) * d)], std::size_t(d) * sizeof(T));
-  return out;
-}
-
-/// A view with several runs per head (blocks of B tokens, in reverse order in memory).
-template <class T>
-struct PkBlockView {
-  using value_type = T;
-  const T* data = nullptr;
-  std::int64_t H = 0, N = 0, d = 0, B = 1;
-  std::int64_t heads() const { return H; }
-  std::int64_t tokens() const { return N; }
-  std::int64_t head_dim() const { return d; }
-  template <class F>
-  void for_each_run(std::int64_t h, F&& f) const {
-    const std::int64_t nb = (N + B - 1) / B;
-    for (std::int64_t b = 0; b < nb; ++b)
-      f(data + ((nb - 1 - b) * B * H + h) * d, b * B, std::min(B, N - b * B), H * d);
-  }
-};
-template <class T>
-std::vector<T> pk_blocks(const std::vector<T>& k, std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t B) {
-  const std::int64_t nb = (N + B - 1) / B;
-  std::vector<T> out(std::size_t(nb * B * H * d), kvscore::from_float<T>(kNaN));
-  for (std::int64_t h = 0; h < H; ++h)
-    for (std::int64_t t = 0; t < N; ++t)
-      std::memcpy(&out[std::size_t((((nb - 1 - t / B) * B + t % B) * H + h) * d)], &k[std::size_t((h * N + t) * d)],
-                  std::size_t(d) * sizeof(T));
-  return out;
-}
-
-template <class T>
 void pk_golden(const PkCase& c) {
-  const auto ka = kvscore::npy::load(c.keys_dir + "/keys_" + pk_tname<T>() + ".npy");
+  const auto ka = kvscore::npy::load(c.keys_dir + "/keys_" + type_tag<T>() + ".npy");
   REQUIRE(ka.shape == std::vector<std::int64_t>{c.kv, c.N, c.d});
   const std::vector<T> keys = ka.template to_vector<T>();
   const std::vector<float> q = kvscore::npy::load(c.keys_dir + "/queries.npy").template to_vector<float>();
   REQUIRE(std::int64_t(q.size()) == c.hq * c.w * c.d);
   auto load = [&](const char* what) {
-    return kvscore::npy::load(c.dir + "/" + pk_tname<T>() + "_" + what + ".npy");
+    return kvscore::npy::load(c.dir + "/" + type_tag<T>() + "_" + what + ".npy");
   };
   const std::vector<double> exp_scores = load("scores").template to_vector<double>();
   const std::vector<double> exp_S = load("similarity").template to_vector<double>();
@@ -193,12 +97,12 @@ void pk_golden(const PkCase& c) {
 
   ProtoKV pk = pk_make(c, q);
   const KeysView<T> hf(keys.data(), c.kv, c.N, c.d, c.N * c.d, c.d);
-  const std::vector<T> tm = pk_token_major(keys, c.kv, c.N, c.d);
+  const std::vector<T> tm = token_major(keys, c.kv, c.N, c.d);
   const auto tmv = KeysView<T>::token_major(tm.data(), c.N, c.kv, c.d);
-  const std::vector<T> bl = pk_blocks(keys, c.kv, c.N, c.d, 7);
-  const PkBlockView<T> blv{bl.data(), c.kv, c.N, c.d, 7};
+  const std::vector<T> bl = to_blocks(keys, c.kv, c.N, c.d, 7);
+  const BlockView<T> blv{bl.data(), c.kv, c.N, c.d, 7};
 
-  for (const auto* isa : pk_tables()) {
+  for (const auto* isa : kernel_tables()) {
     INFO("isa " << (isa ? isa->name : "active"));
     pk.isa = isa;
     const Scores s = pk.score(hf);
@@ -263,7 +167,7 @@ TEST_CASE("ProtoKV golden: fixtures present (GQA 1/2/4, d 17/32/64, sum and mean
   const auto cs = pk_cases();
   REQUIRE(cs.size() == 4);
   bool mean = false;
-  for (const auto& c : cs) mean = mean || c.psi == ProtoKV::Psi::mean;
+  for (const auto& c : cs) mean = mean || c.opt.psi == ProtoKV::Psi::mean;
   CHECK(mean);
 }
 
@@ -293,8 +197,8 @@ TEST_CASE("ProtoKV: RFF parameters are bit-exact with the Python splitmix64 + Bo
     const auto b = kvscore::npy::load(c.dir + "/rff_b.npy").to_vector<double>();
     for (std::int64_t h = 0; h < 2; ++h) {
       std::vector<double> w, bb;
-      kvscore::detail::proto::rff_params(c.seed, h, c.r, c.d, w, bb);
-      REQUIRE(std::int64_t(w.size()) == c.r * c.d);
+      kvscore::detail::proto::rff_params(c.opt.seed, h, c.opt.lsh_bits, c.d, w, bb);
+      REQUIRE(std::int64_t(w.size()) == c.opt.lsh_bits * c.d);
       for (std::size_t i = 0; i < w.size(); ++i)  // same libm here: equal; 1 ulp of slack elsewhere
         CHECK(std::fabs(w[i] - W[std::size_t(h) * w.size() + i]) <= 4e-16 * std::max(1.0, std::fabs(w[i])));
       for (std::size_t i = 0; i < bb.size(); ++i) CHECK(bb[i] == b[std::size_t(h) * bb.size() + i]);
@@ -359,7 +263,7 @@ TEST_CASE("ProtoKV planted: scattered compact anchors the queries attend to are 
 TEST_CASE("ProtoKV planted: PDT chunk prototypes recover contiguous topics", "[protokv]") {
   const std::int64_t L = 40, T = 12, N = L * T, d = 32, w = 8;
   const std::vector<float> k = pk_topics(N, d, L, 21, 0.4f);
-  const std::vector<float> q = pk_randn(std::size_t(w * d), 22);
+  const std::vector<float> q = randn(std::size_t(w * d), 22);
   const KeysView<float> v(k.data(), 1, N, d, N * d, d);
   ProtoKV pk(q.data(), 1, w, d);
   pk.sat_candidates = 0;
@@ -388,7 +292,7 @@ TEST_CASE("ProtoKV: any budget keeps whole clusters in decreasing psi, then the 
     const auto kh = pk_topics(N, d, 35, 31 + std::uint32_t(h), 0.8f);
     k.insert(k.end(), kh.begin(), kh.end());
   }
-  const std::vector<float> q = pk_randn(std::size_t(H * G * w * d), 33, 0.5f);
+  const std::vector<float> q = randn(std::size_t(H * G * w * d), 33, 0.5f);
   const KeysView<float> v(k.data(), H, N, d, N * d, d);
   for (auto psi : {ProtoKV::Psi::sum, ProtoKV::Psi::mean}) {
     ProtoKV pk(q.data(), H * G, w, d);
@@ -449,8 +353,8 @@ TEST_CASE("ProtoKV: any budget keeps whole clusters in decreasing psi, then the 
 
 TEST_CASE("ProtoKV: singleton clusters reduce to token-level selection by window q.k", "[protokv]") {
   const std::int64_t N = 300, d = 16, w = 8, H = 2;
-  const std::vector<float> k = pk_randn(std::size_t(H * N * d), 41);
-  const std::vector<float> q = pk_randn(std::size_t(H * w * d), 42);
+  const std::vector<float> k = randn(std::size_t(H * N * d), 41);
+  const std::vector<float> q = randn(std::size_t(H * w * d), 42);
   const KeysView<float> v(k.data(), H, N, d, N * d, d);
   ProtoKV pk(q.data(), H, w, d);
   pk.sat_candidates = 0;
@@ -542,7 +446,7 @@ TEST_CASE("ProtoKV: attention psi is each cluster's mean softmax mass over the w
     k.insert(k.end(), kh.begin(), kh.end());
   }
   k[std::size_t((1 * N + 7) * d + 2)] = kNaN;  // an invalid key (head 1) takes no part
-  const std::vector<float> q = pk_randn(std::size_t(H * G * w * d), 72, 1.5f);
+  const std::vector<float> q = randn(std::size_t(H * G * w * d), 72, 1.5f);
   const KeysView<float> v(k.data(), H, N, d, N * d, d);
   ProtoKV pk(q.data(), H * G, w, d);
   pk.chunks = 20;
@@ -623,7 +527,7 @@ TEST_CASE("ProtoKV: sum psi favours a big lukewarm cluster, mean psi a small hot
 TEST_CASE("ProtoKV: invalid keys score -inf and join no cluster - zero keys are finite", "[protokv]") {
   const std::int64_t N = 200, d = 16, w = 8;
   std::vector<float> k = pk_topics(N, d, 20, 61);
-  const std::vector<float> q = pk_randn(std::size_t(w * d), 62);
+  const std::vector<float> q = randn(std::size_t(w * d), 62);
   k[std::size_t(10 * d + 3)] = kNaN;
   k[std::size_t(50 * d)] = kInf;
   k[std::size_t(90 * d + 1)] = 3e19f;  // squared norm overflows fp32
@@ -667,7 +571,7 @@ TEST_CASE("ProtoKV composes with AdaKV: every head keeps a prefix of its cluster
     const auto kh = pk_topics(N, d, 25 + 10 * h, 71 + std::uint32_t(h));
     k.insert(k.end(), kh.begin(), kh.end());
   }
-  const std::vector<float> q = pk_randn(std::size_t(H * w * d), 72);
+  const std::vector<float> q = randn(std::size_t(H * w * d), 72);
   const KeysView<float> v(k.data(), H, N, d, N * d, d);
   ProtoKV pk(q.data(), H, w, d);
   pk.chunks = 40;
@@ -697,8 +601,8 @@ TEST_CASE("ProtoKV composes with AdaKV: every head keeps a prefix of its cluster
 
 TEST_CASE("ProtoKV: bad arguments throw std::invalid_argument naming the values", "[protokv]") {
   const std::int64_t N = 40, d = 8, w = 4;
-  const std::vector<float> k = pk_randn(std::size_t(2 * N * d), 81);
-  const std::vector<float> q = pk_randn(std::size_t(4 * w * d), 82);
+  const std::vector<float> k = randn(std::size_t(2 * N * d), 81);
+  const std::vector<float> q = randn(std::size_t(4 * w * d), 82);
   const KeysView<float> v(k.data(), 2, N, d, N * d, d);
   auto mk = [&] { return ProtoKV(q.data(), 2, w, d); };
 
@@ -710,7 +614,7 @@ TEST_CASE("ProtoKV: bad arguments throw std::invalid_argument naming the values"
   CHECK_THROWS_WITH(ProtoKV(q.data(), 0, w, d), Contains("q_heads must be > 0 (got 0)"));
   CHECK_THROWS_WITH(ProtoKV(q.data(), 2, w, 0), Contains("head_dim must be in [1, 4096] (got 0)"));
   CHECK_THROWS_WITH(ProtoKV(nullptr, 2, w, d), Contains("queries is null"));
-  const std::vector<float> q50 = pk_randn(std::size_t(2 * 50 * d), 83);
+  const std::vector<float> q50 = randn(std::size_t(2 * 50 * d), 83);
   CHECK_THROWS_WITH(ProtoKV(q50.data(), 2, 50, d).score(v), Contains("window 50 > tokens 40"));
   std::vector<float> bad = q;
   bad[std::size_t((1 * w + 2) * d + 5)] = kNaN;
@@ -768,7 +672,7 @@ TEST_CASE("ProtoKV: bit-identical for any num_threads, across runs, and per seed
   kf[std::size_t((3 * N + 100) * d)] = kNaN;
   std::vector<half> kh(kf.size());
   kvscore::convert(kf.data(), kh.data(), kf.size());
-  const std::vector<float> q = pk_randn(std::size_t(H * w * d), 92, 0.3f);
+  const std::vector<float> q = randn(std::size_t(H * w * d), 92, 0.3f);
   const KeysView<half> v(kh.data(), H, N, d, N * d, d);
   ProtoKV pk(q.data(), H, w, d);
   pk.chunks = 64;

@@ -21,8 +21,8 @@
 
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/eval/evaluate.hpp"
-#include "kvscore/ojakv.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"

@@ -1,4 +1,4 @@
-// The .safetensors reader (kvscore/safetensors.hpp) and Q-Filters in the authors' published
+// The .safetensors reader (kvscore/io/safetensors.hpp) and Q-Filters in the authors' published
 // convention (issue 18, defect 1): fixtures written by tools/gen_qfilter_published_fixtures.py
 // (plain Python struct/json), the same filters as F32, F16 and BF16; scores checked bit for bit
 // against -<f, k> computed in fp64 (every product and sum is exact: multiples of 1/8).
@@ -14,8 +14,9 @@
 
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
-#include <kvscore/safetensors.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/io/safetensors.hpp>
+#include <kvscore/io/qfilter_file.hpp>
 #include <kvscore/scorers/qfilter.hpp>
 
 namespace {

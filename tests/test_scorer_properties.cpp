@@ -24,16 +24,9 @@
 
 namespace {
 
-using kvscore::bfloat16;
-using kvscore::half;
-using kvscore::KeysView;
-using kvscore::Scores;
-using kvscore::ScoresView;
 
 using namespace test_support;  // Cache, random_cache, run, close, ...
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 bool any_nan(const Scores& s) {
   return std::any_of(s.values().begin(), s.values().end(), [](float x) { return std::isnan(x); });

@@ -10,7 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/kvscore.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include <algorithm>

@@ -21,7 +21,9 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/kvscore.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
+
+#include "test_support.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -38,16 +40,10 @@
 
 namespace {
 
-using kvscore::bfloat16;
-using kvscore::half;
-using kvscore::KeysView;
-using kvscore::Scores;
-using kvscore::ScoresView;
 using kvscore::SnapKV;
 using Catch::Matchers::Contains;
+using namespace test_support;  // randn, kernel_tables, BlockView, fixtures, ...
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24
 
 // ----------------------------------------------------------------- float64 reference
@@ -167,90 +163,7 @@ std::string compare(const float* actual, std::int64_t head_stride, const std::ve
   return out.str();
 }
 
-// ----------------------------------------------------------------- views
-
-/// Paged-style view for the tests: blocks of B tokens, stored in reverse block order,
-/// each block token-major [B][heads][d] — several runs per head with their own bases.
-template <class T>
-struct BlockView {
-  using value_type = T;
-  const T* data = nullptr;
-  std::int64_t H = 0, N = 0, d = 0, B = 1;
-  std::int64_t heads() const { return H; }
-  std::int64_t tokens() const { return N; }
-  std::int64_t head_dim() const { return d; }
-  std::int64_t blocks() const { return (N + B - 1) / B; }
-  template <class F>
-  void for_each_run(std::int64_t h, F&& f) const {
-    for (std::int64_t b = 0; b < blocks(); ++b) {
-      const std::int64_t slot = blocks() - 1 - b;
-      f(data + (slot * B * H + h) * d, b * B, std::min(B, N - b * B), H * d);
-    }
-  }
-};
-
-/// Storage for BlockView from [H][N][d] keys.
-template <class T>
-std::vector<T> to_blocks(const std::vector<T>& keys, std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t B) {
-  const std::int64_t nb = (N + B - 1) / B;
-  std::vector<T> out(std::size_t(nb * B * H * d), kvscore::from_float<T>(kNaN));
-  for (std::int64_t h = 0; h < H; ++h)
-    for (std::int64_t t = 0; t < N; ++t) {
-      const std::int64_t slot = nb - 1 - t / B;
-      std::memcpy(&out[std::size_t(((slot * B + t % B) * H + h) * d)], &keys[std::size_t((h * N + t) * d)],
-                  std::size_t(d) * sizeof(T));
-    }
-  return out;
-}
-
-template <class T>
-constexpr const char* tname() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, half>) return "f16";
-  else return "bf16";
-}
-
-std::vector<float> randn(std::size_t n, std::uint32_t seed, float sigma = 1.f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, sigma);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-template <class T>
-std::vector<T> convert(const std::vector<float>& x) {
-  std::vector<T> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = kvscore::from_float<T>(x[i]);
-  return out;
-}
-
-std::vector<const kvscore::simd::KernelTable*> isa_paths() {
-  std::vector<const kvscore::simd::KernelTable*> out{nullptr};
-  for (const auto* t : kvscore::simd::available_tables()) out.push_back(t);
-  return out;
-}
-
 // ----------------------------------------------------------------- fixtures
-
-std::string data_dir() { return std::string(KVSCORE_TEST_DATA_DIR) + "/snapkv"; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) FAIL("cannot open " << path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::int64_t json_int(const std::string& text, const std::string& key) {
-  const std::string quoted = "\"" + key + "\"";
-  const auto k = text.find(quoted);
-  if (k == std::string::npos) FAIL("params.json has no key " << key);
-  const auto colon = text.find(':', k + quoted.size());
-  REQUIRE(colon != std::string::npos);
-  return std::stoll(text.substr(colon + 1));
-}
 
 struct Case {
   std::string name, dir;
@@ -258,20 +171,14 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  std::istringstream in(read_text(data_dir() + "/manifest.txt"));
   std::vector<Case> out;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
+  for (const std::string& line : manifest("snapkv")) {
     Case c;
     c.name = line;
-    c.dir = data_dir() + "/" + line;
+    c.dir = fixture_dir("snapkv") + "/" + line;
     const std::string p = read_text(c.dir + "/params.json");
-    c.kv = json_int(p, "kv_heads");
-    c.hq = json_int(p, "q_heads");
-    c.group = json_int(p, "group");
-    c.N = json_int(p, "tokens");
-    c.d = json_int(p, "head_dim");
-    c.w = json_int(p, "window");
+    c.kv = json_int(p, "kv_heads"), c.hq = json_int(p, "q_heads"), c.group = json_int(p, "group");
+    c.N = json_int(p, "tokens"), c.d = json_int(p, "head_dim"), c.w = json_int(p, "window");
     c.kernel = json_int(p, "kernel");
     out.push_back(c);
   }
@@ -280,13 +187,13 @@ std::vector<Case> cases() {
 
 template <class T>
 void run_golden(const Case& c) {
-  const auto ka = kvscore::npy::load(c.dir + "/keys_" + tname<T>() + ".npy");
+  const auto ka = kvscore::npy::load(c.dir + "/keys_" + type_tag<T>() + ".npy");
   REQUIRE(ka.shape == std::vector<std::int64_t>{c.kv, c.N, c.d});
   const std::vector<T> keys = ka.template to_vector<T>();
   const auto qa = kvscore::npy::load(c.dir + "/queries.npy");
   REQUIRE(qa.shape == std::vector<std::int64_t>{c.hq, c.w, c.d});
   const std::vector<float> q = qa.template to_vector<float>();
-  const auto ea = kvscore::npy::load(c.dir + "/expected_" + tname<T>() + ".npy");
+  const auto ea = kvscore::npy::load(c.dir + "/expected_" + type_tag<T>() + ".npy");
   REQUIRE(ea.shape == std::vector<std::int64_t>{c.kv, c.N});
   const std::vector<double> expected = ea.template to_vector<double>();
   const Ref r = widen(keys, c.kv, c.N, c.d);
@@ -309,10 +216,7 @@ void run_golden(const Case& c) {
     std::memcpy(&padded[std::size_t((1 * H + h) * cap * d)], &keys[std::size_t(h * N * d)],
                 std::size_t(N * d) * sizeof(T));
   const auto hf_cap = KeysView<T>::hf(padded.data(), 1, batch, H, N, d, cap);
-  std::vector<T> tm(keys.size());
-  for (std::int64_t h = 0; h < H; ++h)
-    for (std::int64_t t = 0; t < N; ++t)
-      std::memcpy(&tm[std::size_t((t * H + h) * d)], &keys[std::size_t((h * N + t) * d)], std::size_t(d) * sizeof(T));
+  const std::vector<T> tm = test_support::token_major(keys, H, N, d);
   const auto token_major = KeysView<T>::token_major(tm.data(), N, H, d);
   const std::vector<T> blk = to_blocks(keys, H, N, d, 7);
   const BlockView<T> blocks{blk.data(), H, N, d, 7};
@@ -320,10 +224,10 @@ void run_golden(const Case& c) {
   SnapKV snap(q.data(), c.hq, c.w, d, c.group);
   REQUIRE(snap.kernel_size == c.kernel);
   REQUIRE(snap.protected_recent() == c.w);
-  for (const auto* isa : isa_paths()) {
+  for (const auto* isa : kernel_tables()) {
     snap.isa = isa;
     const std::string isa_name = isa ? isa->name : "active";
-    INFO("case " << c.name << ", dtype " << tname<T>() << ", isa " << isa_name);
+    INFO("case " << c.name << ", dtype " << type_tag<T>() << ", isa " << isa_name);
     const Scores a = snap.score(hf);
     CHECK(compare(a.data(), N, expected, H, N, tol) == "");
     // Same rows, same chunks: bit-identical across these layouts.
@@ -389,8 +293,8 @@ TEMPLATE_TEST_CASE("SnapKV matches the float64 reference on random shapes", "[sn
   std::uint32_t seed = 7;
   for (const Shape& s : shapes) {
     INFO("H " << s.H << " G " << s.G << " N " << s.N << " d " << s.d << " w " << s.w << " kernel " << s.kernel
-              << " " << tname<TestType>());
-    const std::vector<TestType> keys = convert<TestType>(randn(std::size_t(s.H * s.N * s.d), seed++));
+              << " " << type_tag<TestType>());
+    const std::vector<TestType> keys = convert_to<TestType>(randn(std::size_t(s.H * s.N * s.d), seed++));
     const std::vector<float> q = randn(std::size_t(s.H * s.G * s.w * s.d), seed++, 1.5f);
     const Ref r = widen(keys, s.H, s.N, s.d);
     SnapKV snap(q.data(), s.H * s.G, s.w, s.d, s.G);
@@ -418,8 +322,8 @@ TEMPLATE_TEST_CASE("SnapKV after_cache matches the float64 reference: no mask, t
   const Shape shapes[] = {{2, 2, 700, 64, 64, 5}, {1, 4, 37, 33, 8, 3}, {2, 1, 20, 16, 50, 5}, {1, 2, 9, 8, 9, 1}};
   std::uint32_t seed = 101;
   for (const Shape& s : shapes) {
-    INFO("H " << s.H << " G " << s.G << " N " << s.N << " d " << s.d << " w " << s.w << " " << tname<TestType>());
-    const std::vector<TestType> keys = convert<TestType>(randn(std::size_t(s.H * s.N * s.d), seed++));
+    INFO("H " << s.H << " G " << s.G << " N " << s.N << " d " << s.d << " w " << s.w << " " << type_tag<TestType>());
+    const std::vector<TestType> keys = convert_to<TestType>(randn(std::size_t(s.H * s.N * s.d), seed++));
     const std::vector<float> q = randn(std::size_t(s.H * s.G * s.w * s.d), seed++, 1.5f);
     const Ref r = widen(keys, s.H, s.N, s.d);
     SnapKV snap(q.data(), s.H * s.G, s.w, s.d, s.G);
@@ -581,7 +485,7 @@ TEMPLATE_TEST_CASE("SnapKV: invalid rows score -inf and take no part in any soft
   poison(1, 0, -kInf);      // first token
   poison(1, 20, 1e20f);     // fp32 squared norm overflows
   poison(0, 37, kNaN);      // inside the window
-  const std::vector<TestType> keys = convert<TestType>(kf);
+  const std::vector<TestType> keys = convert_to<TestType>(kf);
   const Ref r = widen(keys, H, N, d);
   SnapKV snap(q.data(), 2 * H, w, d);
   const KeysView<TestType> v(keys.data(), H, N, d, N * d, d);
@@ -735,7 +639,7 @@ TEMPLATE_TEST_CASE("SnapKV: bit-identical for any num_threads and across runs", 
   const std::int64_t H = 8, G = 2, N = 600, d = 64, w = 32;
   std::vector<float> kf = randn(std::size_t(H * N * d), 91);
   kf[std::size_t((3 * N + 100) * d)] = kNaN;
-  const std::vector<TestType> keys = convert<TestType>(kf);
+  const std::vector<TestType> keys = convert_to<TestType>(kf);
   const std::vector<float> q = randn(std::size_t(H * G * w * d), 92, 0.3f);
   const KeysView<TestType> v(keys.data(), H, N, d, N * d, d);
   SnapKV snap(q.data(), H * G, w, d, G);

@@ -1,6 +1,7 @@
 // tests/test_support.hpp — small helpers several test files share: synthetic heads, RoPE,
 // error messages, the key caches of the scorer tests (test_scorer_properties.cpp and the
-// per-method files test_knorm.cpp … test_qfilter.cpp) and selection comparisons.
+// per-method files test_knorm.cpp … test_qfilter.cpp), paged-style views, the numpy fixtures
+// of tests/data/ and selection comparisons.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -8,8 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -18,13 +22,23 @@
 #include <utility>
 #include <vector>
 
-#include <kvscore/dtype.hpp>
+#include <kvscore/core/dtype.hpp>
 #include <kvscore/scorers/windowed_manifold_l2.hpp>
-#include <kvscore/selection.hpp>
+#include <kvscore/core/selection.hpp>
+#include <kvscore/simd/dispatch.hpp>
 #include <kvscore/synth.hpp>
-#include <kvscore/view.hpp>
+#include <kvscore/core/view.hpp>
 
 namespace test_support {
+
+// The library's types and the non-finite values most tests name (`using namespace test_support`).
+using kvscore::bfloat16;
+using kvscore::half;
+using kvscore::KeysView;
+using kvscore::Scores;
+using kvscore::ScoresView;
+inline constexpr float kInf = std::numeric_limits<float>::infinity();
+inline constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 /// One KV head of `kvscore synth --kind drift` keys/values (one query head, one query): the
 /// long-generation data of the decode-time tests.
@@ -195,6 +209,134 @@ constexpr const char* tname() {
   if constexpr (std::is_same_v<T, float>) return "float32";
   else if constexpr (std::is_same_v<T, kvscore::half>) return "float16";
   else return "bfloat16";
+}
+
+/// "f32", "f16" or "bf16": the element type in the fixtures' file names.
+template <class T>
+constexpr const char* type_tag() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, kvscore::half>) return "f16";
+  else return "bf16";
+}
+
+/// n values of N(0, sigma²) (std::mt19937: test data only, no cross-platform claim).
+inline std::vector<float> randn(std::size_t n, std::uint32_t seed, float sigma = 1.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, sigma);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+/// n values of T with random bit patterns (every row distinct, so memcmp catches a misplaced one).
+template <class T>
+std::vector<T> random_bits(std::size_t n, std::mt19937_64& rng) {
+  std::vector<T> v(n);
+  std::vector<unsigned char> bytes(n * sizeof(T));
+  for (auto& b : bytes) b = static_cast<unsigned char>(rng());
+  if (n > 0) std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+/// x as T (rounded to nearest).
+template <class T>
+std::vector<T> convert_to(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = kvscore::from_float<T>(x[i]);
+  return out;
+}
+
+/// The kernel tables to run: nullptr (the active one) and every table this CPU supports.
+inline std::vector<const kvscore::simd::KernelTable*> kernel_tables() {
+  std::vector<const kvscore::simd::KernelTable*> out{nullptr};
+  for (const auto* t : kvscore::simd::available_tables()) out.push_back(t);
+  return out;
+}
+
+// ------------------------------------------------------------------ views
+
+/// Token-major copy [N][H][d] of [H][N][d] keys.
+template <class T>
+std::vector<T> token_major(const std::vector<T>& k, std::int64_t H, std::int64_t N, std::int64_t d) {
+  std::vector<T> out(k.size());
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < N; ++t)
+      std::memcpy(&out[std::size_t((t * H + h) * d)], &k[std::size_t((h * N + t) * d)], std::size_t(d) * sizeof(T));
+  return out;
+}
+
+/// Paged-style view for the tests: blocks of B tokens, stored in reverse block order,
+/// each block token-major [B][heads][d] — several runs per head with their own bases.
+template <class T>
+struct BlockView {
+  using value_type = T;
+  const T* data = nullptr;
+  std::int64_t H = 0, N = 0, d = 0, B = 1;
+  std::int64_t heads() const { return H; }
+  std::int64_t tokens() const { return N; }
+  std::int64_t head_dim() const { return d; }
+  std::int64_t blocks() const { return (N + B - 1) / B; }
+  template <class F>
+  void for_each_run(std::int64_t h, F&& f) const {
+    for (std::int64_t b = 0; b < blocks(); ++b) {
+      const std::int64_t slot = blocks() - 1 - b;
+      f(data + (slot * B * H + h) * d, b * B, std::min(B, N - b * B), H * d);
+    }
+  }
+};
+
+/// Storage for BlockView from [H][N][d] keys (NaN in the unused rows of the last block).
+template <class T>
+std::vector<T> to_blocks(const std::vector<T>& keys, std::int64_t H, std::int64_t N, std::int64_t d, std::int64_t B) {
+  const std::int64_t nb = (N + B - 1) / B;
+  std::vector<T> out(std::size_t(nb * B * H * d), kvscore::from_float<T>(std::numeric_limits<float>::quiet_NaN()));
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < N; ++t) {
+      const std::int64_t slot = nb - 1 - t / B;
+      std::memcpy(&out[std::size_t(((slot * B + t % B) * H + h) * d)], &keys[std::size_t((h * N + t) * d)],
+                  std::size_t(d) * sizeof(T));
+    }
+  return out;
+}
+
+// ------------------------------------------------------------------ fixtures
+//
+// tests/data/<set>/: manifest.txt (one case per line) and per case a directory with
+// params.json (a flat object the tools/gen_*.py generators write) and .npy arrays.
+
+/// tests/data/<set>
+inline std::string fixture_dir(const std::string& set) { return std::string(KVSCORE_TEST_DATA_DIR) + "/" + set; }
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) FAIL("cannot open " << path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+/// The value of `key` in a flat params.json, as text (quotes and spaces trimmed).
+inline std::string json_value(const std::string& text, const std::string& key) {
+  const std::string quoted = "\"" + key + "\"";
+  const auto k = text.find(quoted);
+  if (k == std::string::npos) FAIL("params.json has no key " << key);
+  const auto colon = text.find(':', k + quoted.size());
+  REQUIRE(colon != std::string::npos);
+  const auto end = text.find_first_of(",\n}", colon);
+  std::string v = text.substr(colon + 1, end - colon - 1);
+  v.erase(0, v.find_first_not_of(" \""));
+  v.erase(v.find_last_not_of(" \"") + 1);
+  return v;
+}
+inline std::int64_t json_int(const std::string& text, const std::string& key) { return std::stoll(json_value(text, key)); }
+
+/// The case names of a fixture set's manifest.txt.
+inline std::vector<std::string> manifest(const std::string& set) {
+  std::istringstream in(read_text(fixture_dir(set) + "/manifest.txt"));
+  std::vector<std::string> names;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) names.push_back(line);
+  return names;
 }
 
 // ------------------------------------------------------------------ selections

@@ -6,7 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/eval/evaluate.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include <Eigen/Dense>
@@ -103,7 +103,7 @@ TEST_CASE("synth: splitmix64, Box-Muller and stream seeds match the numpy refere
   CHECK(synth::stream_seed(~0ull, 5, 1023, 2) == SS.as<std::uint64_t>()[2]);
 }
 
-TEST_CASE("synth: uniform() stays in (0, 1] and below() in range", "[synth]") {
+TEST_CASE("synth: 0 < uniform() <= 1 and below() in range", "[synth]") {
   synth::SplitMix64 r(3);
   double lo = 1, hi = 0;
   std::uint64_t below_max = 0;
@@ -146,15 +146,8 @@ TEST_CASE("synth: shapes, kinds and planted positions", "[synth]") {
   for (const auto& [kind, name] : synth::kinds()) {
     INFO(name);
     CHECK(synth::parse_kind(name) == kind);
-    synth::Spec s;
-    s.kind = kind;
-    s.layers = 2;
-    s.kv_heads = 2;
-    s.group = 3;
-    s.tokens = 512;
-    s.head_dim = 32;
-    s.queries = 5;
-    s.segment = 128;
+    synth::Spec s{.kind = kind, .layers = 2, .kv_heads = 2, .group = 3, .tokens = 512, .head_dim = 32, .queries = 5,
+                  .segment = 128};
     const synth::Data D = synth::generate(s);
     CHECK(D.keys.size() == std::size_t(2 * 2 * 512 * 32));
     CHECK(D.values.size() == D.keys.size());

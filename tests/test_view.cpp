@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kvscore/view.hpp"
+#include "kvscore/core/view.hpp"
 
 using kvscore::KeysView;
 

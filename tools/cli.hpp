@@ -16,12 +16,14 @@
 #include <string>
 #include <vector>
 
-#include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/core/scorer_options.hpp"
 
 namespace kvscore::cli {
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitBadInput = 2;
+/// The most threads a --threads flag accepts.
+inline constexpr std::int64_t kMaxThreads = 4096;
 
 /// Bad command line (unknown flag, missing value, unparsable number, ...).
 class UsageError : public std::runtime_error {
@@ -59,6 +61,15 @@ class Args {
 
 /// Strict base-10 integer: no spaces, no trailing characters, no overflow (UsageError naming `what`).
 std::int64_t parse_int(const std::string& text, const std::string& what);
+
+/// Strict decimal number: the whole string, finite (UsageError "what: 'text' is not a number").
+double parse_double(const std::string& text, const std::string& what);
+
+/// A default for --help: %g (0.2, not 0.20000000000000001).
+std::string help_num(double v);
+
+/// --isa NAME: pins the SIMD kernel table (simd::set_active_isa); UsageError naming the value.
+void set_isa(const Args& args, const std::string& command);
 
 /// --query-placement in-cache|after-cache (snapkv, protokv, ojakv), `fallback` when absent;
 /// UsageError naming the value otherwise.

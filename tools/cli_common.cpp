@@ -1,5 +1,6 @@
 // tools/cli_common.cpp — flag parsing and helpers shared by the subcommands.
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -9,7 +10,8 @@
 #include <unistd.h>
 
 #include "cli.hpp"
-#include "kvscore/npy.hpp"
+#include "kvscore/io/npy.hpp"
+#include "kvscore/simd/dispatch.hpp"
 
 namespace kvscore::cli {
 
@@ -92,6 +94,34 @@ std::int64_t parse_int(const std::string& text, const std::string& what) {
   if (ec != std::errc() || ptr != last || first == last)
     throw UsageError(what + ": " + quoted(text) + " is not an integer");
   return v;
+}
+
+double parse_double(const std::string& text, const std::string& what) {
+  double v = 0;
+  const char* first = text.data();
+  const char* last = text.data() + text.size();
+  if (first != last && *first == '+') ++first;
+  const auto [ptr, ec] = std::from_chars(first, last, v, std::chars_format::general);
+  if (ec != std::errc() || ptr != last || first == last || !std::isfinite(v))
+    throw UsageError(what + ": " + quoted(text) + " is not a number");
+  return v;
+}
+
+std::string help_num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  return b;
+}
+
+void set_isa(const Args& args, const std::string& command) {
+  if (!args.has("--isa")) return;
+  try {
+    simd::set_active_isa(args.required("--isa"));
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    const std::size_t colon = m.find(": ");
+    throw UsageError(command + ": --isa: " + (colon == std::string::npos ? m : m.substr(colon + 2)));
+  }
 }
 
 void save_f32_npy_atomic(const std::string& path, const std::vector<std::int64_t>& shape, const float* data) {

@@ -1,6 +1,5 @@
 // tools/cmd_eval.cpp — `kvscore eval`: which scorer at which budget, measured against full
 // attention on dumped (or synthetic) K, V, Q. Library: include/kvscore/eval/. Docs: docs/evaluate.md.
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,7 +14,7 @@
 #include <kvscore/core/dtype.hpp>
 #include <kvscore/eval/evaluate.hpp>
 #include <kvscore/eval/report.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 
 #include "cli.hpp"
 
@@ -41,11 +40,11 @@ const char* const kEvalUsage =
     "                      (dump_kv.py --following writes them); instead of --keys ... --calib-queries\n"
     "  --window-queries W.npy  [.., q_heads, n_w, d]: queries of the cache's own last n_w tokens\n"
     "                      (what an engine's SnapKV sees when it compresses); makes leak-free the default\n"
-    "  --calib-queries C.npy   [.., q_heads, n_c, d]: queries of other text (Q-Filters' calibration\n"
-    "                      under the leak-free protocol; without it qfilter is skipped there)\n"
-    "  --protocol P        leak-free (the default when window queries are given: snapkv, protokv and\n"
-    "                      ojakv see only the window queries, in the cache, the window protected;\n"
-    "                      qfilter is calibrated on --calib-queries; Q only measures) | shared (every\n"
+    "  --calib-queries C.npy   [.., q_heads, n_c, d]: queries of other text (%CALIBRATED%'s calibration\n"
+    "                      under the leak-free protocol; without it %CALIBRATED% is skipped there)\n"
+    "  --protocol P        leak-free (the default when window queries are given: %PLACED_ALL%\n"
+    "                      see only the window queries, in the cache, the window protected;\n"
+    "                      %CALIBRATED% is calibrated on --calib-queries; Q only measures) | shared (every\n"
     "                      method sees Q, the upper bound; the default without window queries)\n"
     "  --mix-metric M      recall (default) | error | overlap: what the JSON's per_layer_best (the best\n"
     "                      press-able method per layer, at each keep) maximises (error: minimises)\n"
@@ -53,18 +52,18 @@ const char* const kEvalUsage =
     "  --svg report.svg    quality vs budget plot, one line per method (open in a browser)\n"
     "  --group G           GQA group size; must equal q_heads / kv_heads (default: that)\n"
     "  --methods LIST      all (default) or a comma list of: %METHODS%\n"
-    "  --keep LIST         keep fractions in (0, 1] (default 0.1,0.25,0.5); per-head budget =\n"
+    "  --keep LIST         keep fractions in (0, 1] (default %KEEP%); per-head budget =\n"
     "                      nearest integer to keep x tokens (halves up), at least 1\n"
-    "  --sinks S           always keep the first S tokens per head (default 0; streaming_llm: 4)\n"
+    "  --sinks S           always keep the first S tokens per head (default 0; %SINKS%)\n"
     "  --recent R          always keep the last R tokens per head (default 0)\n"
     "  --alloc A           per-head (default) | adakv: how selection methods spread the budget\n"
     "  --budget-rounding R nearest (default: n = the integer nearest f*N) | floor (n = floor(f*N),\n"
     "                      the papers' M = floor((1 - rho) N) and kvpress's count); n >= 1 either way\n"
-    "  --window W          windowed-l2 window in tokens (default 4096)\n"
-    "  --window-tail T     windowed-l2: merge (default: a tail < W/2 joins the window before it) |\n"
+    "  --window W          %WINDOWED% window in tokens (default %WINDOW%)\n"
+    "  --window-tail T     %WINDOWED%: merge (default: a tail < W/2 joins the window before it) |\n"
     "                      own (the paper's Alg. 2: the tail is its own window)\n"
-    "  --query-placement P (shared protocol) after-cache (default: Q follows the cache; snapkv,\n"
-    "                      protokv and ojakv see every key, no causal mask, nothing protected beyond --recent) |\n"
+    "  --query-placement P (shared protocol) after-cache (default: Q follows the cache; %PLACED%\n"
+    "                      see every key, no causal mask, nothing protected beyond --recent) |\n"
     "                      in-cache (Q are the cache's last n_q positions: causal mask, the\n"
     "                      last n_q tokens protected; prefill compression as kvpress runs it)\n"
     "  --threads N         threads for scoring and metrics (default 1; 0 = OpenMP default)\n"
@@ -82,12 +81,7 @@ const std::vector<FlagSpec> kEvalFlags = {
 namespace {
 
 double eval_parse_fraction(const std::string& text, const std::string& what) {
-  double v = 0;
-  const char* first = text.data();
-  const char* last = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(first, last, v, std::chars_format::general);
-  if (ec != std::errc() || ptr != last || first == last || !std::isfinite(v))
-    throw UsageError(what + ": '" + text + "' is not a number");
+  const double v = parse_double(text, what);
   if (!(v > 0.0 && v <= 1.0)) throw UsageError(what + ": " + text + " is not in (0, 1]");
   return v;
 }
@@ -188,13 +182,13 @@ int cmd_eval(const Args& args) {
     const std::string m = e.what();
     throw UsageError("eval: --methods: " + m.substr(m.find(": ") + 2));
   }
-  opt.keep = args.has("--keep") ? eval_parse_keep(args.required("--keep")) : std::vector<double>{0.1, 0.25, 0.5};
+  if (args.has("--keep")) opt.keep = eval_parse_keep(args.required("--keep"));
   opt.method.select.sinks = args.get_int("--sinks", 0, 0, INT64_MAX);
   opt.method.select.recent = args.get_int("--recent", 0, 0, INT64_MAX);
   const std::string alloc = args.get("--alloc", "per-head");
   if (alloc == "adakv") opt.method.select.alloc = Alloc::adakv;
   else if (alloc != "per-head") throw UsageError("eval: --alloc: '" + alloc + "' (expected per-head or adakv)");
-  opt.method.window = args.get_int("--window", 4096, 1, INT64_MAX);
+  opt.method.window = args.get_int("--window", opt.method.window, 1, INT64_MAX);
   const std::string rounding = args.get("--budget-rounding", "nearest");
   if (rounding != "nearest" && rounding != "floor")
     throw UsageError("eval: --budget-rounding: '" + rounding + "' (expected nearest or floor)");
@@ -219,7 +213,7 @@ int cmd_eval(const Args& args) {
   opt.mix_metric = mix == "recall" ? eval::MixMetric::recall
                    : mix == "error" ? eval::MixMetric::output_error
                                     : eval::MixMetric::overlap;
-  const int threads = int(args.get_int("--threads", 1, 0, 4096));
+  const int threads = int(args.get_int("--threads", 1, 0, kMaxThreads));
   opt.threads = threads;
   opt.method.threads = threads;
   opt.method.select.num_threads = threads;
@@ -293,9 +287,31 @@ namespace {
 /// The usage text with the registered method names filled in.
 const char* eval_usage_text() {
   static const std::string u = [] {
+    // method names and defaults from the registry (kvscore/methods.hpp)
+    const auto reading = [](const char* option, bool scorers_only = false) {
+      return [=](const MethodInfo& m) { return reads_option(m, option) && (!scorers_only || m.kind == MethodKind::scorer); };
+    };
     std::string s = kEvalUsage;
-    const std::string key = "%METHODS%";
-    s.replace(s.find(key), key.size(), eval::method_names());
+    const std::pair<std::string, std::string> fill[] = {
+        {"%METHODS%", eval::method_names()},
+        {"%KEEP%", [] {
+           std::string k;
+           for (const double f : eval::EvalOptions{}.keep) k += (k.empty() ? "" : ",") + help_num(f);
+           return k;
+         }()},
+        {"%SINKS%", method_list(reading("sinks")) + ": " + std::to_string(eval::MethodOptions{}.streaming_sinks)},
+        {"%WINDOWED%", method_list(reading("window", true))},
+        {"%WINDOW%", std::to_string(eval::MethodOptions{}.window)},
+        {"%PLACED%", method_alternatives(reading("placement"))},
+        {"%PLACED_ALL%", [&] {  // "a, b and c"
+           const std::string l = method_list(reading("placement"));
+           const std::size_t last = l.rfind(", ");
+           return last == std::string::npos ? l : l.substr(0, last) + " and " + l.substr(last + 2);
+         }()},
+        {"%CALIBRATED%", method_list(reading("filters"))},
+    };
+    for (const auto& [key, value] : fill)
+      for (std::size_t i; (i = s.find(key)) != std::string::npos;) s.replace(i, key.size(), value);
     return s;
   }();
   return u.c_str();

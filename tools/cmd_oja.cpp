@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
-#include <kvscore/ojakv.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 
 #include "cli.hpp"

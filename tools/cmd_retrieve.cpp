@@ -1,5 +1,4 @@
 // tools/cmd_retrieve.cpp — `kvscore retrieve`: ParisKV top-k retrieval for every query.
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -10,8 +9,8 @@
 
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
-#include <kvscore/pariskv.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli.hpp"
 
@@ -53,13 +52,7 @@ const std::vector<FlagSpec> kRetrieveFlags = {
 namespace {
 
 double parse_ratio(const std::string& text, const std::string& flag) {
-  double v = 0;
-  const char* first = text.data();
-  const char* last = text.data() + text.size();
-  if (first != last && *first == '+') ++first;
-  const auto [ptr, ec] = std::from_chars(first, last, v, std::chars_format::general);
-  if (ec != std::errc() || ptr != last || first == last || !std::isfinite(v))
-    throw UsageError("retrieve: " + flag + ": '" + text + "' is not a number");
+  const double v = parse_double(text, "retrieve: " + flag);
   if (!(v > 0 && v <= 1)) throw UsageError("retrieve: " + flag + " must be in (0, 1] (got " + text + ")");
   return v;
 }
@@ -130,7 +123,7 @@ int cmd_retrieve(const Args& args) {
   if (args.has("--rerank-exact") && opt.rerank_exact < topk)
     throw UsageError("retrieve: --rerank-exact " + std::to_string(opt.rerank_exact) + " must be >= --topk " +
                      std::to_string(topk));
-  const int threads = int(args.get_int("--threads", 0, 0, 4096));
+  const int threads = int(args.get_int("--threads", 0, 0, kMaxThreads));
 
   const npy::Array keys = npy::load(kp);
   if (keys.shape.size() != 3)

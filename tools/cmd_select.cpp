@@ -1,5 +1,4 @@
 // tools/cmd_select.cpp — `kvscore select`: choose the tokens to keep from scores.
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -10,14 +9,14 @@
 
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include "cli.hpp"
 
 namespace kvscore::cli {
 
-const char* const kSelectUsage =
+const std::string kSelectUsageText =
     "usage: kvscore select --scores S.npy --keep N --out I.npy [options]\n"
     "\n"
     "Chooses the tokens to keep from scores [heads, tokens] (higher = keep). Kept positions\n"
@@ -30,10 +29,12 @@ const char* const kSelectUsage =
     "  --sinks S         always keep the first S tokens of every head (default 0); they count in N\n"
     "  --recent R        always keep the last R tokens of every head (default 0); they count in N\n"
     "  --alloc A         per-head (default) | adakv (safeguard + one global top-k, ragged heads)\n"
-    "  --alpha A         adakv only: safeguard fraction in [0, 1] (default 0.2): every head keeps\n"
+    "  --alpha A         adakv only: safeguard fraction in [0, 1] (default " + help_num(SelectOptions{}.alpha) +
+    "): every head keeps\n"
     "                    at least floor(A x N) tokens\n"
     "  --normalize       adakv only: z-normalise each head's scores before the global top-k\n"
     "  -h, --help        this help\n";
+const char* const kSelectUsage = kSelectUsageText.c_str();
 
 const std::vector<FlagSpec> kSelectFlags = {
     {"--scores", true}, {"--keep", true},  {"--out", true},   {"--sinks", true},
@@ -41,18 +42,6 @@ const std::vector<FlagSpec> kSelectFlags = {
 };
 
 namespace {
-
-/// Strict decimal number: the whole string, finite.
-double parse_double(const std::string& text, const std::string& what) {
-  double v = 0;
-  const char* first = text.data();
-  const char* last = text.data() + text.size();
-  if (first != last && *first == '+') ++first;
-  const auto [ptr, ec] = std::from_chars(first, last, v, std::chars_format::general);
-  if (ec != std::errc() || ptr != last || first == last || !std::isfinite(v))
-    throw UsageError(what + ": '" + text + "' is not a number");
-  return v;
-}
 
 /// `out` with its trailing ".npy" replaced by ".offsets.npy" (appended when there is none).
 std::string offsets_path(const std::string& out) {

@@ -12,14 +12,19 @@
 #include <unistd.h>
 
 #include <kvscore/core/dtype.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include "cli.hpp"
 
 namespace kvscore::cli {
 
-const char* const kSynthUsage =
+namespace {
+/// The usage text, with the defaults of synth::Spec.
+std::string synth_usage() {
+  const synth::Spec d;
+  const auto n = [](auto v) { return std::to_string(v); };
+  return
     "usage: kvscore synth --kind KIND --out DIR [options]\n"
     "\n"
     "Writes a synthetic KV cache with planted structure to DIR (created if missing):\n"
@@ -32,17 +37,22 @@ const char* const kSynthUsage =
     "                  anisotropic | lowrank | drift | radial-needles | angular-needles |\n"
     "                  multikey-needles | anchors\n"
     "  --out DIR       output directory\n"
-    "  --layers L      layers (default 1)\n"
-    "  --kv-heads H    KV heads (default 4)\n"
-    "  --group G       query heads per KV head (default 2)\n"
-    "  --tokens N      tokens (default 2048, >= 64)\n"
-    "  --head-dim D    head dimension (default 64, in [16, 1024])\n"
-    "  --queries Q     queries per query head (default 16)\n"
-    "  --segment S     tokens per topic segment for drift / mixed (default 256); pass it to\n"
+    "  --layers L      layers (default " + n(d.layers) + ")\n"
+    "  --kv-heads H    KV heads (default " + n(d.kv_heads) + ")\n"
+    "  --group G       query heads per KV head (default " + n(d.group) + ")\n"
+    "  --tokens N      tokens (default " + n(d.tokens) + ", >= 64)\n"
+    "  --head-dim D    head dimension (default " + n(d.head_dim) + ", in [16, 1024])\n"
+    "  --queries Q     queries per query head (default " + n(d.queries) + ")\n"
+    "  --segment S     tokens per topic segment for drift / mixed (default " + n(d.segment) + "); pass it to\n"
     "                  `kvscore eval --window S`\n"
-    "  --seed S        seed (default 0)\n"
+    "  --seed S        seed (default " + n(d.seed) + ")\n"
     "  --dtype T       f32 (default) | f16: element type of K.npy, V.npy, Q.npy\n"
     "  -h, --help      this help\n";
+}
+}  // namespace
+
+const std::string kSynthUsageText = synth_usage();
+const char* const kSynthUsage = kSynthUsageText.c_str();
 
 const std::vector<FlagSpec> kSynthFlags = {
     {"--kind", true},    {"--out", true},     {"--layers", true},  {"--kv-heads", true}, {"--group", true},
@@ -99,14 +109,14 @@ int cmd_synth(const Args& args) {
     throw UsageError("synth: --kind: " + m.substr(m.find(": ") + 2));
   }
   const std::string dir = args.required("--out");
-  s.layers = args.get_int("--layers", 1, 1, 1024);
-  s.kv_heads = args.get_int("--kv-heads", 4, 1, 1024);
-  s.group = args.get_int("--group", 2, 1, 64);
-  s.tokens = args.get_int("--tokens", 2048, 64, std::int64_t(1) << 24);
-  s.head_dim = args.get_int("--head-dim", 64, 16, 1024);
-  s.queries = args.get_int("--queries", 16, 1, 65536);
-  s.segment = args.get_int("--segment", 256, 16, INT64_MAX);
-  s.seed = std::uint64_t(args.get_int("--seed", 0, 0, INT64_MAX));
+  s.layers = args.get_int("--layers", s.layers, 1, 1024);
+  s.kv_heads = args.get_int("--kv-heads", s.kv_heads, 1, 1024);
+  s.group = args.get_int("--group", s.group, 1, 64);
+  s.tokens = args.get_int("--tokens", s.tokens, 64, std::int64_t(1) << 24);
+  s.head_dim = args.get_int("--head-dim", s.head_dim, 16, 1024);
+  s.queries = args.get_int("--queries", s.queries, 1, 65536);
+  s.segment = args.get_int("--segment", s.segment, 16, INT64_MAX);
+  s.seed = std::uint64_t(args.get_int("--seed", std::int64_t(s.seed), 0, INT64_MAX));
   const std::string dtype = args.get("--dtype", "f32");
   if (dtype != "f32" && dtype != "f16") throw UsageError("synth: --dtype: '" + dtype + "' (expected f32 or f16)");
   if (s.segment > s.tokens)

@@ -28,13 +28,13 @@ numpy's stable argsort of -p.
 
 from __future__ import annotations
 
-import argparse
-import io
 import math
 import pathlib
 import sys
 
 import numpy as np
+
+import fixtures  # tools/fixtures.py: the shared write / --check command line
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "eval"
 MASK = (1 << 64) - 1
@@ -124,29 +124,17 @@ def build() -> dict[str, np.ndarray]:
 
 
 def to_bytes(a: np.ndarray) -> bytes:
-    b = io.BytesIO()
-    np.save(b, a, allow_pickle=False)
-    return b.getvalue()
+    return fixtures.npy_bytes(a)
+
+
+def self_check() -> None:
+    # splitmix64 reference value (Vigna's splitmix64.c, seed 0)
+    assert first(0, 1)[0] == 0xE220A8397B1DCDAF
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
-    args = ap.parse_args()
-    # splitmix64 reference value (Vigna's splitmix64.c, seed 0)
-    assert first(0, 1)[0] == 0xE220A8397B1DCDAF
-    files = build()
-    if args.check:
-        bad = [n for n, a in files.items() if not (OUT / n).exists() or (OUT / n).read_bytes() != to_bytes(a)]
-        for n in bad:
-            print(f"differs: {OUT / n}", file=sys.stderr)
-        return 1 if bad else 0
-    OUT.mkdir(parents=True, exist_ok=True)
-    for n, a in files.items():
-        (OUT / n).write_bytes(to_bytes(a))
-    print(f"wrote {len(files)} files to {OUT}")
-    return 0
-
+    return fixtures.main(__doc__, str(OUT), lambda: {n: to_bytes(a) for n, a in build().items()},
+                         self_check=self_check)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -49,13 +49,13 @@ projections is positive), then the plain mean over each contiguous GQA group.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
 import sys
 
 import numpy as np
+
+import fixtures  # tools/fixtures.py: the shared write / --check command line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "tests", "data", "golden")
@@ -278,9 +278,7 @@ def build() -> dict:
     files = {}
 
     def npy(rel, arr):
-        buf = io.BytesIO()
-        np.save(buf, arr, allow_pickle=False)
-        files[rel] = buf.getvalue()
+        files[rel] = fixtures.npy_bytes(arr)
 
     for c in CASES:
         rng = np.random.default_rng(c["seed"])
@@ -322,36 +320,7 @@ def self_check():
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=OUT_DIR, help="output directory (default: tests/data/golden)")
-    ap.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
-    args = ap.parse_args()
-
-    self_check()
-    files = build()
-    total = sum(len(v) for v in files.values())
-    assert total < 2 * 1024 * 1024, f"fixtures too large: {total} bytes"
-
-    if args.check:
-        bad = []
-        for rel, data in sorted(files.items()):
-            p = os.path.join(args.out, rel)
-            if not os.path.exists(p) or open(p, "rb").read() != data:
-                bad.append(rel)
-        if bad:
-            print("out of date:", *bad, sep="\n  ")
-            return 1
-        print(f"{len(files)} fixture files up to date ({total} bytes)")
-        return 0
-
-    for rel, data in sorted(files.items()):
-        p = os.path.join(args.out, rel)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "wb") as fh:
-            fh.write(data)
-    print(f"wrote {len(files)} files ({total} bytes) to {os.path.relpath(args.out, ROOT)}")
-    return 0
-
+    return fixtures.main(__doc__.split("\n")[0], OUT_DIR, build, self_check=self_check, max_bytes=2 * 1024 * 1024)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,13 +25,13 @@ library's power-iteration estimate agrees to ~1e-15.
 """
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
 import sys
 
 import numpy as np
+
+import fixtures  # tools/fixtures.py: the shared write / --check command line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "tests", "data", "ojakv")
@@ -95,9 +95,7 @@ def build() -> dict[str, bytes]:
     files = {}
 
     def put(name, arr):
-        b = io.BytesIO()
-        np.save(b, arr)
-        files[name] = b.getvalue()
+        files[name] = fixtures.npy_bytes(arr)
 
     put("keys.npy", keys)
     put("u0.npy", u0)
@@ -112,25 +110,7 @@ def build() -> dict[str, bytes]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with the files on disk instead of writing")
-    args = ap.parse_args()
-    files = build()
-    if args.check:
-        bad = [n for n, b in files.items()
-               if not os.path.exists(os.path.join(OUT_DIR, n)) or open(os.path.join(OUT_DIR, n), "rb").read() != b]
-        if bad:
-            print("out of date: " + ", ".join(sorted(bad)), file=sys.stderr)
-            return 1
-        print(f"ok: {len(files)} files match")
-        return 0
-    os.makedirs(OUT_DIR, exist_ok=True)
-    for n, b in files.items():
-        with open(os.path.join(OUT_DIR, n), "wb") as f:
-            f.write(b)
-    print(f"wrote {len(files)} files to {OUT_DIR}")
-    return 0
-
+    return fixtures.main(__doc__.splitlines()[0], OUT_DIR, build)
 
 if __name__ == "__main__":
     sys.exit(main())

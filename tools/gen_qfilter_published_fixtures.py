@@ -11,7 +11,10 @@ json); no numpy needed. qfilters_published_values.txt lists the values (C order)
 import json
 import random
 import struct
+import sys
 from pathlib import Path
+
+import fixtures  # tools/fixtures.py: the shared write / --check command line
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 8
 
@@ -30,7 +33,7 @@ def encode(vals, dtype):
     return b"".join(struct.pack("<f", v)[2:] for v in vals)
 
 
-def write(path, dtype, vals):
+def safetensors(dtype, vals):
     data = encode(vals, dtype)
     header = {
         "__metadata__": {"format": "pt", "note": "kvscore test fixture, published Q-Filters convention (-<f, k>)"},
@@ -38,13 +41,15 @@ def write(path, dtype, vals):
     }
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # the writers pad the header to 8 bytes
-    Path(path).write_bytes(struct.pack("<Q", len(h)) + h + data)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def build():
+    vals = values()
+    files = {f"qfilters_published_{dt.lower()}.safetensors": safetensors(dt, vals) for dt in ("F32", "F16", "BF16")}
+    files["qfilters_published_values.txt"] = (" ".join(repr(v) for v in vals) + "\n").encode()
+    return files
 
 
 if __name__ == "__main__":
-    out = Path(__file__).resolve().parent.parent / "tests" / "data"
-    vals = values()
-    for dt in ("F32", "F16", "BF16"):
-        write(out / f"qfilters_published_{dt.lower()}.safetensors", dt, vals)
-    (out / "qfilters_published_values.txt").write_text(" ".join(repr(v) for v in vals) + "\n")
-    print("wrote", out)
+    sys.exit(fixtures.main(__doc__, str(Path(__file__).resolve().parent.parent / "tests" / "data"), build))

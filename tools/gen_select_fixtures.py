@@ -36,13 +36,13 @@ The reference below is written from the rules in docs/select.md with numpy sorts
 
 from __future__ import annotations
 
-import argparse
-import io
 import math
 import os
 import sys
 
 import numpy as np
+
+import fixtures  # tools/fixtures.py: the shared write / --check command line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "tests", "data", "select")
@@ -236,9 +236,7 @@ CASES = {
 
 
 def npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
+    return fixtures.npy_bytes(a)
 
 
 def build() -> dict[str, bytes]:
@@ -279,25 +277,7 @@ def self_test() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
-    args = ap.parse_args()
-    self_test()
-    files = build()
-    if args.check:
-        bad = [p for p, b in files.items()
-               if not os.path.exists(os.path.join(OUT_DIR, p)) or open(os.path.join(OUT_DIR, p), "rb").read() != b]
-        for p in bad:
-            print("out of date:", p)
-        return 1 if bad else 0
-    for p, b in files.items():
-        full = os.path.join(OUT_DIR, p)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "wb") as f:
-            f.write(b)
-    print(f"wrote {len(files)} files, {sum(len(v) for v in files.values())} bytes to {OUT_DIR}")
-    return 0
-
+    return fixtures.main(__doc__, OUT_DIR, build, self_check=self_test)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@
 // footprint, measured in the same process (best of 10). Goal (issue 7): >= 0.8 for the scorers.
 // Without a CUDA device the binary says so and exits 0.
 //
-//   kvscore_cuda_bench --benchmark_filter=topk --benchmark_format=json   (cuda/bench/torch_topk.py uses this)
+//   kvscore_cuda_bench --benchmark_filter=topk --benchmark_format=json   (cuda/bench/torch_peer.py uses this)
 #include <benchmark/benchmark.h>
 
 #include "bench_util.hpp"
@@ -61,7 +61,7 @@ void BM_cuda_snapkv(benchmark::State& st) {  // window 64, GQA group 4
 void scorer_args(benchmark::internal::Benchmark* b) {
   for (std::int64_t N : {std::int64_t(1) << 16, std::int64_t(1) << 20})
     for (std::int64_t H : {8, 32}) b->Args({N, H});
-  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+  b->ArgNames({"N", "heads"})->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 BENCHMARK(BM_cuda_knorm)->Apply(scorer_args);
 BENCHMARK(BM_cuda_keydiff)->Apply(scorer_args);
@@ -74,12 +74,8 @@ BENCHMARK(BM_cuda_snapkv)->Apply(scorer_args);
 void BM_cuda_topk(benchmark::State& st) {
   const std::int64_t R = st.range(0), N = st.range(1), k = N / st.range(2);
   const auto path = kc::TopkPath(st.range(3));
-  std::vector<float> h(std::size_t(R * N));
-  std::mt19937 rng(2);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (auto& x : h) x = nd(rng);
-  kc::DeviceBuffer s(h.size() * sizeof(float));
-  kc::copy_to_device(s.get(), h.data(), h.size() * sizeof(float));
+  kc::DeviceBuffer s(std::size_t(R * N) * sizeof(float));
+  kvbench::fill_normal_f32(s.as<float>(), std::size_t(R * N), 2);  // N(0, 1) scores, drawn on the device
   const kc::DeviceScoresView sv(s.as<float>(), R, N);
   kc::DeviceBuffer ws(kc::topk_workspace_bytes(sv, k, path));
   kc::DeviceBuffer out(std::size_t(R * k) * sizeof(std::int64_t));

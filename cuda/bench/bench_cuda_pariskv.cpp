@@ -10,7 +10,8 @@
 //   bytes_per_second  the index bytes a search must touch: B id bytes + 2·(2-byte score) per key
 //                   and row, codes + weights of the C candidates (random gathers)
 // Keys: a shared offset plus anisotropic channels plus a planted low-rank part that queries
-// align with (keys of real models are like this; iid Gaussian keys have no top-100 to find).
+// align with (keys of real models are like this; iid Gaussian keys have no top-100 to find),
+// drawn on the device.
 // BM_cuda_pariskv_append: encoding throughput of a prefill (bytes of fp16 keys read).
 #include "bench_util.hpp"
 
@@ -29,12 +30,12 @@
 namespace {
 
 struct Data {
-  std::vector<kvscore::half> keys;  // [H][N][d]
-  std::vector<float> queries;        // [H][d]
-  kc::DeviceBuffer dkeys, dq;
+  std::vector<float> queries;  // [H][d]
+  kc::DeviceBuffer dkeys, dq;  // keys [H][N][d] fp16, drawn on the device
 };
 
-/// Structured keys and queries per (N, H), generated once (splitmix64: fast and fixed).
+/// Structured keys and queries per (N, H), generated once: the per-head offsets, scales and planted
+/// basis on the host (splitmix64, small), the N·H·d key elements on the device (bench_fill.hpp).
 const Data& data(std::int64_t N, std::int64_t H, std::int64_t d) {
   static std::map<std::pair<std::int64_t, std::int64_t>, Data> cache;
   auto key = std::make_pair(N, H);
@@ -42,35 +43,29 @@ const Data& data(std::int64_t N, std::int64_t H, std::int64_t d) {
   Data& D = cache[key];
   kvscore::detail::SplitMix64 rng(0x5eedull + std::uint64_t(N) * 31 + std::uint64_t(H));
   auto unif = [&]() { return float(rng.next() >> 40) * 0x1.0p-24f; };
-  // about N(0, 1): a centred sum of four uniforms (1G draws at N = 1M, 8 heads: keep it cheap)
-  auto gauss = [&]() { return (unif() + unif() + unif() + unif() - 2.f) * 1.7320508f; };
+  auto gauss = [&]() { return (unif() + unif() + unif() + unif() - 2.f) * 1.7320508f; };  // about N(0, 1)
   constexpr int kRank = 8;
-  D.keys.resize(std::size_t(H * N * d));
+  std::vector<float> off(std::size_t(H * d)), scale(std::size_t(H * d)), basis(std::size_t(H * kRank * d));
+  for (auto& x : off) x = 1.5f * gauss();
+  for (auto& x : scale) x = 0.2f + 0.5f * std::fabs(gauss());
+  for (auto& x : basis) x = gauss();
   D.queries.resize(std::size_t(H * d));
-  for (std::int64_t h = 0; h < H; ++h) {
-    std::vector<float> off(static_cast<std::size_t>(d)), scale(static_cast<std::size_t>(d)), basis(static_cast<std::size_t>(kRank * d));
-    for (auto& x : off) x = 1.5f * gauss();
-    for (auto& x : scale) x = 0.2f + 0.5f * std::fabs(gauss());
-    for (auto& x : basis) x = gauss();
-    std::vector<float> z(kRank);
-    for (std::int64_t t = 0; t < N; ++t) {
-      for (auto& x : z) x = gauss();
-      for (std::int64_t j = 0; j < d; ++j) {
-        float v = off[std::size_t(j)] + scale[std::size_t(j)] * gauss();
-        for (int r = 0; r < kRank; ++r) v += 0.4f * z[std::size_t(r)] * basis[std::size_t(r * d + j)];
-        D.keys[std::size_t((h * N + t) * d + j)] = kvscore::from_float<kvscore::half>(v);
-      }
-    }
+  for (std::int64_t h = 0; h < H; ++h)
     for (std::int64_t j = 0; j < d; ++j) {  // a query in the planted subspace, plus noise
       float v = 0.3f * gauss();
-      for (int r = 0; r < kRank; ++r) v += basis[std::size_t(r * d + j)] * (r % 2 == 0 ? 1.f : -0.5f);
+      for (int r = 0; r < kRank; ++r) v += basis[std::size_t((h * kRank + r) * d + j)] * (r % 2 == 0 ? 1.f : -0.5f);
       D.queries[std::size_t(h * d + j)] = v;
     }
-  }
-  D.dkeys = kc::DeviceBuffer(D.keys.size() * sizeof(kvscore::half));
-  kc::copy_to_device(D.dkeys.get(), D.keys.data(), D.keys.size() * sizeof(kvscore::half));
-  D.dq = kc::DeviceBuffer(D.queries.size() * sizeof(float));
-  kc::copy_to_device(D.dq.get(), D.queries.data(), D.queries.size() * sizeof(float));
+  auto upload = [](const std::vector<float>& v) {
+    kc::DeviceBuffer b(v.size() * sizeof(float));
+    kc::copy_to_device(b.get(), v.data(), v.size() * sizeof(float));
+    return b;
+  };
+  const kc::DeviceBuffer doff = upload(off), dscale = upload(scale), dbasis = upload(basis);
+  D.dkeys = kc::DeviceBuffer(std::size_t(H * N * d) * sizeof(kvscore::half));
+  kvbench::fill_structured_f16(D.dkeys.get(), H, N, d, doff.as<float>(), dscale.as<float>(), dbasis.as<float>(), kRank,
+                               0x5eedull + std::uint64_t(N));
+  D.dq = upload(D.queries);
   return D;
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kvscore/cuda/kernels.hpp"
 
@@ -15,13 +16,38 @@ namespace kvscore::cuda::detail {
 
 [[noreturn]] void throw_cuda(cudaError_t e, const char* call, const char* file, int line);
 
+/// Throws kvscore::cuda::Error for a failed CUDA call of kvscore's own. The failure is also the
+/// thread's last error: it is taken (cudaGetLastError) before throwing, so that no later launch
+/// check -- kvscore's or the caller's -- reports it again. (A sticky error, one that corrupts the
+/// context, cannot be taken: every later call reports it, as CUDA documents.)
 #define KVSCORE_CUDA_CHECK(call)                                                          \
   do {                                                                                    \
     const cudaError_t kvscore_e_ = (call);                                                \
-    if (kvscore_e_ != cudaSuccess) ::kvscore::cuda::detail::throw_cuda(kvscore_e_, #call, __FILE__, __LINE__); \
+    if (kvscore_e_ != cudaSuccess) {                                                      \
+      (void)cudaGetLastError();                                                           \
+      ::kvscore::cuda::detail::throw_cuda(kvscore_e_, #call, __FILE__, __LINE__);         \
+    }                                                                                     \
   } while (0)
-// After a launch: configuration errors now (asynchronous faults surface at the next sync).
+// After a launch: configuration errors now (asynchronous faults surface at the next sync). It
+// reports this launch's error only because every entry point began with require_no_pending_error.
 #define KVSCORE_CUDA_LAUNCHED() KVSCORE_CUDA_CHECK(cudaGetLastError())
+
+/// First line of every entry point that launches: an error already pending on this host thread
+/// was left by an earlier CUDA call of the caller's, so it is neither reported as a kvscore launch
+/// failure nor taken from its owner: kvscore throws an Error that says so, launches nothing, and
+/// leaves the error pending (docs/cuda.md, "Errors").
+void require_no_pending_error(const char* who);
+
+/// f(std::integral_constant<dtype, D>{}) for the element type t: the one switch over the
+/// element types of every host entry point (`for_dtype(keys.type, [&](auto D) { run<decltype(D)::value>(...); })`).
+template <class F>
+void for_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32: f(std::integral_constant<dtype, dtype::f32>{}); break;
+    case dtype::f16: f(std::integral_constant<dtype, dtype::f16>{}); break;
+    case dtype::bf16: f(std::integral_constant<dtype, dtype::bf16>{}); break;
+  }
+}
 
 inline constexpr float kNegInf = -__builtin_huge_valf();
 

@@ -60,6 +60,7 @@ void compact(void* data, dtype type, std::int64_t heads, std::int64_t tokens, st
              std::int64_t head_stride, std::int64_t token_stride, const std::int64_t* offsets,
              const std::int64_t* positions, bool zero_tail, stream_t stream) {
   if (heads == 0 || tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::compact");
   require_device_pointer(data, "cache");
   require_device_pointer(offsets, "offsets");
   require_device_pointer(positions, "positions");

@@ -358,20 +358,20 @@ void run_covariance(const KeysArg& a, long long pool, Workspace ws, double* cov,
 void oja_project(const KeysArg& keys, const float* bases, std::int64_t rank, float* codes, std::int64_t codes_hs,
                  std::int64_t codes_ts, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::project (OjaKV)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(bases, "bases");
   require_device_pointer(codes, "codes");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run_project<dtype::f32>(keys, bases, rank, codes, codes_hs, codes_ts, st); break;
-    case dtype::f16: run_project<dtype::f16>(keys, bases, rank, codes, codes_hs, codes_ts, st); break;
-    case dtype::bf16: run_project<dtype::bf16>(keys, bases, rank, codes, codes_hs, codes_ts, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run_project<decltype(D)::value>(keys, bases, rank, codes, codes_hs, codes_ts, st);
+  });
 }
 
 void oja_reconstruct(const KeysArg& codes, const float* bases, std::int64_t head_dim, float* out, std::int64_t out_hs,
                      std::int64_t out_ts, stream_t stream) {
   if (codes.heads == 0 || codes.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::reconstruct (OjaKV)");
   require_device_pointer(codes.data, "codes");
   require_device_pointer(bases, "bases");
   require_device_pointer(out, "output");
@@ -394,16 +394,15 @@ std::size_t oja_residual_workspace_bytes(std::int64_t heads, std::int64_t tokens
 void oja_residual_score(const KeysArg& keys, const ScoresArg& out, const double* host_bases, const double* host_aug,
                         std::int64_t rank, std::int64_t q_heads, std::int64_t window, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score (OjaResidual)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, oja_residual_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, rank, q_heads, window),
                     "kvscore::cuda::score (OjaResidual)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run_residual<dtype::f32>(keys, out, host_bases, host_aug, rank, q_heads, window, ws, st); break;
-    case dtype::f16: run_residual<dtype::f16>(keys, out, host_bases, host_aug, rank, q_heads, window, ws, st); break;
-    case dtype::bf16: run_residual<dtype::bf16>(keys, out, host_bases, host_aug, rank, q_heads, window, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run_residual<decltype(D)::value>(keys, out, host_bases, host_aug, rank, q_heads, window, ws, st);
+  });
 }
 
 std::size_t oja_covariance_workspace_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
@@ -417,6 +416,7 @@ std::size_t oja_covariance_workspace_bytes(std::int64_t heads, std::int64_t toke
 void oja_covariance(const KeysArg& rows, std::int64_t pool, Workspace ws, double* cov, std::int64_t* valid,
                     std::int64_t* pooled, stream_t stream) {
   if (rows.heads == 0 || rows.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::pooled_covariance_into");
   require_device_pointer(rows.data, "rows");
   require_device_pointer(cov, "cov");
   require_device_pointer(valid, "valid");
@@ -424,11 +424,7 @@ void oja_covariance(const KeysArg& rows, std::int64_t pool, Workspace ws, double
   require_workspace(ws, oja_covariance_workspace_bytes(rows.heads, rows.tokens, rows.head_dim, pool),
                     "kvscore::cuda::pooled_covariance_into");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (rows.type) {
-    case dtype::f32: run_covariance<dtype::f32>(rows, pool, ws, cov, valid, pooled, st); break;
-    case dtype::f16: run_covariance<dtype::f16>(rows, pool, ws, cov, valid, pooled, st); break;
-    case dtype::bf16: run_covariance<dtype::bf16>(rows, pool, ws, cov, valid, pooled, st); break;
-  }
+  for_dtype(rows.type, [&](auto D) { run_covariance<decltype(D)::value>(rows, pool, ws, cov, valid, pooled, st); });
 }
 
 }  // namespace kvscore::cuda::detail

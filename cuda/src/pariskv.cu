@@ -3,7 +3,7 @@
 //   search: validate + prepare queries -> tier tables -> collision scores + histogram ->
 //           threshold -> candidate counts / scan / ordered write -> RSQ-IP -> top-k -> map.
 // Compiled with -fmad=false (cuda/CMakeLists.txt): the encoding and the estimates follow the CPU
-// index's operation order (kvscore/pariskv.hpp), and a contracted multiply-add would change
+// index's operation order (kvscore/pariskv/pariskv.hpp), and a contracted multiply-add would change
 // their last bits.
 #include "common.cuh"
 
@@ -404,7 +404,7 @@ struct RsqArgs {
   Consts k;
 };
 
-/// RSQ-IP of one candidate per thread, in the CPU kernels' one order (simd/pariskv_kernels.hpp,
+/// RSQ-IP of one candidate per thread, in the CPU kernels' one order (pariskv/kernels.hpp,
 /// "The estimate"): coordinates in segments of len inside a subspace, a fused chain per
 /// segment, a fused chain per lane over the lane groups (segment s is lane s mod 16), the fixed
 /// 16-lane tree, times ‖q‖. Explicit __fmaf_rn/__fadd_rn: nvcc must not contract differently.
@@ -492,11 +492,7 @@ void validate_any(dtype t, const void* x, long long per_head, long long hs, long
                   unsigned long long* bad, cudaStream_t st) {
   KVSCORE_CUDA_CHECK(cudaMemsetAsync(bad, 0xFF, sizeof(unsigned long long), st));
   if (rows == 0) return;
-  switch (t) {
-    case dtype::f32: launch_validate<dtype::f32>(x, per_head, hs, ts, d, rows, bad, st); break;
-    case dtype::f16: launch_validate<dtype::f16>(x, per_head, hs, ts, d, rows, bad, st); break;
-    case dtype::bf16: launch_validate<dtype::bf16>(x, per_head, hs, ts, d, rows, bad, st); break;
-  }
+  for_dtype(t, [&](auto D) { launch_validate<decltype(D)::value>(x, per_head, hs, ts, d, rows, bad, st); });
 }
 
 Consts consts_of(const ParisKVState& s) {
@@ -624,6 +620,7 @@ std::size_t pariskv_append_workspace_bytes(const ParisKVState&, std::int64_t) no
 
 void pariskv_validate(const ParisKVState& s, const KeysArg& k, Workspace ws, stream_t stream) {
   const char* who = "kvscore::cuda::ParisKV::append";
+  require_no_pending_error(who);
   require_workspace(ws, pariskv_append_workspace_bytes(s, k.tokens), who);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   Carver c(ws.data);
@@ -639,14 +636,11 @@ void pariskv_validate(const ParisKVState& s, const KeysArg& k, Workspace ws, str
 }
 
 void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
+  require_no_pending_error("kvscore::cuda::ParisKV::append");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const long long n = k.tokens;
   if (s.center && !s.has_mu) {
-    switch (k.type) {
-      case dtype::f32: launch_mean<dtype::f32>(k, s.mu, st); break;
-      case dtype::f16: launch_mean<dtype::f16>(k, s.mu, st); break;
-      case dtype::bf16: launch_mean<dtype::bf16>(k, s.mu, st); break;
-    }
+    for_dtype(k.type, [&](auto D) { launch_mean<decltype(D)::value>(k, s.mu, st); });
     s.has_mu = true;
   }
   EncodeArgs a{};
@@ -666,11 +660,7 @@ void pariskv_encode(ParisKVState& s, const KeysArg& k, stream_t stream) {
   a.w = s.w;
   a.pop = s.pop;
   a.k = consts_of(s);
-  switch (k.type) {
-    case dtype::f32: encode_dispatch<dtype::f32>(s.P, a, k, st); break;
-    case dtype::f16: encode_dispatch<dtype::f16>(s.P, a, k, st); break;
-    case dtype::bf16: encode_dispatch<dtype::bf16>(s.P, a, k, st); break;
-  }
+  for_dtype(k.type, [&](auto D) { encode_dispatch<decltype(D)::value>(s.P, a, k, st); });
   KVSCORE_CUDA_CHECK(cudaStreamSynchronize(st));
   s.n += n;
 }
@@ -686,6 +676,7 @@ void pariskv_search(const ParisKVState& s, const ParisKVSearchArgs& a, const flo
   const char* who = "kvscore::cuda::ParisKV::search";
   const long long R = a.q_heads * a.n_queries, n = s.n;
   if (R == 0) return;
+  require_no_pending_error(who);
   require_workspace(ws, pariskv_search_workspace_bytes(s, a, n), who);
   if (R > 65535) throw std::invalid_argument(std::string(who) + ": " + std::to_string(R) + " query rows exceed 65535");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);

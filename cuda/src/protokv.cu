@@ -672,6 +672,7 @@ std::size_t protokv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std
 void score_protokv(const KeysArg& keys, const ScoresArg& out, const ProtoArg& p, Workspace ws, stream_t stream,
                    ProtoTrace* trace, std::int64_t trace_head) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score (ProtoKV)");
   if (keys.head_dim > 256)
     throw std::invalid_argument("kvscore::cuda::score(ProtoKV): head_dim " + std::to_string(keys.head_dim) +
                                 " > 256 is not supported on the GPU");
@@ -682,11 +683,7 @@ void score_protokv(const KeysArg& keys, const ScoresArg& out, const ProtoArg& p,
                                             p.chunks),
                     "kvscore::cuda::score(ProtoKV)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(keys, out, p, ws, st, trace, trace_head); break;
-    case dtype::f16: run<dtype::f16>(keys, out, p, ws, st, trace, trace_head); break;
-    case dtype::bf16: run<dtype::bf16>(keys, out, p, ws, st, trace, trace_head); break;
-  }
+  for_dtype(keys.type, [&](auto D) { run<decltype(D)::value>(keys, out, p, ws, st, trace, trace_head); });
 }
 
 }  // namespace kvscore::cuda::detail

@@ -13,6 +13,24 @@ void throw_cuda(cudaError_t e, const char* call, const char* file, int line) {
               int(e));
 }
 
+void require_no_pending_error(const char* who) {
+  const cudaError_t e = cudaPeekAtLastError();
+  if (e == cudaSuccess) return;
+  // Without a usable driver or device every CUDA call returns the runtime's initialisation error,
+  // the peek included: that is nobody's stale error, so it is reported as what it is.
+  int dev = 0;
+  if (const cudaError_t u = cudaGetDevice(&dev); u != cudaSuccess)
+    throw Error(std::string(who) + ": CUDA is not usable in this process: cudaGetDevice: " + cudaGetErrorName(u) +
+                    ": " + cudaGetErrorString(u),
+                int(u));
+  throw Error(std::string(who) + ": a CUDA error was already pending before this call (" + cudaGetErrorName(e) +
+                  ": " + cudaGetErrorString(e) +
+                  "), left by an earlier CUDA call on this host thread; kvscore launched nothing and left the error "
+                  "pending for its owner (take it with cudaGetLastError(); a sticky error such as "
+                  "cudaErrorIllegalAddress cannot be taken: the context is unusable)",
+              int(e));
+}
+
 void require_workspace(const Workspace& ws, std::size_t need, const char* who) {
   if (need == 0) return;
   if (ws.data == nullptr || ws.bytes < need)

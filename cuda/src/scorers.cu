@@ -7,7 +7,7 @@
 //    only on the shape, so the result is bit-identical on every run (no floating atomics).
 //  * rows: one warp per row, fp32 accumulation, butterfly reduction; head_dim 64/128/256 with
 //    vector loads when the rows are aligned, one generic loop otherwise.
-// Invalid rows (non-finite fp32 squared norm) follow scorer_base.hpp: -inf, left out of
+// Invalid rows (non-finite fp32 squared norm) follow scorers/scorer_base.hpp: -inf, left out of
 // every centroid.
 #include "common.cuh"
 
@@ -305,16 +305,15 @@ std::size_t geometric_workspace_bytes(Geometric kind, std::int64_t heads, std::i
 void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, std::int64_t window, bool merge_tail,
                      const float* host_filters, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, geometric_workspace_bytes(kind, keys.heads, keys.tokens, keys.head_dim, window, merge_tail),
                     "kvscore::cuda::score");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::f16: run<dtype::f16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(kind, keys, out, window, merge_tail, host_filters, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run<decltype(D)::value>(kind, keys, out, window, merge_tail, host_filters, ws, st);
+  });
 }
 
 }  // namespace kvscore::cuda::detail

@@ -254,16 +254,15 @@ std::size_t snapkv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std:
 void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_scaled_queries, std::int64_t q_heads,
                   std::int64_t window, std::int64_t kernel_size, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
+  require_no_pending_error("kvscore::cuda::score (SnapKV)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
   require_workspace(ws, snapkv_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, q_heads, window),
                     "kvscore::cuda::score (SnapKV)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (keys.type) {
-    case dtype::f32: run<dtype::f32>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-    case dtype::f16: run<dtype::f16>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-    case dtype::bf16: run<dtype::bf16>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st); break;
-  }
+  for_dtype(keys.type, [&](auto D) {
+    run<decltype(D)::value>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st);
+  });
 }
 
 }  // namespace kvscore::cuda::detail

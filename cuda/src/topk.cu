@@ -435,6 +435,7 @@ std::size_t select_workspace_bytes(const SelectPlan& p) noexcept {
 
 void select_into(const float* scores, const SelectPlan& p, Workspace ws, std::int64_t* offsets,
                  std::int64_t* positions, stream_t stream) {
+  require_no_pending_error("kvscore::cuda::select_into");
   require_device_pointer(scores, "scores");
   require_device_pointer(offsets, "offsets");
   require_device_pointer(positions, "positions");

@@ -1,5 +1,5 @@
 // cuda/tests/test_cuda_ojakv.cpp — OjaKV on the GPU (kvscore/cuda/ojakv.hpp) against the CPU
-// path (kvscore/ojakv.hpp) on the same data.
+// path (kvscore/ojakv/ojakv.hpp) on the same data.
 //
 // [gpu] tests, one per piece: projection (vs OjaHybridCache codes), reconstruction (vs
 // reconstruct_keys), the residual score (vs OjaResidual::score) and the selection it feeds
@@ -11,7 +11,7 @@
 
 #include <kvscore/cuda/ojakv.hpp>
 #include <kvscore/cuda/select.hpp>
-#include <kvscore/ojakv.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 #include <kvscore/select.hpp>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // cuda/tests/test_cuda_pariskv.cpp — the GPU ParisKV index against the CPU index
-// (kvscore/pariskv.hpp) on the same keys and queries.
+// (kvscore/pariskv/pariskv.hpp) on the same keys and queries.
 //
 // [gpu]: the encoding (sign ids, 4-bit codes, weights, populations, μ) is bit-identical to the
 // CPU's for fp32/fp16/bf16, three layouts, m = 2/4/8 and a padded head_dim, across appends that
@@ -11,7 +11,7 @@
 #include "cuda_harness.hpp"
 
 #include <kvscore/cuda/pariskv.hpp>
-#include <kvscore/pariskv.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -46,6 +46,11 @@ def window_queries(model, ids, window: int):
     return captured, hooks
 
 
+def needs_queries(method: str) -> bool:
+    """Whether a method is scored by the window's queries (the registry's query scorers)."""
+    return any(m["name"] == kvscore.method_name(method) and m["kind"] == "query_scorer" for m in kvscore.REGISTRY)
+
+
 def compress_cache(cache, method: str, keep: float, sinks: int = 4, recent: int = 16, queries=None, **opts):
     """Compresses every layer of a DynamicCache in place; returns the kept length per layer."""
     lengths = []
@@ -54,7 +59,7 @@ def compress_cache(cache, method: str, keep: float, sinks: int = 4, recent: int 
         if k.shape[0] != 1:
             raise ValueError("this example compresses one sequence (batch 1)")
         n = kvscore.budget_from_ratio(k.shape[2], keep)
-        if method in ("snapkv", "protokv"):
+        if needs_queries(method):
             scorer = kvscore.make_scorer(method, queries[i], **opts)
         else:
             scorer = kvscore.make_scorer(method, **opts)
@@ -74,14 +79,14 @@ def prefill_compress_generate(model, ids, *, method="manifold_l2", keep=0.5, sin
 
     N = ids.shape[1]
     cache = DynamicCache()
-    queries, hooks = (window_queries(model, ids[:, :-1], window) if method in ("snapkv", "protokv") else ({}, []))
+    queries, hooks = (window_queries(model, ids[:, :-1], window) if needs_queries(method) else ({}, []))
     try:
         with torch.no_grad():
             model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
     finally:
         for h in hooks:
             h.remove()
-    if method in ("snapkv", "protokv", "windowed_manifold_l2"):
+    if needs_queries(method) or kvscore.method_name(method) == kvscore.WindowedManifoldL2.name:
         opts["window"] = window  # the observation window / ManifoldKV's window
     lengths = compress_cache(cache, method, keep, sinks, recent, queries, **opts)
     n = lengths[0]

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "kvscore/core/dtype.hpp"
-#include "kvscore/scorers/scorer_base.hpp"
+#include "kvscore/core/scorer_options.hpp"
 #include "kvscore/core/selection.hpp"
 #include "kvscore/core/view.hpp"
 

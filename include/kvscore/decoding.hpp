@@ -1,10 +1,11 @@
 // kvscore/decoding.hpp — keep a growing cache at a target size during generation, the decode-time
 // policy of kvpress's DecodingPress for any kvscore scorer:
 //
-//   kvscore::DecodingCompressor<kvscore::half, kvscore::KNorm> dc(kv_heads, head_dim, kvscore::KNorm{},
+// [snippet decoding-header: tests/test_snippets.cpp]
+//   kvscore::DecodingCompressor<kvscore::half, kvscore::KNorm> gen(kv_heads, head_dim, kvscore::KNorm{},
 //                                                                  {.target = 1024, .interval = 256});
-//   dc.append(k, v, 1);                 // per decode step: [kv_heads][1][head_dim] keys and values
-//   dc.key_view(); dc.positions(h);     // the kept cache and the original position of each row
+//   gen.append(k, v, 1);                        // per decode step: [kv_heads][1][head_dim] keys and values
+//   auto kept = gen.key_view(); auto pos = gen.positions(h);  // the kept cache, each row's original position
 //
 // The cache holds at most target + interval tokens per head. When an append brings it there, the
 // scorer scores every held token, kvscore::select keeps `target` per head (the same selector and

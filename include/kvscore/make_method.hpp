@@ -1,7 +1,7 @@
 // kvscore/make_method.hpp — the registry's constructors for every kind of method of
 // kvscore/methods.hpp, by any of its spellings:
 //
-//   make_scorer(name, ScorerArgs)              scorer, query_scorer -> AnyScorer (scorers/make_scorer.hpp)
+//   make_scorer(name, ScorerArgs)              scorer, query_scorer -> AnyScorer (make_scorer.hpp)
 //   make_selection_rule(name, SelectionRuleArgs)  selection_rule   -> StreamingLLM
 //   make_retriever<T>(name, head_dim, RetrieverArgs)  retriever     -> ParisKVCache<T> (one KV head)
 //   make_hybrid(name, keys, values, HybridArgs)  hybrid             -> HybridBuild (OjaKV: store,
@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "kvscore/methods.hpp"
-#include "kvscore/ojakv.hpp"
-#include "kvscore/pariskv_cache.hpp"
-#include "kvscore/scorers/make_scorer.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
+#include "kvscore/pariskv/cache.hpp"
+#include "kvscore/make_scorer.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/streaming_llm.hpp"
 
@@ -40,7 +40,7 @@ namespace detail {
 // ------------------------------------------------------------------ selection rules
 
 struct SelectionRuleArgs {
-  std::int64_t sinks = 4;  ///< streaming_llm: attention sinks (Xiao et al. use 4)
+  std::int64_t sinks = kDefaultSinks;  ///< streaming_llm: attention sinks
 };
 
 /// True when the selection-rule constructor knows registry name `name` (constexpr: see the
@@ -57,14 +57,15 @@ inline StreamingLLM make_selection_rule(std::string_view spelling, const Selecti
 // ------------------------------------------------------------------ retrievers
 
 /// The zones of a ParisKV retriever with a fixed budget of n positions per query: S = min(4, n)
-/// sinks, a local window of L = min(256, (n − S)/2), and n − S − L retrieved.
+/// sinks, a local window of L = min(256, (n − S)/2), and n − S − L retrieved (kDefaultSinks,
+/// kDefaultParisKVLocal).
 struct ParisKVZones {
   std::int64_t sinks = 0, local = 0;
 };
 inline ParisKVZones pariskv_zones(std::int64_t n) noexcept {
   ParisKVZones z;
-  z.sinks = std::min<std::int64_t>(4, n);
-  z.local = std::min<std::int64_t>(256, (n - z.sinks) / 2);
+  z.sinks = std::min(kDefaultSinks, n);
+  z.local = std::min(kDefaultParisKVLocal, (n - z.sinks) / 2);
   return z;
 }
 

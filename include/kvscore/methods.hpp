@@ -9,16 +9,42 @@
 // issue 2; `pariskv-flat` in eval reports). Every spelling in `cli` and `aliases` is accepted
 // wherever a method is named. This header is metadata only: it includes no method, so any
 // floor may read it.
+//
+// Defaults: the kDefault* constants below are every default a method shares with a front end
+// (the CLI, the evaluator, Python); each is written here once, and the methods' own constants
+// (SnapKV::kDefaultWindow, ProtoKV::kDefaultKappa, ...) name these.
 #pragma once
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace kvscore {
+
+// ---- defaults shared by the methods and every front end
+
+/// windowed ManifoldKV: the window W in tokens (manifoldkv.txt Alg. 2).
+inline constexpr std::int64_t kDefaultWindow = 4096;
+/// SnapKV: the observation window w, the queries to capture (the paper's and kvpress's window_size).
+inline constexpr std::int64_t kDefaultSnapKVWindow = 64;
+/// SnapKV: the average-pooling kernel over the prefix (the paper's code and kvpress).
+inline constexpr std::int64_t kDefaultSnapKVKernel = 5;
+/// ProtoKV: the neighbourhood radius κ (the paper's default).
+inline constexpr std::int64_t kDefaultProtoKVKappa = 5;
+/// ProtoKV: the SAT candidates p (the paper: 20–40 suffice).
+inline constexpr std::int64_t kDefaultProtoKVSatCandidates = 32;
+/// ProtoKV: the LSH bits r, at most 2^r = 4 SAT prototypes (the paper: 2–4).
+inline constexpr int kDefaultProtoKVLshBits = 2;
+/// ProtoKV: the PDT chunks v; with 2^r SAT buckets at most 500 prototypes (the paper: about 500).
+inline constexpr std::int64_t kDefaultProtoKVChunks = 496;
+/// StreamingLLM and ParisKV's zones: the attention sinks kept at the start (Xiao et al. use 4).
+inline constexpr std::int64_t kDefaultSinks = 4;
+/// ParisKV's zones: the local window is min(kDefaultParisKVLocal, (n − sinks) / 2).
+inline constexpr std::int64_t kDefaultParisKVLocal = 256;
 
 /// What shape of method an entry is (the concepts of contract.hpp where one exists); each kind
 /// has its constructor in kvscore/make_method.hpp.
@@ -52,6 +78,10 @@ struct MethodInfo {
   std::string_view header;   ///< include/<header>
   std::string_view doc;      ///< docs/<doc>
   std::string_view summary;  ///< one line for --help, the evaluator and the docs
+  /// The options beyond the keys a front end passes to its constructor, comma-separated ("" =
+  /// none): the fields of its kind's arguments (kvscore/make_method.hpp: ScorerArgs, ...) it
+  /// reads, which are also the CLI's flags (`filters`: a Q-Filters filter file there).
+  std::string_view options = "";
 };
 
 /// Every method, in the evaluator's report order (`--methods all`).
@@ -64,21 +94,24 @@ inline constexpr std::array<MethodInfo, 12> kMethods = {{
      "kvscore/scorers/manifold_l2.hpp", "manifoldkv.md", "ManifoldKV: keep keys far (L2) from the centroid"},
     {"windowed_manifold_l2", "windowed-l2", "windowed_l2,windowed-manifoldkv", MethodKind::scorer,
      "WindowedManifoldL2", "kvscore/scorers/windowed_manifold_l2.hpp", "windowed-manifoldkv.md",
-     "windowed ManifoldKV: L2 to the centroid of the key's window (--window)"},
+     "windowed ManifoldKV: L2 to the centroid of the key's window (--window)", "window,window_tail"},
     {"qfilter", "qfilter", "q-filters,qfilters", MethodKind::scorer, "QFilter", "kvscore/scorers/qfilter.hpp",
-     "qfilters.md", "Q-Filters: <k, f_h>, filters calibrated on the queries"},
+     "qfilters.md", "Q-Filters: <k, f_h>, filters calibrated on the queries", "filters"},
     {"snapkv", "snapkv", "", MethodKind::query_scorer, "SnapKV", "kvscore/scorers/snapkv.hpp", "snapkv.md",
-     "SnapKV: pooled attention of the window queries (in-cache: window kept)"},
+     "SnapKV: pooled attention of the window queries (in-cache: window kept)",
+     "queries,group,placement,kernel_size"},
     {"streaming_llm", "streaming_llm", "streamingllm,streaming-llm", MethodKind::selection_rule, "StreamingLLM",
-     "kvscore/streaming_llm.hpp", "select.md", "StreamingLLM: sinks + most recent tokens (per head)"},
+     "kvscore/streaming_llm.hpp", "select.md", "StreamingLLM: sinks + most recent tokens (per head)", "sinks"},
     {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "protokv.md",
-     "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)"},
-    {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp", "pariskv.md",
+     "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)",
+     "queries,group,placement,seed,kappa,sat_candidates,lsh_bits,chunks,bandwidth,psi"},
+    {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp", "pariskv.md",
      "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
-    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv_cache.hpp",
+    {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp",
      "pariskv.md", "ParisKV without zones: per-query top-n retrieval over the whole cache"},
-    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv.hpp", "ojakv.md",
-     "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)"},
+    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv/ojakv.hpp", "ojakv.md",
+     "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
+     "queries,placement"},
     {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md",
      "oracle: top mean full attention of the evaluation queries (ceiling)"},
 }};
@@ -131,6 +164,19 @@ std::string method_list(Pred keep, std::string_view sep = ", ") {
   for (const MethodInfo& m : kMethods)
     if (keep(m)) s += std::string(s.empty() ? "" : sep) + std::string(m.cli);
   return s;
+}
+
+/// As method_list, with the last two joined by " or " ("a", "a or b", "a, b or c"): for messages.
+template <class Pred>
+std::string method_alternatives(Pred keep) {
+  const std::string s = method_list(keep);
+  const std::size_t last = s.rfind(", ");
+  return last == std::string::npos ? s : s.substr(0, last) + " or " + s.substr(last + 2);
+}
+
+/// Whether a method reads an option of MethodInfo::options.
+inline constexpr bool reads_option(const MethodInfo& m, std::string_view option) noexcept {
+  return in_list(m.options, option);
 }
 
 /// The entry a spelling names; std::invalid_argument naming the spelling and the known names otherwise.

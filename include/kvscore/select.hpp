@@ -1,8 +1,10 @@
 // kvscore/select.hpp — choose which tokens to keep from fp32 scores [heads][tokens].
 //
-//   Selection s = kvscore::select(scores, kvscore::Budget::per_head(n));            // top-n per head
-//   SelectOptions o; o.sinks = 4; o.recent = 64; o.alloc = Alloc::adakv;            // AdaKV, protected
-//   Selection s = kvscore::select(scores, kvscore::Budget::per_head(n), o);          // ragged heads
+// [snippet select-header: tests/test_snippets.cpp]
+//   kvscore::Selection top = kvscore::select(scores, kvscore::Budget::per_head(n));   // top-n per head
+//   kvscore::SelectOptions p;
+//   p.sinks = 4, p.recent = 64, p.alloc = kvscore::Alloc::adakv;                      // AdaKV, protected
+//   kvscore::Selection ragged = kvscore::select(scores, kvscore::Budget::per_head(n), p);  // ragged heads
 //
 // Result: kvscore::Selection (CSR), kept positions ascending within each head.
 //
@@ -45,7 +47,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -116,17 +117,30 @@ inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio,
                                       BudgetRounding rounding = BudgetRounding::nearest) {
   if (tokens < 0)
     detail::throw_invalid("kvscore::budget_from_ratio: tokens must be >= 0 (got " + std::to_string(tokens) + ")");
-  if (!(keep_ratio >= 0.0 && keep_ratio <= 1.0)) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.17g", keep_ratio);
-    detail::throw_invalid(std::string("kvscore::budget_from_ratio: keep_ratio must be in [0, 1] (got ") + buf + ")");
-  }
+  if (!(keep_ratio >= 0.0 && keep_ratio <= 1.0))
+    detail::throw_invalid("kvscore::budget_from_ratio: keep_ratio must be in [0, 1] (got " + detail::num(keep_ratio) +
+                          ")");
   if (tokens == 0 || keep_ratio == 0.0) return 0;
   const double x = keep_ratio * double(tokens);
   const std::int64_t n = rounding == BudgetRounding::floor ? std::int64_t(std::floor(x))
                                                            : std::llround(x);  // nearest, halves away from 0
   return std::clamp<std::int64_t>(n, 1, tokens);
 }
+
+/// What select() keeps, worked out from its arguments and validated: the one plan of every
+/// path, the CPU's and the GPU's (kvscore/cuda/select.hpp). plan_selection() throws
+/// std::invalid_argument for the arguments select() rejects, with the same message.
+struct SelectionPlan {
+  std::int64_t heads = 0, tokens = 0;
+  Alloc alloc = Alloc::per_head;
+  std::int64_t per_head = 0;     ///< Alloc::per_head: tokens kept per head
+  std::int64_t layer = 0;        ///< total kept (both allocs)
+  std::int64_t sink_end = 0;     ///< protected prefix [0, sink_end)
+  std::int64_t recent_begin = 0; ///< protected suffix [recent_begin, tokens), recent_begin >= sink_end
+  std::int64_t protect = 0;      ///< protected tokens per head
+  std::int64_t guaranteed = 0;   ///< AdaKV: max(safeguard, protect) kept per head before the global step
+  bool normalize = false;        ///< AdaKV: the global step ranks z-scores
+};
 
 namespace detail::sel {
 
@@ -139,12 +153,6 @@ struct Input {
 
 inline Input input_of(const ScoresView& v) noexcept { return {v.data(), v.heads(), v.tokens(), v.head_stride()}; }
 inline Input input_of(const Scores& s) noexcept { return {s.data(), s.heads(), s.tokens(), s.tokens()}; }
-
-inline std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
 
 inline int default_threads() noexcept {
 #if defined(_OPENMP)
@@ -159,25 +167,21 @@ constexpr std::size_t align64(std::size_t b) noexcept { return (b + 63) & ~std::
 /// Layers with fewer scores run serially unless num_threads asks for threads explicitly.
 inline constexpr std::int64_t kParallelMinScores = std::int64_t(1) << 16;
 
-/// Everything select() derives from its arguments, validated.
-struct Plan {
-  std::int64_t heads = 0, tokens = 0;
-  Alloc alloc = Alloc::per_head;
-  std::int64_t per_head = 0;     ///< Alloc::per_head: tokens kept per head
-  std::int64_t layer = 0;        ///< total kept (both allocs)
-  std::int64_t sink_end = 0;     ///< protected prefix [0, sink_end)
-  std::int64_t recent_begin = 0; ///< protected suffix [recent_begin, tokens), recent_begin >= sink_end
-  std::int64_t protect = 0;      ///< protected tokens per head
-  std::int64_t guaranteed = 0;   ///< AdaKV: max(safeguard, protect) kept per head before the global step
-  bool normalize = false;
+/// The CPU's plan: the selection plan, its threads and its workspace.
+struct Plan : SelectionPlan {
   int threads = 1;               ///< wanted (capped at heads)
   // workspace layout
   std::size_t per_thread = 0, fixed = 0;
   std::size_t bytes(int t) const noexcept { return 64 + fixed + per_thread * std::size_t(t); }
 };
 
-inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
-  const std::string who = "kvscore::select: ";
+inline constexpr const char* kWho = "kvscore::select: ";
+
+}  // namespace detail::sel
+
+inline SelectionPlan plan_selection(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
+  using detail::throw_invalid, detail::checked_mul, detail::num;
+  const std::string who = detail::sel::kWho;
   if (heads < 0 || tokens < 0)
     throw_invalid(who + "negative shape (" + std::to_string(heads) + ", " + std::to_string(tokens) + ")");
   if (budget.count() < 0)
@@ -191,7 +195,7 @@ inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, co
   if (!select_kernels_supported(opt.kernels))
     throw_invalid(who + "kernels '" + select_kernels_name(opt.kernels) + "' are not supported on this CPU");
 
-  Plan p;
+  SelectionPlan p;
   p.heads = heads;
   p.tokens = tokens;
   p.alloc = opt.alloc;
@@ -240,6 +244,15 @@ inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, co
     }
   }
 
+  return p;
+}
+
+namespace detail::sel {
+
+inline Plan make_plan(std::int64_t heads, std::int64_t tokens, Budget budget, const SelectOptions& opt) {
+  const std::string who = kWho;
+  Plan p;
+  static_cast<SelectionPlan&>(p) = plan_selection(heads, tokens, budget, opt);
   // Default thread count: small layers stay serial (a parallel region costs more than it saves).
   std::int64_t cells = 0;
   const bool small = !__builtin_mul_overflow(heads, tokens, &cells) && cells < kParallelMinScores;

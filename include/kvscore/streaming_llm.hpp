@@ -2,8 +2,9 @@
 // every head keeps the first `sinks` tokens (attention sinks) and the most recent tokens,
 // n per head in total. No scores are needed.
 //
-//   Selection s = kvscore::streaming_llm(heads, tokens, Budget::per_head(n));      // 4 sinks
-//   Selection s = kvscore::StreamingLLM{/*sinks*/ 8}.select(heads, tokens, Budget::per_head(n));
+// [snippet streaming-llm-header: tests/test_snippets.cpp]
+//   Selection a = kvscore::streaming_llm(heads, tokens, Budget::per_head(n));              // 4 sinks
+//   Selection b = kvscore::StreamingLLM{/*sinks*/ 8}.select(heads, tokens, Budget::per_head(n));
 //
 // Definition: s' = min(sinks, tokens); head h keeps [0, s') and the last n - s' positions.
 // It is exactly kvscore::select(any scores, Budget::per_head(n), StreamingLLM{sinks}.options(tokens, n)):
@@ -16,13 +17,14 @@
 #include <cstdint>
 #include <string>
 
+#include "kvscore/methods.hpp"
 #include "kvscore/select.hpp"
 #include "kvscore/core/selection.hpp"
 
 namespace kvscore {
 
 struct StreamingLLM {
-  std::int64_t sinks = 4;  ///< attention-sink tokens kept at the start (Xiao et al. use 4)
+  std::int64_t sinks = kDefaultSinks;  ///< attention-sink tokens kept at the start (Xiao et al. use 4)
 
   /// Tokens kept per head for `budget` over `heads` heads (validated).
   static std::int64_t per_head_budget(std::int64_t heads, Budget budget) {
@@ -79,7 +81,7 @@ struct StreamingLLM {
 };
 
 /// StreamingLLM selection: `sinks` first tokens + the most recent ones, n per head.
-inline Selection streaming_llm(std::int64_t heads, std::int64_t tokens, Budget budget, std::int64_t sinks = 4) {
+inline Selection streaming_llm(std::int64_t heads, std::int64_t tokens, Budget budget, std::int64_t sinks = kDefaultSinks) {
   return StreamingLLM{sinks}.select(heads, tokens, budget);
 }
 

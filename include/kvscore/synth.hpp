@@ -1,6 +1,7 @@
 // kvscore/synth.hpp — synthetic KV caches with the planted structure real caches show
 // and that each scorer's claim depends on (docs/synth.md).
 //
+// [snippet synth-header: tests/test_snippets.cpp]
 //   kvscore::synth::Spec spec;                 // kind mixed, 1 layer, 4 KV heads, G = 2, 2048 tokens, d = 64
 //   spec.kind = kvscore::synth::Kind::drift;
 //   kvscore::synth::Data data = kvscore::synth::generate(spec);
@@ -35,6 +36,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -213,7 +215,7 @@ inline Params params(const Spec& s) {
 }
 
 inline constexpr std::int64_t kRank = 8;      // intrinsic dimension of the bulk
-inline constexpr std::int64_t kMultikey = 4;  // tokens per multi-key needle
+inline constexpr std::int64_t kMultikeyRun = 4;  // tokens per multi-key needle
 
 /// n orthonormal directions: Gram–Schmidt (twice) of normal vectors, also ⟂ to `against`.
 inline std::vector<std::vector<double>> orthonormal(Normal& g, std::int64_t n, std::int64_t d,
@@ -259,6 +261,152 @@ inline std::vector<std::int64_t> draw_positions(SplitMix64& rng, std::vector<cha
   return starts;
 }
 
+/// What a position plants: none, or one of the structures (the names of Data::planted).
+enum Planted : int { kNone = -1, kSink = 0, kRadial, kAngular, kLocal, kMultikey, kAnchor, kPlantedKinds };
+inline constexpr const char* kPlantedNames[kPlantedKinds] = {"sink", "radial", "angular", "local", "multikey", "anchor"};
+
+/// Which structures a kind plants (the tokens of `local` need topic drift to stand out).
+inline std::array<bool, kPlantedKinds> planted_by(const Params& P) {
+  return {P.sink, P.radial > 0, P.angular > 0, P.local_per_segment > 0 && P.topic_sd > 0, P.multikey_groups > 0,
+          P.anchors_per_cluster > 0};
+}
+
+/// The directions of one (layer, head): u (the keys' mean direction) and the bulk's subspace B
+/// (ub[0] = u, ub[1..kRank] = B), then one direction off both per query target.
+struct Directions {
+  std::vector<std::vector<double>> ub, dirs;
+  std::int64_t free_dims = 0;
+  const std::vector<double>& u() const { return ub[0]; }
+  // More targets than free dimensions: directions are reused cyclically (still ⟂ u, B).
+  const std::vector<double>& dir(std::int64_t i) const { return dirs[std::size_t(i % free_dims)]; }
+};
+
+/// Where one head's planted tokens sit: the structure and the target direction of every
+/// position, and the direction of every query target (in planting order).
+struct Layout {
+  std::vector<std::int64_t> kind_of, target_of, target_dir;
+  std::int64_t n_local = 0;  ///< local targets (drift): local_per_segment per segment
+};
+
+/// Draws the positions: the sink first, then runs for multikey, then single tokens.
+inline Layout plant(const Params& P, const Spec& spec, const std::array<bool, kPlantedKinds>& has, SplitMix64& rng) {
+  const std::int64_t N = spec.tokens, segments = (N + spec.segment - 1) / spec.segment;
+  Layout out;
+  out.n_local = has[kLocal] ? P.local_per_segment * segments : 0;
+  std::vector<char> taken(std::size_t(N), 0);
+  out.kind_of.assign(std::size_t(N), kNone);
+  out.target_of.assign(std::size_t(N), -1);
+  if (P.sink) {
+    taken[0] = 1;
+    out.kind_of[0] = kSink;
+  }
+  std::int64_t next_dir = 0;
+  // `count` runs of `len` tokens of structure k in [lo, hi); each run aims at its own new
+  // direction (dir_per_run < 0) or all at dir_per_run
+  auto runs = [&](int k, std::int64_t count, std::int64_t lo, std::int64_t hi, std::int64_t len,
+                  std::int64_t dir_per_run) {
+    const auto starts = draw_positions(rng, taken, lo, hi, count, len);
+    for (std::size_t c = 0; c < starts.size(); ++c)
+      for (std::int64_t i = 0; i < len; ++i) {
+        const std::int64_t t = starts[c] + i;
+        out.kind_of[std::size_t(t)] = k;
+        out.target_of[std::size_t(t)] = dir_per_run >= 0 ? dir_per_run : next_dir + std::int64_t(c);
+      }
+  };
+  // a target per run, each with its own direction
+  auto targets = [&](std::int64_t count) {
+    for (std::int64_t c = 0; c < count; ++c) out.target_dir.push_back(next_dir + c);
+    next_dir += count;
+  };
+  if (P.multikey_groups > 0) {  // one direction per group
+    runs(kMultikey, P.multikey_groups, 1, N, kMultikeyRun, -1);
+    targets(P.multikey_groups);
+  }
+  if (out.n_local > 0)
+    for (std::int64_t sgi = 0; sgi < segments; ++sgi) {
+      const std::int64_t lo = std::max<std::int64_t>(1, sgi * spec.segment), hi = std::min(N, (sgi + 1) * spec.segment);
+      runs(kLocal, P.local_per_segment, lo, hi, 1, -1);
+      targets(P.local_per_segment);
+    }
+  if (P.angular > 0) {
+    runs(kAngular, P.angular, 1, N, 1, -1);
+    targets(P.angular);
+  }
+  if (P.anchors_per_cluster > 0)  // two clusters, each around one direction
+    for (int c = 0; c < 2; ++c) {
+      runs(kAnchor, P.anchors_per_cluster, 1, N, 1, next_dir);
+      targets(1);
+    }
+  if (P.radial > 0) runs(kRadial, P.radial, 1, N, 1, -1);  // attended through u by every query
+  return out;
+}
+
+/// Keys K [N][d] and values V [N][d] of one head; s scales keys so that logit = q̂·k̂.
+inline void write_keys_values(const Params& P, const Spec& spec, const Directions& D, const std::vector<double>& topic,
+                              const Layout& at, Normal& g, Normal& gv, double s, float* K, float* V) {
+  const std::int64_t N = spec.tokens, d = spec.head_dim;
+  const std::vector<double>& u = D.u();
+  std::vector<double> k(static_cast<std::size_t>(d));
+  double zc[kRank];
+  for (std::int64_t t = 0; t < N; ++t) {
+    const std::int64_t kind = at.kind_of[std::size_t(t)];
+    const double* c = topic.data() + (t / spec.segment) * kRank;
+    const double scale = P.orth_lognormal > 0 ? std::exp(P.orth_lognormal * g()) : 1.0;
+    for (std::int64_t r = 0; r < kRank; ++r) zc[r] = c[r] + P.z_sd * scale * g();
+    double a = P.m_k + P.a_sd * g();
+    for (std::int64_t j = 0; j < d; ++j) k[std::size_t(j)] = P.eps * g();
+    double off = 0;  // coefficient along the token's own direction
+    switch (kind) {
+      case kSink: a = P.m_k + P.sink_boost / std::max(P.m_q, 0.1); break;
+      case kRadial: a = P.m_k + P.radial_delta; break;
+      case kAngular: a = 0.3 * P.m_k; off = P.angular_norm; for (auto& x : zc) x *= 0.3; break;
+      case kLocal: off = P.local_delta; break;
+      case kMultikey: off = P.multikey_delta; break;
+      case kAnchor: a = 0.3 * P.m_k; off = P.anchor_norm; for (auto& x : zc) x *= 0.1; break;
+      default: break;
+    }
+    for (std::int64_t j = 0; j < d; ++j) {
+      double x = k[std::size_t(j)] + a * u[std::size_t(j)];
+      for (std::int64_t r = 0; r < kRank; ++r) x += zc[r] * D.ub[std::size_t(1 + r)][std::size_t(j)];
+      if (off != 0) x += off * D.dir(at.target_of[std::size_t(t)])[std::size_t(j)];
+      K[t * d + j] = float(s * x);
+    }
+    const double vs = kind == kSink ? 0.1 : 1.0;
+    for (std::int64_t j = 0; j < d; ++j) V[t * d + j] = float(vs * gv());
+  }
+}
+
+/// Queries Q [G][nq][d] of the group's G query heads: the mean direction, subspace noise, and a
+/// target (the targets in turn).
+inline void write_queries(const Params& P, const Spec& spec, const Directions& D, const Layout& at, Normal& g, double s,
+                          float* Q) {
+  const std::int64_t G = spec.group, nq = spec.queries, d = spec.head_dim;
+  const std::int64_t n_targets = std::int64_t(at.target_dir.size());
+  for (std::int64_t gi = 0; gi < G; ++gi) {
+    float* Qh = Q + gi * nq * d;
+    for (std::int64_t i = 0; i < nq; ++i) {
+      double w[kRank];
+      for (auto& x : w) x = P.w_sd * g();
+      const std::int64_t tgt = n_targets > 0 ? (i * G + gi) % n_targets : -1;
+      double gamma = 0;
+      if (tgt >= 0) {  // the norm its tokens carry along the direction (planting order)
+        const std::int64_t di = at.target_dir[std::size_t(tgt)];
+        const double norm = di < P.multikey_groups ? P.multikey_delta
+                            : di < P.multikey_groups + at.n_local ? P.local_delta
+                            : di < P.multikey_groups + at.n_local + P.angular ? P.angular_norm
+                                                                               : P.anchor_norm;
+        gamma = P.target_logit / norm;
+      }
+      for (std::int64_t j = 0; j < d; ++j) {
+        double x = P.m_q * D.u()[std::size_t(j)] + P.q_eps * g();
+        for (std::int64_t r = 0; r < kRank; ++r) x += w[r] * D.ub[std::size_t(1 + r)][std::size_t(j)];
+        if (tgt >= 0) x += gamma * D.dir(at.target_dir[std::size_t(tgt)])[std::size_t(j)];
+        Qh[i * d + j] = float(s * x);
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Throws std::invalid_argument naming the first bad field.
@@ -283,8 +431,8 @@ inline void validate(const Spec& s) {
 /// Generates the cache of `spec` (deterministic in spec; see the top of this file).
 inline Data generate(const Spec& spec) {
   validate(spec);
-  using detail::kRank;
-  const detail::Params P = detail::params(spec);
+  using namespace detail;
+  const Params P = params(spec);
   const std::int64_t L = spec.layers, H = spec.kv_heads, G = spec.group, N = spec.tokens, d = spec.head_dim,
                      nq = spec.queries;
   Data out;
@@ -292,17 +440,16 @@ inline Data generate(const Spec& spec) {
   out.keys.resize(std::size_t(L * H * N * d));
   out.values.resize(std::size_t(L * H * N * d));
   out.queries.resize(std::size_t(L * H * G * nq * d));
-  const char* names[] = {"sink", "radial", "angular", "local", "multikey", "anchor"};
-  const bool has[] = {P.sink, P.radial > 0, P.angular > 0, P.local_per_segment > 0 && P.topic_sd > 0,
-                      P.multikey_groups > 0, P.anchors_per_cluster > 0};
-  std::vector<std::vector<std::vector<std::int64_t>>*> slot(6, nullptr);
-  out.planted.reserve(6);
-  for (int i = 0; i < 6; ++i)
-    if (has[i]) {
-      out.planted.emplace_back(names[i], std::vector<std::vector<std::int64_t>>(std::size_t(L * H)));
+  const std::array<bool, kPlantedKinds> has = planted_by(P);
+  std::vector<std::vector<std::vector<std::int64_t>>*> slot(kPlantedKinds, nullptr);
+  out.planted.reserve(kPlantedKinds);
+  for (int i = 0; i < kPlantedKinds; ++i)
+    if (has[std::size_t(i)]) {
+      out.planted.emplace_back(kPlantedNames[i], std::vector<std::vector<std::int64_t>>(std::size_t(L * H)));
       slot[std::size_t(i)] = &out.planted.back().second;
     }
   const double s = std::sqrt(std::sqrt(double(d)));  // keys s·k̂, queries s·q̂: logit = q̂·k̂
+  const std::int64_t segments = (N + spec.segment - 1) / spec.segment;
 
   for (std::int64_t l = 0; l < L; ++l)
     for (std::int64_t h = 0; h < H; ++h) {
@@ -311,131 +458,25 @@ inline Data generate(const Spec& spec) {
       SplitMix64 pos_rng(stream_seed(spec.seed, std::uint64_t(l), std::uint64_t(h), 2));
       const std::size_t lh = std::size_t(l * H + h);
 
-      // Directions: u, the subspace B, then one off-manifold direction per target.
-      const auto ub = detail::orthonormal(g, 1 + kRank, d, {});
-      const std::vector<double>& u = ub[0];
-      const std::int64_t segments = (N + spec.segment - 1) / spec.segment;
-      const std::int64_t n_local = has[3] ? P.local_per_segment * segments : 0;
-      const std::int64_t n_dirs = P.angular + n_local + P.multikey_groups + (P.anchors_per_cluster > 0 ? 2 : 0);
-      const std::int64_t free_dims = d - 1 - kRank;
-      // More targets than free dimensions: directions are reused cyclically (still ⟂ u, B).
-      const auto dirs = detail::orthonormal(g, std::min(n_dirs, free_dims), d, ub);
-      auto dir = [&](std::int64_t i) -> const std::vector<double>& { return dirs[std::size_t(i % free_dims)]; };
+      // Positions (their own stream), then directions: u, the subspace B, one off-manifold
+      // direction per target.
+      const Layout at = plant(P, spec, has, pos_rng);
+      for (std::int64_t t = 0; t < N; ++t)
+        if (const std::int64_t k = at.kind_of[std::size_t(t)]; k >= 0) (*slot[std::size_t(k)])[lh].push_back(t);
+      Directions D;
+      D.ub = orthonormal(g, 1 + kRank, d, {});
+      const std::int64_t n_dirs = P.angular + at.n_local + P.multikey_groups + (P.anchors_per_cluster > 0 ? 2 : 0);
+      D.free_dims = d - 1 - kRank;
+      D.dirs = orthonormal(g, std::min(n_dirs, D.free_dims), d, D.ub);
 
       // Topic centres (drift), in subspace coordinates.
       std::vector<double> topic(std::size_t(segments * kRank), 0.0);
       if (P.topic_sd > 0)
         for (auto& x : topic) x = P.topic_sd * g();
 
-      // Positions: sink first, then runs for multikey, then single tokens.
-      std::vector<char> taken(std::size_t(N), 0);
-      std::vector<std::int64_t> kind_of(std::size_t(N), -1), target_of(std::size_t(N), -1);
-      if (P.sink) {
-        taken[0] = 1;
-        kind_of[0] = 0;
-        (*slot[0])[lh].push_back(0);
-      }
-      std::vector<std::int64_t> target_dir;                  // direction index per target
-      std::int64_t next_dir = 0;
-      auto plant = [&](int k, std::int64_t count, std::int64_t lo, std::int64_t hi, std::int64_t len,
-                       std::int64_t dir_per_run) {
-        const auto starts = detail::draw_positions(pos_rng, taken, lo, hi, count, len);
-        for (std::size_t c = 0; c < starts.size(); ++c)
-          for (std::int64_t i = 0; i < len; ++i) {
-            const std::int64_t t = starts[c] + i;
-            kind_of[std::size_t(t)] = k;
-            target_of[std::size_t(t)] = dir_per_run >= 0 ? dir_per_run : next_dir + std::int64_t(c);
-          }
-      };
-      // multikey: one direction per group
-      if (P.multikey_groups > 0) {
-        plant(4, P.multikey_groups, 1, N, detail::kMultikey, -1);
-        for (std::int64_t c = 0; c < P.multikey_groups; ++c) target_dir.push_back(next_dir + c);
-        next_dir += P.multikey_groups;
-      }
-      if (n_local > 0) {
-        for (std::int64_t sgi = 0; sgi < segments; ++sgi) {
-          const std::int64_t lo = std::max<std::int64_t>(1, sgi * spec.segment), hi = std::min(N, (sgi + 1) * spec.segment);
-          plant(3, P.local_per_segment, lo, hi, 1, -1);
-          for (std::int64_t c = 0; c < P.local_per_segment; ++c) target_dir.push_back(next_dir + c);
-          next_dir += P.local_per_segment;
-        }
-      }
-      if (P.angular > 0) {
-        plant(2, P.angular, 1, N, 1, -1);
-        for (std::int64_t c = 0; c < P.angular; ++c) target_dir.push_back(next_dir + c);
-        next_dir += P.angular;
-      }
-      if (P.anchors_per_cluster > 0) {
-        for (int c = 0; c < 2; ++c) {
-          plant(5, P.anchors_per_cluster, 1, N, 1, next_dir);
-          target_dir.push_back(next_dir);
-          ++next_dir;
-        }
-      }
-      if (P.radial > 0) plant(1, P.radial, 1, N, 1, -1);  // attended through u by every query
-      for (std::int64_t t = 0; t < N; ++t) {
-        const std::int64_t k = kind_of[std::size_t(t)];
-        if (k >= 1) (*slot[std::size_t(k)])[lh].push_back(t);
-      }
-
-      // Keys and values.
-      float* K = out.keys.data() + lh * std::size_t(N * d);
-      float* V = out.values.data() + lh * std::size_t(N * d);
-      std::vector<double> k(static_cast<std::size_t>(d));
-      double zc[kRank];
-      for (std::int64_t t = 0; t < N; ++t) {
-        const std::int64_t kind = kind_of[std::size_t(t)];
-        const double* c = topic.data() + (t / spec.segment) * kRank;
-        const double scale = P.orth_lognormal > 0 ? std::exp(P.orth_lognormal * g()) : 1.0;
-        for (std::int64_t r = 0; r < kRank; ++r) zc[r] = c[r] + P.z_sd * scale * g();
-        double a = P.m_k + P.a_sd * g();
-        for (std::int64_t j = 0; j < d; ++j) k[std::size_t(j)] = P.eps * g();
-        double off = 0;  // coefficient along the token's own direction
-        switch (kind) {
-          case 0: a = P.m_k + P.sink_boost / std::max(P.m_q, 0.1); break;  // sink
-          case 1: a = P.m_k + P.radial_delta; break;
-          case 2: a = 0.3 * P.m_k; off = P.angular_norm; for (auto& x : zc) x *= 0.3; break;
-          case 3: off = P.local_delta; break;
-          case 4: off = P.multikey_delta; break;
-          case 5: a = 0.3 * P.m_k; off = P.anchor_norm; for (auto& x : zc) x *= 0.1; break;
-          default: break;
-        }
-        for (std::int64_t j = 0; j < d; ++j) {
-          double x = k[std::size_t(j)] + a * u[std::size_t(j)];
-          for (std::int64_t r = 0; r < kRank; ++r) x += zc[r] * ub[std::size_t(1 + r)][std::size_t(j)];
-          if (off != 0) x += off * dir(target_of[std::size_t(t)])[std::size_t(j)];
-          K[t * d + j] = float(s * x);
-        }
-        const double vs = kind == 0 ? 0.1 : 1.0;
-        for (std::int64_t j = 0; j < d; ++j) V[t * d + j] = float(vs * gv());
-      }
-
-      // Queries of the group's G heads: the mean direction, subspace noise, and a target.
-      const std::int64_t n_targets = std::int64_t(target_dir.size());
-      for (std::int64_t gi = 0; gi < G; ++gi) {
-        float* Qh = out.queries.data() + std::size_t(((l * H + h) * G + gi) * nq * d);
-        for (std::int64_t i = 0; i < nq; ++i) {
-          double w[kRank];
-          for (auto& x : w) x = P.w_sd * g();
-          const std::int64_t tgt = n_targets > 0 ? (i * G + gi) % n_targets : -1;
-          double gamma = 0;
-          if (tgt >= 0) {
-            const std::int64_t di = target_dir[std::size_t(tgt)];
-            const double norm = di < P.multikey_groups ? P.multikey_delta
-                                : di < P.multikey_groups + n_local ? P.local_delta
-                                : di < P.multikey_groups + n_local + P.angular ? P.angular_norm
-                                                                                : P.anchor_norm;
-            gamma = P.target_logit / norm;
-          }
-          for (std::int64_t j = 0; j < d; ++j) {
-            double x = P.m_q * u[std::size_t(j)] + P.q_eps * g();
-            for (std::int64_t r = 0; r < kRank; ++r) x += w[r] * ub[std::size_t(1 + r)][std::size_t(j)];
-            if (tgt >= 0) x += gamma * dir(target_dir[std::size_t(tgt)])[std::size_t(j)];
-            Qh[i * d + j] = float(s * x);
-          }
-        }
-      }
+      write_keys_values(P, spec, D, topic, at, g, gv, s, out.keys.data() + lh * std::size_t(N * d),
+                        out.values.data() + lh * std::size_t(N * d));
+      write_queries(P, spec, D, at, g, s, out.queries.data() + lh * std::size_t(G * nq * d));
     }
   return out;
 }

@@ -9,13 +9,18 @@ Arrays are read in place (numpy through the buffer protocol, torch CPU tensors t
 fp32, fp16 and bf16 keys in any layout a strided view can express. A layout it cannot express
 (the head_dim stride is not 1, negative strides) is a ValueError naming the stride, never a
 silent copy. Results come back as the kind of array that went in (numpy in, numpy out; torch
-in, torch out), scores always float32. Bad input raises ValueError carrying the C++ message.
-Heavy calls release the GIL.
+in, torch out), scores always float32. Bad values raise ValueError carrying the C++ message,
+wrong kinds of argument TypeError. Heavy calls release the GIL.
+
+Every method name and every default comes from the C++ registry (include/kvscore/methods.hpp,
+make_scorer.hpp, make_method.hpp) through the module kvscore._kvscore: REGISTRY is its list,
+METHODS its scorers, and each signature's defaults are its constants and option structs.
 """
 
 from __future__ import annotations
 
 import json as _json
+import operator as _operator
 
 import numpy as _np
 
@@ -25,14 +30,19 @@ __version__ = _k.__version__
 
 __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
-    "calibrate_qfilters", "select", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
+    "calibrate_qfilters", "select", "select_joint", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
+    "StreamingLLM", "make_selection_rule",
 ]
 
 isa = _k.isa
 isas = _k.isas
 set_isa = _k.set_isa
 budget_from_ratio = _k.budget_from_ratio
+
+#: The registry's defaults (kvscore::ScorerArgs{}) and the option structs' (SelectOptions{}, ...).
+_ARGS = _k.ScorerArgs()
+_DEF = _k.struct_defaults
 
 
 # ------------------------------------------------------------------ arrays in and out
@@ -54,43 +64,86 @@ def _to_torch(x):
 
 
 def _arg(x, name: str, writable: bool = False):
-    """(array for the C++ core, converter of results back to the caller's kind)."""
+    """(array for the C++ core, converter of results back to the caller's kind).
+
+    What the core cannot read in place is named here, before nanobind's generic "incompatible
+    function arguments": a tensor on another device, a sparse tensor, a non-native byte order.
+    """
     if _is_torch(x):
+        import torch
+
         if x.device.type != "cpu":
-            raise ValueError(
-                f"{name}: tensor on device '{x.device}': this kvscore module was built without the CUDA "
-                "path (docs/cuda.md); move it with .cpu()")
+            if x.device.type == "cuda":
+                where = "this kvscore module has no CUDA path (kvscore's CUDA path is C++, docs/cuda.md)"
+            else:
+                where = f"kvscore reads CPU memory only ('{x.device.type}' tensors are not supported)"
+            raise ValueError(f"{name}: tensor on device '{x.device}': {where}; move it with .cpu()")
+        if x.layout != torch.strided:
+            raise ValueError(f"{name}: a {x.layout} tensor: kvscore reads dense strided tensors in place; "
+                             "convert it with .to_dense()")
         return x.detach(), _to_torch
     if isinstance(x, _np.ndarray):
+        if not x.dtype.isnative:
+            raise ValueError(f"{name}: dtype {x.dtype.str} is not in this machine's byte order (big-endian?): "
+                             f"kvscore reads arrays in place; convert with .astype(x.dtype.newbyteorder('='))")
         if writable and not x.flags.writeable:
             raise ValueError(f"{name}: the numpy array is read-only; compaction writes in place")
         return x, _identity
     raise ValueError(f"{name}: expected a numpy array or a torch tensor (got {type(x).__name__})")
 
 
+def _index(x, name: str) -> int:
+    """An integer argument: ints, numpy and torch integers; TypeError for a float (never truncated)."""
+    try:
+        return _operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer (got {x!r} of type {type(x).__name__})") from None
+
+
 # ------------------------------------------------------------------ scorers
 
 class _Scorer:
-    """Common shell: `score(keys) -> float32 [kv_heads, tokens]`, higher = keep."""
+    """Common shell: ``score(keys) -> float32 [kv_heads, tokens]``, higher = keep.
+
+    Every scorer is built by the registry's constructor (kvscore::make_scorer) from
+    kvscore::ScorerArgs; ``name`` is the class's registry name (REGISTRY, set below).
+    """
 
     name = ""
     protected_recent = 0  # tokens at the end of the cache the selector must keep (SnapKV, ProtoKV)
 
-    def __init__(self, impl, threads: int = 0):
-        self._impl = impl
+    def __init__(self, impl=None, threads: int = 0, **build):
+        self._impl = impl if impl is not None else _make(type(self).name, **build)
         self.num_threads = threads
 
     @property
     def num_threads(self) -> int:
+        """Threads over heads: 0 = OpenMP's default, 1 = serial; the scores are the same for any value."""
         return self._impl.num_threads
 
     @num_threads.setter
     def num_threads(self, n: int) -> None:
+        n = _index(n, "threads")
         if n < 0:
             raise ValueError(f"threads {n} must be >= 0 (0 = OpenMP default)")
         self._impl.num_threads = n
 
     def score(self, keys, queries=None):
+        """Scores of every cached token.
+
+        Parameters
+        ----------
+        keys : numpy.ndarray or torch.Tensor
+            ``[kv_heads, tokens, head_dim]`` or ``[1, kv_heads, tokens, head_dim]``, float32,
+            float16 or bfloat16, any layout whose head_dim stride is 1 (read in place).
+        queries : None
+            Query-agnostic scorers take none (a ValueError otherwise).
+
+        Returns
+        -------
+        numpy.ndarray or torch.Tensor
+            float32 ``[kv_heads, tokens]``, higher = keep; the kind of array ``keys`` was.
+        """
         if queries is not None:
             raise ValueError(f"{type(self).__name__}.score: this scorer takes no queries")
         a, back = _arg(keys, "keys")
@@ -100,77 +153,128 @@ class _Scorer:
         return f"kvscore.{type(self).__name__}()"
 
 
-class KNorm(_Scorer):
-    """K-norm (Devoto et al.): score = -||k||, keeps low-norm keys."""
+def _make(name: str, *, queries=None, last: int = 0, filters=None, **fields):
+    """kvscore::make_scorer(name, ScorerArgs) with the given ScorerArgs fields set."""
+    args = _k.ScorerArgs()
+    for k, v in fields.items():
+        setattr(args, k, v)
+    q = None if queries is None else _arg(queries, "queries")[0]
+    f = None if filters is None else _arg(filters, "filters")[0]
+    return _k.make_scorer(name, args, q, last, f)
 
-    name = "knorm"
+
+class KNorm(_Scorer):
+    """K-norm (Devoto et al.): score = -||k||, keeps low-norm keys.
+
+    Parameters
+    ----------
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
     def __init__(self, *, threads: int = 0):
-        super().__init__(_k.KNorm(), threads)
+        super().__init__(threads=threads)
 
 
 class KeyDiff(_Scorer):
-    """KeyDiff: score = -cos(k, mean key direction)."""
+    """KeyDiff: score = -cos(k, mean key direction).
 
-    name = "keydiff"
+    Parameters
+    ----------
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
     def __init__(self, *, threads: int = 0):
-        super().__init__(_k.KeyDiff(), threads)
+        super().__init__(threads=threads)
 
 
 class ManifoldL2(_Scorer):
-    """ManifoldKV: score = ||k - centroid||_2 over the head's keys."""
+    """ManifoldKV: score = ||k - centroid||_2 over the head's keys.
 
-    name = "manifold_l2"
+    Parameters
+    ----------
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
     def __init__(self, *, threads: int = 0):
-        super().__init__(_k.ManifoldL2(), threads)
+        super().__init__(threads=threads)
 
 
 class WindowedManifoldL2(_Scorer):
-    """Windowed ManifoldKV: L2 distance to the centroid of the key's window of `window` tokens.
-    tail='merge' (default): a final partial window shorter than window/2 joins the window before
-    it; 'own' (the paper's Alg. 2): it is its own window (docs/windowed-manifoldkv.md)."""
+    """Windowed ManifoldKV: L2 distance to the centroid of the key's window of ``window`` tokens
+    (docs/windowed-manifoldkv.md).
 
-    name = "windowed_manifold_l2"
+    Parameters
+    ----------
+    window : int, optional
+        W, tokens per window (the registry's kDefaultWindow).
+    tail : {'merge', 'own'}, optional
+        'merge' (default): a final partial window shorter than W/2 joins the window before it;
+        'own' (the paper's Alg. 2): it is its own window.
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
-    def __init__(self, window: int = 4096, tail: str = "merge", *, threads: int = 0):
-        super().__init__(_k.WindowedManifoldL2(window, tail), threads)
+    def __init__(self, window: int = _ARGS.window, tail: str = _ARGS.window_tail, *, threads: int = 0):
+        super().__init__(threads=threads, window=window, window_tail=tail)
         self.window = window
         self.tail = tail
 
 
 class QFilter(_Scorer):
-    """Q-Filters: score = <k, f_h> with filters [kv_heads, head_dim] (kvscore convention, as
-    calibrate_qfilters returns them); QFilter.from_published(path, layer) reads the authors'
-    safetensors files, whose sign is the opposite (score = -<f, k>, the same ranking)."""
+    """Q-Filters: score = <k, f_h> (docs/qfilters.md).
 
-    name = "qfilter"
+    Parameters
+    ----------
+    filters : array_like
+        ``[kv_heads, head_dim]`` in kvscore's convention (as calibrate_qfilters returns them);
+        copied to float32.
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+
+    Notes
+    -----
+    ``QFilter.from_published(path, layer)`` reads the authors' safetensors files, whose sign is
+    the opposite (score = -<f, k>, the same ranking); ``QFilter.load`` reads either.
+    """
 
     def __init__(self, filters, *, threads: int = 0):
-        if isinstance(filters, _k.QFilter):
-            impl = filters
-        else:
-            a, _ = _arg(filters, "filters")
-            impl = _k.QFilter(a)
-        super().__init__(impl, threads)
+        super().__init__(threads=threads, filters=filters)
 
     @classmethod
     def from_published(cls, path: str, layer: int, *, threads: int = 0) -> "QFilter":
-        return cls(_k.QFilter.from_published(str(path), layer), threads=threads)
+        """One layer of a published .safetensors filter file (the authors' sign convention)."""
+        return cls(_k.load_qfilters(str(path), layer, "published"), threads=threads)
 
     @classmethod
     def load(cls, path: str, layer: int, convention: str = "", *, threads: int = 0) -> "QFilter":
-        """.npy (kvscore convention) or .safetensors (published convention) unless `convention`."""
-        return cls(_k.QFilter.load(str(path), layer, convention), threads=threads)
+        """.npy (kvscore convention) or .safetensors (published convention) unless ``convention``
+        is 'kvscore' or 'published'."""
+        return cls(_k.load_qfilters(str(path), layer, convention), threads=threads)
 
     @property
     def filters(self):
+        """float32 ``[kv_heads, head_dim]``, kvscore's convention (a new array)."""
         return self._impl.filters
 
 
 def calibrate_qfilters(queries, kv_heads: int):
-    """Q-Filter calibration from query samples [q_heads, n, head_dim] -> float32 [kv_heads, head_dim]."""
+    """Q-Filter calibration from query samples.
+
+    Parameters
+    ----------
+    queries : array_like
+        ``[q_heads, n, head_dim]`` (or ``[1, ...]``), any float dtype kvscore reads.
+    kv_heads : int
+        KV heads; q_heads / kv_heads query heads share a filter (GQA).
+
+    Returns
+    -------
+    numpy.ndarray or torch.Tensor
+        float32 ``[kv_heads, head_dim]`` in kvscore's convention.
+    """
     a, back = _arg(queries, "queries")
     return back(_k.calibrate_qfilters(a, kv_heads))
 
@@ -180,6 +284,20 @@ class _QueryScorer(_Scorer):
     (or [1, q_heads, n, head_dim]); score(keys, queries) rebuilds it with new queries."""
 
     def score(self, keys, queries=None):
+        """Scores of every cached token.
+
+        Parameters
+        ----------
+        keys : numpy.ndarray or torch.Tensor
+            ``[kv_heads, tokens, head_dim]`` or ``[1, ...]``, read in place.
+        queries : array_like, optional
+            New window queries: the scorer is rebuilt with them and the same options.
+
+        Returns
+        -------
+        numpy.ndarray or torch.Tensor
+            float32 ``[kv_heads, tokens]``, higher = keep.
+        """
         if queries is not None:
             return type(self)(queries, **self._options).score(keys)
         a, back = _arg(keys, "keys")
@@ -187,99 +305,305 @@ class _QueryScorer(_Scorer):
 
     @property
     def protected_recent(self) -> int:
+        """Tokens at the end of the cache select() must keep (``recent=``): the window when the
+        queries sit in the cache, 0 after it."""
         return self._impl.protected_recent
 
 
 class SnapKV(_QueryScorer):
-    """SnapKV (Li et al.): attention of the last `window` queries (the observation window, the
-    last tokens of the cache), average-pooled with `kernel`; keep `protected_recent` recent tokens
-    in select(). At most the last `window` of the given queries are used.
-    placement='after_cache': the queries follow the cache (a decode step, held-out queries): no
-    causal mask, the whole cache pooled, protected_recent = 0."""
+    """SnapKV (Li et al.): attention of the observation window's queries, average-pooled.
 
-    name = "snapkv"
+    Parameters
+    ----------
+    queries : array_like
+        ``[q_heads, n, head_dim]`` (or ``[1, ...]``) post-RoPE queries; GQA from the shapes.
+    window : int, optional
+        At most the last ``window`` of the given queries are used (the registry's
+        kDefaultSnapKVWindow, kvpress's window_size).
+    kernel : int, optional
+        Average-pooling kernel, odd (the registry's kDefaultSnapKVKernel).
+    placement : {'in_cache', 'after_cache'}, optional
+        'in_cache': the queries are the cache's last positions (causal, the window protected:
+        pass ``recent=protected_recent`` to select). 'after_cache': they follow the cache (a
+        decode step, held-out queries): no causal mask, nothing protected.
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
-    def __init__(self, queries, window: int = 64, kernel: int = 5, *, placement: str = "in_cache",
-                 threads: int = 0):
-        a, _ = _arg(queries, "queries")
-        super().__init__(_k.SnapKV(a, window, kernel, placement=placement), threads)
+    def __init__(self, queries, window: int = _k.kDefaultSnapKVWindow, kernel: int = _ARGS.kernel_size, *,
+                 placement: str = _ARGS.placement, threads: int = 0):
+        if _index(window, "window") < 1:
+            raise ValueError(f"SnapKV: window {window} must be >= 1")
+        super().__init__(threads=threads, queries=queries, last=window, kernel_size=kernel, placement=placement)
         self._options = {"window": window, "kernel": kernel, "placement": placement, "threads": threads}
 
 
 class ProtoKV(_QueryScorer):
     """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/protokv.md).
-    `window` = 0 uses every given query. placement='after_cache': the queries follow the cache
-    (nothing protected, the window may exceed the cache); 'in_cache' (default) protects it."""
 
-    name = "protokv"
+    Parameters
+    ----------
+    queries : array_like
+        ``[q_heads, n, head_dim]`` (or ``[1, ...]``) post-RoPE queries.
+    window : int, optional
+        The last ``window`` of the given queries; 0 (default) uses every one.
+    kappa, sat_candidates, lsh_bits, chunks : int, optional
+        κ, p, r and v of the paper (the registry's kDefaultProtoKV* constants).
+    bandwidth : float, optional
+        RFF bandwidth σ; 0 = the median heuristic.
+    seed : int, optional
+        RFF seed.
+    psi : {'attention', 'sum', 'mean'}, optional
+        The cluster score ψ.
+    placement : {'in_cache', 'after_cache'}, optional
+        As SnapKV's: 'in_cache' protects the window, 'after_cache' nothing (the window may then
+        exceed the cache).
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
 
-    def __init__(self, queries, window: int = 0, *, kappa: int = 5, sat_candidates: int = 32, lsh_bits: int = 2,
-                 chunks: int = 496, bandwidth: float = 0.0, seed: int = 0, psi: str = "attention",
-                 placement: str = "in_cache", threads: int = 0):
-        a, _ = _arg(queries, "queries")
-        super().__init__(_k.ProtoKV(a, window, kappa, sat_candidates, lsh_bits, chunks, bandwidth, seed, psi,
-                                    placement=placement), threads)
+    def __init__(self, queries, window: int = 0, *, kappa: int = _ARGS.kappa, sat_candidates: int = _ARGS.sat_candidates,
+                 lsh_bits: int = _ARGS.lsh_bits, chunks: int = _ARGS.chunks, bandwidth: float = _ARGS.bandwidth,
+                 seed: int = _ARGS.seed, psi: str = _ARGS.psi, placement: str = _ARGS.placement, threads: int = 0):
+        super().__init__(threads=threads, queries=queries, last=window, kappa=kappa, sat_candidates=sat_candidates,
+                         lsh_bits=lsh_bits, chunks=chunks, bandwidth=bandwidth, seed=seed, psi=psi,
+                         placement=placement)
         self._options = {"window": window, "kappa": kappa, "sat_candidates": sat_candidates, "lsh_bits": lsh_bits,
                          "chunks": chunks, "bandwidth": bandwidth, "seed": seed, "psi": psi, "placement": placement,
                          "threads": threads}
 
 
+# ------------------------------------------------------------------ selection rules
+
+class StreamingLLM:
+    """StreamingLLM (Xiao et al.) as kvscore::StreamingLLM: every head keeps the first ``sinks``
+    tokens and the most recent ones, no scores needed.
+
+    Parameters
+    ----------
+    sinks : int, optional
+        Attention sinks kept at the start (the registry's kDefaultSinks).
+    """
+
+    def __init__(self, sinks: int = _k.kDefaultSinks, *, _impl=None):
+        self._impl = _impl if _impl is not None else _k.make_selection_rule(type(self).name, _index(sinks, "sinks"))
+
+    name = ""
+
+    @property
+    def sinks(self) -> int:
+        return self._impl.sinks
+
+    def select(self, heads: int, tokens: int, budget: int):
+        """The kept positions of a ``heads x tokens`` cache, ``budget`` per head.
+
+        Returns
+        -------
+        numpy.ndarray
+            int64 ``[heads, budget]``: ``[0, s)`` and the last ``budget - s`` positions, with
+            ``s = min(sinks, tokens)``, ascending.
+
+        Raises
+        ------
+        ValueError
+            When ``s`` exceeds the budget or the budget the tokens (kvscore::StreamingLLM's rule).
+        """
+        return self._impl.select(_index(heads, "heads"), _index(tokens, "tokens"), _index(budget, "budget"))
+
+    def __repr__(self) -> str:
+        return f"kvscore.StreamingLLM(sinks={self.sinks})"
+
+
 # ------------------------------------------------------------------ the method registry
 
-#: kvscore/methods.hpp, the one list of methods (dicts: name, cli, aliases, kind, cls, header, doc, summary).
+#: kvscore/methods.hpp, the one list of methods (dicts: name, cli, aliases, kind, cls, header, doc,
+#: summary, options).
 REGISTRY = _k.methods()
 
+_KIND = {m["name"]: m["kind"] for m in REGISTRY}
+_SCORER_KINDS = ("scorer", "query_scorer")
+
+
+def _classes(kinds):
+    """The Python class of every registry entry of these kinds, named by its C++ class (``cls``)."""
+    out = {}
+    for m in REGISTRY:
+        if m["kind"] in kinds:
+            cls = globals().get(m["cls"])
+            if cls is None:  # as make_scorer.hpp's static_assert: the registry lists a method Python lacks
+                raise ImportError(f"kvscore: include/kvscore/methods.hpp lists {m['kind']} '{m['name']}' "
+                                  f"(class {m['cls']}) but python/kvscore has no class {m['cls']}")
+            cls.name = m["name"]
+            out[m["name"]] = cls
+    return out
+
+
 #: Canonical method names -> scorer class (query-agnostic ones take no arguments): the scorers of REGISTRY.
-METHODS = {
-    "knorm": KNorm,
-    "keydiff": KeyDiff,
-    "manifold_l2": ManifoldL2,
-    "windowed_manifold_l2": WindowedManifoldL2,
-    "qfilter": QFilter,
-    "snapkv": SnapKV,
-    "protokv": ProtoKV,
-}
+METHODS = _classes(_SCORER_KINDS)
+_SELECTION_RULES = _classes(("selection_rule",))
 #: Other spellings (the CLI's and evaluator's, and the registry's aliases) -> canonical name,
-#: for the scorers and streaming_llm.
-ALIASES = {s: m["name"] for m in REGISTRY if m["kind"] in ("scorer", "query_scorer", "selection_rule")
+#: for the scorers and the selection rules.
+ALIASES = {s: m["name"] for m in REGISTRY if m["kind"] in _SCORER_KINDS + ("selection_rule",)
            for s in [m["cli"], *m["aliases"]] if s != m["name"]}
 
 
 def method_name(name: str) -> str:
-    """The canonical name of a method or alias; ValueError naming the known ones otherwise."""
+    """The canonical name of a scorer or selection rule, by any spelling of the registry.
+
+    Raises
+    ------
+    ValueError
+        For any other name, listing the known ones.
+    """
     n = ALIASES.get(name, name)
-    if n not in METHODS and n != "streaming_llm":
-        known = ", ".join(sorted(set(METHODS) | set(ALIASES) | {"streaming_llm"}))
+    if n not in METHODS and n not in _SELECTION_RULES:
+        known = ", ".join(sorted(set(METHODS) | set(_SELECTION_RULES) | set(ALIASES)))
         raise ValueError(f"unknown method '{name}' (expected one of: {known})")
     return n
 
 
 def make_scorer(method: str, *args, **options) -> _Scorer:
-    """A scorer by registry name, e.g. make_scorer('windowed_manifold_l2', window=2048)."""
+    """A scorer by registry name or alias, e.g. ``make_scorer('windowed_manifold_l2', window=2048)``:
+    ``METHODS[method_name(method)](*args, **options)``."""
     n = method_name(method)
-    if n == "streaming_llm":
-        raise ValueError("streaming_llm is a selection rule (select(zeros, n, sinks=S, recent=n-S)), not a scorer")
+    if n not in METHODS:
+        raise ValueError(f"'{method}' is a {_KIND[n].replace('_', ' ')}, not a scorer: "
+                         f"kvscore.make_selection_rule('{method}') builds it")
     return METHODS[n](*args, **options)
+
+
+def make_selection_rule(method: str, *, sinks: int = _k.kDefaultSinks) -> StreamingLLM:
+    """A selection rule by registry name or alias (kvscore::make_selection_rule)."""
+    n = method_name(method)
+    if n not in _SELECTION_RULES:
+        raise ValueError(f"'{method}' is a {_KIND[n].replace('_', ' ')}, not a selection rule: "
+                         f"kvscore.make_scorer('{method}') builds it")
+    return _SELECTION_RULES[n](sinks)
 
 
 # ------------------------------------------------------------------ selection, compaction
 
-def select(scores, budget: int, *, sinks: int = 0, recent: int = 0, alloc: str = "per_head", alpha: float = 0.2,
-           normalize: bool = False, threads: int = 0):
-    """Tokens to keep from float32 scores [kv_heads, tokens]: int64 [kv_heads, budget] with each row
-    ascending (alloc='per_head'), or for alloc='adakv' (per-layer budget budget*kv_heads spread
-    over heads, AdaKV) a list of kv_heads int64 arrays. Ties keep the lower position."""
+_SEL = _DEF["SelectOptions"]
+
+
+def select(scores, budget: int, *, sinks: int = _SEL["sinks"], recent: int = _SEL["recent"],
+           alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"], normalize: bool = _SEL["normalize"],
+           threads: int = _SEL["threads"]):
+    """Tokens to keep from scores, per head (kvscore::select).
+
+    Parameters
+    ----------
+    scores : numpy.ndarray or torch.Tensor
+        float32 ``[kv_heads, tokens]``, higher = keep (read in place).
+    budget : int
+        Tokens kept per head (an integer: a float is a TypeError, never truncated).
+    sinks, recent : int, optional
+        The first ``sinks`` and last ``recent`` positions are always kept (inside the budget).
+    alloc : {'per_head', 'adakv'}, optional
+        'adakv': the layer keeps ``budget * kv_heads`` tokens spread over the heads (AdaKV).
+    alpha : float, optional
+        AdaKV's safeguard: every head keeps at least ``alpha * budget``.
+    normalize : bool, optional
+        AdaKV: z-normalise each head's scores first.
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default); the result is the same for any value.
+
+    Returns
+    -------
+    numpy.ndarray or torch.Tensor, or a list of them
+        int64 ``[kv_heads, budget]``, each row ascending (alloc='per_head'); for 'adakv' a list
+        of kv_heads int64 arrays. Ties keep the lower position.
+    """
     a, back = _arg(scores, "scores")
-    return back(_k.select(a, int(budget), sinks=sinks, recent=recent, alloc=alloc, alpha=alpha, normalize=normalize,
-                          threads=threads))
+    return back(_k.select(a, _index(budget, "select: budget"), sinks=sinks, recent=recent, alloc=alloc, alpha=alpha,
+                          normalize=normalize, threads=threads))
 
 
-def compact(keys, values, selection, *, tail: str = "keep", require_equal_lengths: bool = True) -> int:
-    """Moves the kept rows of keys and values [kv_heads, tokens, d] (or [1, ...], HF layout) to the
-    front of each head, in place; returns the kept length n (slice [..., :n, :] afterwards).
-    `selection` is select()'s result (array or list of arrays, numpy or torch)."""
+def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: str | None = None,
+                 threads: int = 0):
+    """ONE set of kept positions for every head of every layer, for caches that drop a token
+    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/joint.md).
+    `scores`: float32 [layers, kv_heads, tokens], [rows, tokens] (one layer, or all rows
+    stacked), or a list of [kv_heads, tokens] arrays, one per layer. Each row is z-normalised,
+    then aggregated per token: 'max' (the default), 'mean' or 'vote'; then select()'s rules
+    (budget counts every kept token, sinks/recent always kept, ties keep the lower position).
+    Returns int64 [budget], ascending."""
+    if isinstance(scores, (list, tuple)):
+        layers = list(scores)
+    else:
+        _arg(scores, "scores")  # a numpy array or a torch tensor, else ValueError
+        nd = len(scores.shape)
+        if nd == 2:
+            layers = [scores]
+        elif nd == 3:
+            layers = list(scores)  # views of each layer, no copy
+        else:
+            raise ValueError(f"select_joint: scores must be [layers, kv_heads, tokens] or [rows, tokens] "
+                             f"(got {nd} dimensions)")
+    arrays, back = [], _identity
+    for i, s in enumerate(layers):
+        a, b = _arg(s, f"scores[{i}]")
+        arrays.append(a)
+        if i == 0:
+            back = b
+    kw = {} if aggregate is None else {"aggregate": aggregate}
+    return back(_k.select_joint(arrays, _index(budget, "budget"), sinks=_index(sinks, "sinks"),
+                                recent=_index(recent, "recent"), threads=_index(threads, "threads"), **kw))
+
+
+def _numpy_view(a):
+    """A numpy array over the same memory as `a` (numpy, or a CPU torch tensor), for overlap tests."""
+    if isinstance(a, _np.ndarray):
+        return a
+    import torch
+
+    if a.dtype in (torch.float16, torch.bfloat16):
+        return a.view(torch.int16).numpy()  # same element size and strides; numpy has no bfloat16
+    return a.numpy()
+
+
+_TOO_HARD = getattr(_np, "exceptions", _np).TooHardError
+
+
+def _share_memory(a, b) -> bool:
+    """Whether two arrays share an element (numpy's exact test; when it gives up, their byte ranges)."""
+    x, y = _numpy_view(a), _numpy_view(b)
+    try:
+        return bool(_np.shares_memory(x, y, max_work=1 << 20))
+    except _TOO_HARD:
+        return bool(_np.may_share_memory(x, y))
+
+
+_COMPACT = _DEF["CompactOptions"]
+
+
+def compact(keys, values, selection, *, tail: str = _COMPACT["tail"], require_equal_lengths: bool = True) -> int:
+    """Moves the kept rows of keys and values to the front of each head, in place (kvscore::compact).
+
+    Parameters
+    ----------
+    keys, values : numpy.ndarray or torch.Tensor
+        ``[kv_heads, tokens, d]`` (or ``[1, ...]``, HF layout), writable, sharing no element with
+        each other (a ValueError otherwise: moving one would overwrite the other).
+    selection : array or list of arrays
+        select()'s result (numpy or torch).
+    tail : {'keep', 'zero'}, optional
+        What is left after the kept rows: the old rows, or zeros.
+    require_equal_lengths : bool, optional
+        Every head keeps the same count, then returned as one int (True here, unlike C++'s
+        CompactOptions: select()'s per-head result always has equal counts).
+
+    Returns
+    -------
+    int or list of int
+        The kept length n (slice ``[..., :n, :]`` afterwards), or each head's when
+        ``require_equal_lengths=False``.
+    """
     k, _ = _arg(keys, "keys", writable=True)
     v, _ = _arg(values, "values", writable=True)
+    if _share_memory(k, v):
+        raise ValueError("compact: keys and values overlap in memory (they share elements): compacting one would "
+                         "overwrite the other; pass separate buffers")
     if isinstance(selection, (list, tuple)):
         sel = [_arg(s, "selection")[0] for s in selection]
     else:
@@ -301,28 +625,65 @@ def _f32_4d(x, name):
     return x
 
 
-def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, recent: int = 0,
-             alloc: str = "per_head", alpha: float = 0.2, window: int = 4096, window_tail: str = "merge",
-             budget_rounding: str = "nearest", query_placement: str = "after_cache", threads: int = 1,
-             window_queries=None, calib_queries=None, protocol: str | None = None, mix_metric: str = "recall") -> dict:
-    """`kvscore eval` as a function: the same report (attention-mass recall, output error, top-k
-    overlap, time per method and keep fraction, per_layer_best), as a dict. K, V [layers, kv_heads,
-    tokens, d], Q [layers, q_heads, n_q, d] (3-D: one layer); converted to fp32 (the evaluator's
-    precision). budget_rounding='floor' gives the papers' n = floor(keep * N) instead of the nearest
-    integer. query_placement (shared protocol): Q follows the cache ('after_cache', default: snapkv,
-    protokv and ojakv see every key, nothing protected beyond `recent`) or is the cache's last n_q
-    positions ('in_cache').
+_EVAL, _METHOD_OPTS = _DEF["EvalOptions"], _DEF["MethodOptions"]
 
-    The leak-free protocol (docs/evaluate.md; the default when window_queries is given):
-    window_queries [layers, q_heads, n_w, d] are the queries of the cache's own last n_w tokens
-    (what snapkv, protokv and ojakv see, in the cache, the window protected), calib_queries
-    [layers, q_heads, n_c, d] other text's (Q-Filters' calibration; qfilter is skipped without
-    them), and Q only measures. protocol: 'leak_free' or 'shared' (every method sees Q).
-    mix_metric: 'recall', 'error' or 'overlap', what per_layer_best optimises."""
+
+def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = _SEL["sinks"],
+             recent: int = _SEL["recent"], alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
+             window: int = _METHOD_OPTS["window"], window_tail: str = _METHOD_OPTS["window_tail"],
+             budget_rounding: str = _EVAL["rounding"], query_placement: str = _METHOD_OPTS["placement"],
+             threads: int = 1, window_queries=None, calib_queries=None, protocol: str | None = None,
+             mix_metric: str = _EVAL["mix_metric"]) -> dict:
+    """``kvscore eval`` as a function: the same report, as a dict.
+
+    Parameters
+    ----------
+    K, V : array_like
+        ``[layers, kv_heads, tokens, d]`` (3-D: one layer); converted to fp32 (the evaluator's
+        precision).
+    Q : array_like
+        ``[layers, q_heads, n_q, d]``: the queries after the cache, which measure every method
+        (and, under the shared protocol, are also what the query-aware methods see).
+    methods : str or list of str, optional
+        Registry names or aliases, or 'all'.
+    keep : sequence of float, optional
+        Fractions of the tokens kept, each in (0, 1].
+    sinks, recent, alloc, alpha : optional
+        As select()'s.
+    window, window_tail : optional
+        Windowed ManifoldKV's W and tail rule.
+    budget_rounding : {'nearest', 'floor'}, optional
+        'floor' gives the papers' n = floor(keep * N).
+    query_placement : {'after_cache', 'in_cache'}, optional
+        Shared protocol only: Q follows the cache ('after_cache': snapkv, protokv and ojakv see
+        every key, nothing protected beyond ``recent``) or is the cache's last n_q positions
+        ('in_cache').
+    threads : int, optional
+        Threads (0 = OpenMP's default).
+    window_queries : array_like, optional
+        ``[layers, q_heads, n_w, d]``: the queries of the cache's own last n_w tokens, what
+        snapkv, protokv and ojakv see under the leak-free protocol (in the cache, the window
+        protected). Given, the leak-free protocol is the default.
+    calib_queries : array_like, optional
+        ``[layers, q_heads, n_c, d]``: queries of other text, Q-Filters' calibration under the
+        leak-free protocol (qfilter is skipped without them).
+    protocol : {'leak_free', 'shared'}, optional
+        Which queries the methods see (docs/evaluate.md "Protocols"): 'leak_free' (as in an
+        engine; needs window_queries) or 'shared' (every method sees Q: an upper bound). Default:
+        'leak_free' when window_queries is given, else 'shared'.
+    mix_metric : {'recall', 'error', 'overlap'}, optional
+        What the report's per_layer_best optimises (error: minimises).
+
+    Returns
+    -------
+    dict
+        Attention-mass recall, output error, top-k overlap and time per method and keep fraction,
+        and per_layer_best (the best press-able method per layer at each keep).
+    """
     if not isinstance(methods, str):
         methods = ",".join(methods)
     if protocol is None:
-        protocol = "leak_free" if window_queries is not None else "shared"
+        protocol = "leak_free" if window_queries is not None else _METHOD_OPTS["protocol"]
     protocol = protocol.replace("-", "_")
     if protocol not in ("leak_free", "shared"):
         raise ValueError(f"protocol '{protocol}' must be 'leak_free' or 'shared'")
@@ -337,20 +698,47 @@ def evaluate(K, V, Q, *, methods="all", keep=(0.1, 0.25, 0.5), sinks: int = 0, r
                                         mix_metric=mix_metric))
 
 
-def synth(kind: str = "mixed", *, layers: int = 1, kv_heads: int = 4, group: int = 2, tokens: int = 2048,
-          head_dim: int = 64, queries: int = 16, segment: int = 256, seed: int = 0) -> dict:
-    """`kvscore synth` as a function: {'K', 'V', 'Q' (float32 numpy), 'planted': {name: [per
-    (layer, head) int64 positions]}} (docs/synth.md)."""
+_SYNTH = _DEF["synth.Spec"]
+
+
+def synth(kind: str = _SYNTH["kind"], *, layers: int = _SYNTH["layers"], kv_heads: int = _SYNTH["kv_heads"],
+          group: int = _SYNTH["group"], tokens: int = _SYNTH["tokens"], head_dim: int = _SYNTH["head_dim"],
+          queries: int = _SYNTH["queries"], segment: int = _SYNTH["segment"], seed: int = _SYNTH["seed"]) -> dict:
+    """``kvscore synth`` as a function (docs/synth.md).
+
+    Returns
+    -------
+    dict
+        ``{'K', 'V', 'Q'}`` (float32 numpy, ``[layers, heads, tokens or queries, head_dim]``) and
+        ``'planted': {name: [int64 positions per (layer, head)]}``.
+    """
     return _k.synth(kind, layers, kv_heads, group, tokens, head_dim, queries, segment, seed)
 
 
 # ------------------------------------------------------------------ ParisKV, OjaKV
 
-class ParisKV:
-    """ParisKV retrieval index of one KV head: append(keys [n, head_dim]) streams keys in,
-    search(queries [n_q, head_dim], k) -> (positions int64 [n_q, k] ascending, RSQ-IP scores)."""
+_PARIS, _PARIS_SEARCH, _PARIS_CACHE = _DEF["ParisKVConfig"], _DEF["ParisKVSearch"], _DEF["ParisKVCacheConfig"]
 
-    def __init__(self, head_dim: int, *, m: int = 8, seed: int | None = None, center: bool = True):
+
+class ParisKV:
+    """ParisKV retrieval index of one KV head (docs/pariskv.md).
+
+    Parameters
+    ----------
+    head_dim : int
+    m : int, optional
+        Subspace dimension (a power of two in [2, 16]).
+    seed : int, optional
+        Rotation seed (None: the C++ default).
+    center : bool, optional
+        Subtract the prefill's key mean before encoding.
+
+    ``append(keys [n, head_dim])`` streams keys in; ``search(queries [n_q, head_dim], k)`` returns
+    (positions int64 [n_q, k] ascending, RSQ-IP scores).
+    """
+
+    def __init__(self, head_dim: int, *, m: int = _PARIS["m"], seed: int | None = None,
+                 center: bool = _PARIS["center"]):
         self._impl = _k.ParisKV(head_dim, m, center=center) if seed is None else _k.ParisKV(head_dim, m, seed, center)
 
     @property
@@ -362,10 +750,28 @@ class ParisKV:
         return self._impl.memory_bytes
 
     def append(self, keys) -> None:
+        """Appends keys ``[n, head_dim]`` (float32, float16 or bfloat16, head_dim stride 1)."""
         a, _ = _arg(keys, "keys")
         self._impl.append(a)
 
-    def search(self, queries, k: int = 100, *, beta: float = 0.0, rho: float = 0.0):
+    def search(self, queries, k: int = _PARIS_SEARCH["k"], *, beta: float = _PARIS_SEARCH["beta"],
+               rho: float = _PARIS_SEARCH["rho"]):
+        """Top-k positions per query.
+
+        Parameters
+        ----------
+        queries : array_like
+            ``[n_q, head_dim]`` or one ``[head_dim]``.
+        k : int, optional
+            Results per query.
+        beta, rho : float, optional
+            Candidate and collision ratios in (0, 1]; 0 = length-adaptive defaults.
+
+        Returns
+        -------
+        (positions, scores)
+            int64 ``[n_q, k]`` ascending and their float32 RSQ-IP estimates (1-D for one query).
+        """
         a, back = _arg(queries, "queries")
         one = a.ndim == 1
         if one:
@@ -377,17 +783,28 @@ class ParisKV:
 
 
 class ParisKVCache:
-    """ParisKV's decode-time cache of one KV head (docs/pariskv.md "Decode-time cache"): the first
-    `sinks` tokens, a ParisKV index over the middle and the last `local` tokens. append(keys,
-    values) takes [n, head_dim] rows of the cache's dtype (row-contiguous, read in place);
-    select(query) -> int64 positions (sinks, the top-k of the index, the local window; ascending);
-    attend(query) -> (float32 [head_dim] output, positions). Dense attention below
-    max(dense_min, sinks + local + 2k) tokens."""
+    """ParisKV's decode-time cache of one KV head (docs/pariskv.md "Decode-time cache").
+
+    The first ``sinks`` tokens, a ParisKV index over the middle and the last ``local`` tokens;
+    dense attention below max(dense_min, sinks + local + 2k) tokens. ``append(keys, values)``
+    takes ``[n, head_dim]`` rows of the cache's dtype (row-contiguous, read in place);
+    ``select(query)`` -> int64 positions (sinks, the top-k of the index, the local window;
+    ascending); ``attend(query)`` -> (float32 ``[head_dim]`` output, positions).
+
+    Parameters
+    ----------
+    head_dim : int
+    dtype : {'float16', 'float32', 'bfloat16'}, optional
+    sinks, local, update_interval, dense_min, k, rerank_exact : int, optional
+        kvscore::ParisKVCacheConfig's fields (its defaults).
+    """
 
     _impls = {"float32": "ParisKVCacheF32", "float16": "ParisKVCacheF16", "bfloat16": "ParisKVCacheBF16"}
 
-    def __init__(self, head_dim: int, *, dtype: str = "float16", sinks: int = 4, local: int = 256,
-                 update_interval: int = 128, dense_min: int = 2000, k: int = 100, rerank_exact: int = 0):
+    def __init__(self, head_dim: int, *, dtype: str = "float16", sinks: int = _PARIS_CACHE["sinks"],
+                 local: int = _PARIS_CACHE["local"], update_interval: int = _PARIS_CACHE["update_interval"],
+                 dense_min: int = _PARIS_CACHE["dense_min"], k: int = _PARIS_CACHE["k"],
+                 rerank_exact: int = _PARIS_CACHE["rerank_exact"]):
         if dtype not in self._impls:
             raise ValueError(f"ParisKVCache: dtype '{dtype}' must be float32, float16 or bfloat16")
         self.dtype = dtype
@@ -401,32 +818,40 @@ class ParisKVCache:
     memory_bytes = property(lambda self: self._impl.memory_bytes)
 
     def append(self, keys, values) -> None:
+        """Appends rows ``[n, head_dim]`` of the cache's dtype."""
         k, _ = _arg(keys, "keys")
         v, _ = _arg(values, "values")
         self._impl.append(k, v)
 
     def select(self, query):
+        """int64 positions one query ``[head_dim]`` attends, ascending."""
         q, back = _arg(query, "query")
         return back(self._impl.select(q))
 
     def attend(self, query):
+        """(float32 ``[head_dim]`` attention output, positions) for one query."""
         q, back = _arg(query, "query")
         out, pos = self._impl.attend(q)
         return back(out), back(pos)
 
 
 class OjaProjector:
-    """OjaKV's low-rank key/value bases of one head: OjaProjector.random(d, rk, rv, seed), then
-    prefill(keys, values) ([tokens, d] or [1, tokens, d]); key_basis / value_basis [d, r]."""
+    """OjaKV's low-rank key/value bases of one head.
+
+    ``OjaProjector.random(d, rk, rv, seed)``, then ``prefill(keys, values)`` (``[tokens, d]`` or
+    ``[1, tokens, d]``); ``key_basis`` / ``value_basis`` are float32 ``[d, r]``.
+    """
 
     def __init__(self, impl):
         self._impl = impl
 
     @classmethod
     def random(cls, head_dim: int, key_rank: int, value_rank: int, seed: int = 0) -> "OjaProjector":
+        """Random orthonormal starting bases of the given ranks, seeded."""
         return cls(_k.OjaProjector.random(head_dim, key_rank, value_rank, seed))
 
     def prefill(self, keys, values) -> None:
+        """Fits the bases to a prefill's keys and values."""
         k, _ = _arg(keys, "keys")
         v, _ = _arg(values, "values")
         if k.ndim == 2:

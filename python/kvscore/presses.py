@@ -12,13 +12,16 @@ least 1) chosen by `kvscore.select` — kvscore's tie rule (the lower position w
 positions in ascending order — so it works in kvpress's pipeline, `with press(model):`, and
 inside kvpress wrappers (DecodingPress, PerLayerCompressionPress, ...).
 
-Methods (kvscore.METHODS names or aliases): knorm, keydiff, manifold_l2, windowed_manifold_l2
-(window=), qfilter (filters=[layers, kv_heads, head_dim] in kvscore's convention, or
-filters_path= a published .safetensors file), snapkv (window=64, kernel=5: the last `window`
-queries of the prompt, recomputed like kvpress's SnapKVPress, window kept), protokv (window=,
-ProtoKV options), streaming_llm (sinks + most recent). `sinks=` / `recent=` protect tokens for
-any method. `alloc="adakv"` (`alpha=0.2`): kvscore's AdaKV allocation across the heads of a
-layer, applied by masking as kvpress's AdaKVPress does. PerLayerPress: one method per layer.
+Methods: every scorer and selection rule of the registry (kvscore.METHODS and its
+StreamingLLM, by any spelling of kvscore.ALIASES); the method's options as keywords
+(WindowedManifoldL2's window=, Q-Filters' filters=[layers, kv_heads, head_dim] in kvscore's
+convention or filters_path= a published .safetensors file, SnapKV's and ProtoKV's window=
+(the prompt's last `window` queries, recomputed like kvpress's SnapKVPress, window kept),
+kernel= and ProtoKV's options, StreamingLLM's n_sink=). `sinks=` / `recent=` protect tokens for
+any method. `alloc="adakv"` (`alpha=`, SelectOptions' default): kvscore's AdaKV allocation across
+the heads of a layer, applied by masking as kvpress's AdaKVPress does. PerLayerPress: one
+method per layer (PerLayerPress.from_report: a leak-free `kvscore eval` report's choice).
+Every default is the registry's (include/kvscore/methods.hpp) or the option structs'.
 kvpress is optional for kvscore; this module needs it.
 """
 
@@ -37,8 +40,18 @@ except ImportError as e:  # pragma: no cover - exercised only without kvpress
 import numpy as _np
 
 import kvscore as _kv
+from kvscore import _kvscore as _k
 
-_QUERY_METHODS = ("snapkv", "protokv")
+# The registry's kinds and options (include/kvscore/methods.hpp), by canonical name.
+_KIND = {m["name"]: m["kind"] for m in _kv.REGISTRY}
+_OPTIONS = {m["name"]: m["options"] for m in _kv.REGISTRY}
+#: Scorers built from the prompt's window queries: the registry's query scorers.
+_QUERY_METHODS = tuple(n for n, k in _KIND.items() if k == "query_scorer")
+# kvscore::SelectOptions' defaults (alloc, alpha).
+_SEL = _k.struct_defaults["SelectOptions"]
+# kvpress's DecodingPress defaults, for the decoding variant's signature.
+_DECODING = {f: DecodingPress.__dataclass_fields__[f].default
+             for f in ("compression_interval", "target_size", "hidden_states_buffer_size")}
 
 
 def _window_queries(module, hidden_states, window: int, position_embeddings):
@@ -54,43 +67,82 @@ def _window_queries(module, hidden_states, window: int, position_embeddings):
     return q
 
 
-class KvscorePress(ScorerPress):
-    """A kvpress ScorerPress whose scores and selection come from kvscore (see the module doc)."""
+def _int(x, name: str) -> int:
+    """An integer option (a float is a TypeError, never truncated)."""
+    return _kv._index(x, name)
 
-    def __init__(self, method: str = "manifold_l2", compression_ratio: float = 0.0, *, sinks: int = 0,
-                 recent: int = 0, threads: int = 0, alloc: str = "per_head", alpha: float = 0.2, **method_options):
+
+class KvscorePress(ScorerPress):
+    """A kvpress ScorerPress whose scores and selection come from kvscore (see the module doc).
+
+    Parameters
+    ----------
+    method : str, optional
+        A scorer or selection rule of the registry, by any spelling (default: ManifoldKV).
+    compression_ratio : float, optional
+        kvpress's ratio in [0, 1): each head keeps ``compute_n_kept(tokens, ratio)`` tokens.
+    sinks, recent : int, optional
+        Tokens always kept at the start and the end (StreamingLLM: its sinks, by default the
+        registry's kDefaultSinks or ``n_sink=``).
+    threads : int, optional
+        kvscore's threads over heads (0 = OpenMP's default).
+    alloc : {'per_head', 'adakv'}, optional
+        'per_head': every head keeps ``compute_n_kept`` tokens (removed from the cache).
+        'adakv': kvscore's AdaKV allocation across the layer's heads (select(alloc='adakv')),
+        applied by masking as kvpress's AdaKVPress does; needs sdpa attention.
+    alpha : float, optional
+        AdaKV's safeguard share in [0, 1] (SelectOptions' default).
+    **method_options
+        The method's options (see the module doc).
+
+    Raises
+    ------
+    ValueError
+        An unknown method, a ratio outside [0, 1), negative protection, an unknown alloc or an
+        alpha outside [0, 1], missing Q-Filters; when compressing, StreamingLLM's sinks above the
+        kept count (kvscore::StreamingLLM's rule; kvpress's StreamingLLMPress keeps part of its
+        sinks there).
+    """
+
+    def __init__(self, method: str = _kv.ManifoldL2.name, compression_ratio: float = 0.0, *, sinks: int = 0,
+                 recent: int = 0, threads: int = 0, alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
+                 **method_options):
         self.method = _kv.method_name(method)
         self.compression_ratio = compression_ratio
-        self.sinks = int(sinks)
-        self.recent = int(recent)
-        self.threads = int(threads)
-        self.alloc = alloc
+        self.sinks = _int(sinks, "sinks")
+        self.recent = _int(recent, "recent")
+        self.threads = _int(threads, "threads")
+        self.alloc = str(alloc).replace("-", "_")
         self.alpha = float(alpha)
         self.method_options = dict(method_options)
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks {sinks} and recent {recent} must be >= 0")
-        if alloc not in ("per_head", "adakv"):
+        if self.alloc not in ("per_head", "adakv"):
             raise ValueError(f"alloc '{alloc}' must be 'per_head' or 'adakv'")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha {alpha} must be in [0, 1]")
         if not 0 <= compression_ratio < 1:
             raise ValueError(f"compression_ratio {compression_ratio} must be in [0, 1)")
+        kind = _KIND[self.method]
         self._filters = None
-        if self.method == "qfilter":
+        self._rule = None
+        self._scorer = None
+        if "filters" in _OPTIONS[self.method]:  # Q-Filters: one filter set per layer
             f = self.method_options.get("filters")
             path = self.method_options.get("filters_path")
             if (f is None) == (path is None):
-                raise ValueError("method 'qfilter' needs exactly one of filters=[layers, kv_heads, head_dim] "
+                raise ValueError(f"method '{self.method}' needs exactly one of filters=[layers, kv_heads, head_dim] "
                                  "(kvscore convention) or filters_path=F.safetensors (published convention)")
             self._filters = f
-        elif self.method == "streaming_llm":
-            self.sinks = self.sinks or int(self.method_options.pop("n_sink", 4))
+        elif kind == "selection_rule":
+            n_sink = self.method_options.pop("n_sink", _k.kDefaultSinks)
+            self.sinks = self.sinks or _int(n_sink, "n_sink")
+            self._rule = _kv.make_selection_rule(self.method, sinks=self.sinks)
         elif self.method in _QUERY_METHODS:
-            w = int(self.method_options.get("window", 64))
+            w = _int(self.method_options.get("window", _k.kDefaultSnapKVWindow), "window")
             if w < 1:
                 raise ValueError(f"window {w} must be >= 1")
-        self._scorer = None
-        if self.method not in _QUERY_METHODS + ("qfilter", "streaming_llm"):
+        else:
             self._scorer = _kv.make_scorer(self.method, threads=self.threads, **self.method_options)
         self.__post_init__()
 
@@ -103,31 +155,32 @@ class KvscorePress(ScorerPress):
     def _scorer_for(self, module, hidden_states, kwargs, b: int):
         if self._scorer is not None:
             return self._scorer
-        if self.method == "qfilter":
+        cls = _kv.METHODS[self.method]
+        if "filters" in _OPTIONS[self.method]:
             layer = int(module.layer_idx)
             if self._filters is not None:
                 f = self._filters[layer]
                 f = f.detach().float().cpu().numpy() if torch.is_tensor(f) else _np.asarray(f, _np.float32)
-                return _kv.QFilter(_np.ascontiguousarray(f), threads=self.threads)
-            return _kv.QFilter.from_published(self.method_options["filters_path"], layer, threads=self.threads)
+                return cls(_np.ascontiguousarray(f), threads=self.threads)
+            return cls.from_published(self.method_options["filters_path"], layer, threads=self.threads)
         opts = {k: v for k, v in self.method_options.items()}
-        window = int(opts.pop("window", 64))
+        window = _int(opts.pop("window", _k.kDefaultSnapKVWindow), "window")
         if hidden_states.shape[1] <= window:
             raise ValueError(f"{self.method}: the prompt of {hidden_states.shape[1]} tokens must be longer than the "
                              f"window of {window} queries")
         q = _window_queries(module, hidden_states, window, kwargs.get("position_embeddings"))
         q = q[b].detach().float().cpu().contiguous()
-        cls = _kv.METHODS[self.method]
         return cls(q, window, threads=self.threads, **opts)
 
     def _protected(self, scorer) -> int:
         return max(self.recent, getattr(scorer, "protected_recent", 0) if scorer is not None else 0)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        """kvscore's fp32 scores [batch, kv_heads, tokens] (higher = keep)."""
+        """kvscore's fp32 scores [batch, kv_heads, tokens] (higher = keep); zeros for a
+        selection rule, which needs none."""
         out = []
         for b in range(keys.shape[0]):
-            if self.method == "streaming_llm":
+            if self._rule is not None:
                 out.append(torch.zeros(keys.shape[1], keys.shape[2], dtype=torch.float32))
                 continue
             sc = self._scorer_for(module, hidden_states, kwargs, b)
@@ -138,21 +191,17 @@ class KvscorePress(ScorerPress):
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
             return keys, values
-        bsz, _, k_len, d = keys.shape
+        bsz, heads, k_len, d = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
         if self.alloc == "adakv":
             return self._compress_adakv(module, hidden_states, keys, values, kwargs, n_kept)
         kept_k, kept_v = [], []
         for b in range(bsz):
-            if self.method == "streaming_llm":
-                scores = torch.zeros(keys.shape[1], k_len, dtype=torch.float32)
-                sinks = min(self.sinks, n_kept)
-                recent = n_kept - sinks
+            if self._rule is not None:
+                idx = torch.from_numpy(self._rule.select(heads, k_len, n_kept))  # kvscore::StreamingLLM
             else:
                 sc = self._scorer_for(module, hidden_states, kwargs, b)
-                scores = sc.score(keys[b])
-                sinks, recent = self.sinks, self._protected(sc)
-            idx = _kv.select(scores, n_kept, sinks=sinks, recent=recent)
+                idx = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc))
             idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, d)
             kept_k.append(keys[b].gather(1, idx))
             kept_v.append(values[b].gather(1, idx.expand(-1, -1, values.shape[-1])))
@@ -163,9 +212,9 @@ class KvscorePress(ScorerPress):
         tokens, the rest of the layer's n·kv_heads by one global top-k; sinks / recent protected).
         Heads keep different numbers of tokens, which a rectangular cache cannot hold, so, like
         kvpress's AdaKVPress, the evicted keys are masked (module.masked_key_indices, applied by
-        kvpress's attention patch) instead of removed. streaming_llm masks the same way (sinks +
-        recent in every head), so that every layer of a PerLayerPress keeps the cache's length:
-        transformers builds one causal mask for all layers."""
+        kvpress's attention patch) instead of removed. A selection rule (StreamingLLM) masks the
+        same way (its sinks + recent in every head), so that every layer of a PerLayerPress keeps
+        the cache's length: transformers builds one causal mask for all layers."""
         if getattr(module.config, "_attn_implementation", None) == "eager":
             raise ValueError("alloc='adakv' masks through kvpress's attention patch, which eager attention "
                              "does not use: load the model with attn_implementation='sdpa'")
@@ -173,11 +222,11 @@ class KvscorePress(ScorerPress):
         bi, hi, si = [], [], []
         for b in range(bsz):
             keep = torch.zeros(heads, k_len, dtype=torch.bool)
-            if self.method == "streaming_llm":
-                # the same tokens in every head, masked too: every layer of a mix keeps its length
-                sinks = min(self.sinks, n_kept)
-                keep[:, :sinks] = True
-                keep[:, k_len - (n_kept - sinks):] = True
+            if self._rule is not None:
+                # kvscore::StreamingLLM's tokens in every head, masked too: every layer of a mix
+                # keeps its length
+                idx = torch.from_numpy(self._rule.select(heads, k_len, n_kept))
+                keep.scatter_(1, idx, True)
             else:
                 sc = self._scorer_for(module, hidden_states, kwargs, b)
                 sel = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc),
@@ -197,30 +246,31 @@ class ManifoldKVPress(KvscorePress):
     """ManifoldKV (L2 distance to the head's key centroid), which kvpress lacks."""
 
     def __init__(self, compression_ratio: float = 0.0, **options):
-        super().__init__("manifold_l2", compression_ratio, **options)
+        super().__init__(_kv.ManifoldL2.name, compression_ratio, **options)
 
 
 class WindowedManifoldKVPress(KvscorePress):
     """Windowed ManifoldKV (L2 to the centroid of the key's window), which kvpress lacks."""
 
-    def __init__(self, compression_ratio: float = 0.0, window: int = 4096, **options):
-        super().__init__("windowed_manifold_l2", compression_ratio, window=window, **options)
+    def __init__(self, compression_ratio: float = 0.0, window: int = _k.kDefaultWindow, **options):
+        super().__init__(_kv.WindowedManifoldL2.name, compression_ratio, window=window, **options)
 
 
 class ProtoKVPress(KvscorePress):
     """ProtoKV (prototype clusters scored by the prompt's last `window` queries), which kvpress lacks."""
 
-    def __init__(self, compression_ratio: float = 0.0, window: int = 64, **options):
-        super().__init__("protokv", compression_ratio, window=window, **options)
+    def __init__(self, compression_ratio: float = 0.0, window: int = _k.kDefaultSnapKVWindow, **options):
+        super().__init__(_kv.ProtoKV.name, compression_ratio, window=window, **options)
 
 
 class KvscoreDecodingPress(DecodingPress):
     """The decoding variant: every `compression_interval` generated tokens, compress each layer's
     cache back to `target_size` tokens with a kvscore method (kvpress's DecodingPress around a
-    KvscorePress)."""
+    KvscorePress, with DecodingPress's defaults)."""
 
-    def __init__(self, method: str = "manifold_l2", compression_interval: int = 512, target_size: int = 2048,
-                 hidden_states_buffer_size: int = 256, **options):
+    def __init__(self, method: str = _kv.ManifoldL2.name, compression_interval: int = _DECODING["compression_interval"],
+                 target_size: int = _DECODING["target_size"],
+                 hidden_states_buffer_size: int = _DECODING["hidden_states_buffer_size"], **options):
         super().__init__(base_press=KvscorePress(method, 0.0, **options), compression_interval=compression_interval,
                          target_size=target_size, hidden_states_buffer_size=hidden_states_buffer_size)
 
@@ -229,12 +279,13 @@ class PerLayerPress(KvscorePress):
     """A per-layer mix of kvscore methods: layer l is compressed by `methods[l]` (a list, one
     method per layer), or, with a dict {keep fraction: [method per layer]}, by the list whose
     keep is nearest to 1 - compression_ratio (ties: the larger keep). Each method runs as a
-    KvscorePress with the shared options (sinks, recent, filters= for qfilter, window= for
-    snapkv / protokv). PerLayerPress.from_report() builds it from a leak-free `kvscore eval`
-    report (its per_layer_best: the best press-able method per layer at each keep)."""
+    KvscorePress with the shared options (sinks, recent, alloc, alpha, filters= for Q-Filters,
+    window= for the query scorers, SnapKV and ProtoKV). PerLayerPress.from_report() builds it
+    from a leak-free `kvscore eval` report (its per_layer_best: the best press-able method per
+    layer at each keep)."""
 
     def __init__(self, methods, compression_ratio: float = 0.0, *, sinks: int = 0, recent: int = 0,
-                 threads: int = 0, window: int = 64, filters=None, **options):
+                 threads: int = 0, window: int = _k.kDefaultSnapKVWindow, filters=None, **options):
         if isinstance(methods, dict):
             plans = {float(k): list(v) for k, v in methods.items()}
         else:
@@ -246,14 +297,16 @@ class PerLayerPress(KvscorePress):
         if len(n) != 1:
             raise ValueError(f"PerLayerPress: every plan must cover the same layers (got lengths {sorted(n)})")
         canon = {m: _kv.method_name(m) for v in plans.values() for m in v}  # ValueError for an unknown name
-        if any(c == "qfilter" for c in canon.values()) and filters is None:
-            raise ValueError("PerLayerPress: a layer uses qfilter: give filters=[layers, kv_heads, head_dim]")
+        calibrated = sorted({c for c in canon.values() if "filters" in _OPTIONS[c]})
+        if calibrated and filters is None:
+            raise ValueError(f"PerLayerPress: a layer uses {', '.join(calibrated)}: give filters=[layers, kv_heads, "
+                             "head_dim]")
         self.plans = {k: [canon[m] for m in v] for k, v in plans.items()}
         self._shared = dict(sinks=sinks, recent=recent, threads=threads, **options)
-        self._window, self._filters_all = int(window), filters
+        self._window, self._filters_all = _int(window, "window"), filters
         self._subs = {}
         # the parent's options stay neutral: compress() hands each layer to its method's press
-        super().__init__("knorm", compression_ratio, sinks=sinks, recent=recent, threads=threads)
+        super().__init__(_kv.KNorm.name, compression_ratio, sinks=sinks, recent=recent, threads=threads)
 
     def __repr__(self) -> str:
         return f"PerLayerPress(plans={self.plans!r}, compression_ratio={self.compression_ratio})"
@@ -273,7 +326,7 @@ class PerLayerPress(KvscorePress):
         ropt = report.get("options", {})
         options.setdefault("sinks", int(ropt.get("sinks", 0)))
         options.setdefault("recent", int(ropt.get("recent", 0)))
-        options.setdefault("alloc", str(ropt.get("alloc", "per-head")).replace("-", "_"))
+        options.setdefault("alloc", str(ropt.get("alloc", _SEL["alloc"])).replace("-", "_"))
         protocol = ropt.get("protocol", "shared")
         if protocol != "leak-free" and not allow_shared:
             raise ValueError(f"PerLayerPress.from_report: the report's protocol is '{protocol}'; choose per layer on a "
@@ -295,7 +348,7 @@ class PerLayerPress(KvscorePress):
         p = self._subs.get(method)
         if p is None:
             opts = dict(self._shared)
-            if method == "qfilter":
+            if "filters" in _OPTIONS[method]:
                 opts["filters"] = self._filters_all
             elif method in _QUERY_METHODS:
                 opts["window"] = self._window

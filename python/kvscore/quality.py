@@ -104,6 +104,9 @@ MAX_NEW_TOKENS = 3       # the 3 digits ("... is " ends the prefix; SmolLM2 has 
 RESERVE = 128            # positions kept free after the context (question + answer, or the continuation)
 QFILTER_CALIB_TOKENS = 1024
 SINKS = 4                # first tokens every kvscore press keeps (the attention sink)
+# kvpress's benchmark registry (evaluation/evaluate_registry.py) builds ExpectedAttentionPress
+# with this epsilon inside AdaKVPress
+EXPECTED_ATTENTION_EPSILON = 1e-2
 THREADS = 1              # torch threads: on 2 shared cores 1 thread decoded 1.7x faster than 2 (measured)
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
@@ -284,37 +287,46 @@ def method_table(filters=None, mix=None):
     as its benchmark registry does (evaluation/evaluate_registry.py) where it lists them."""
     import kvpress as kp
 
+    import kvscore as kv
+    from kvscore import _kvscore
     from kvscore import presses as ks
 
-    s = SINKS
+    # labels are the registry's CLI spellings (kvscore eval's report names), as docs/quality.md prints them
+    cli = {m["name"]: m["cli"] for m in kv.REGISTRY}
+    knorm, keydiff, l2, wl2 = kv.KNorm.name, kv.KeyDiff.name, kv.ManifoldL2.name, kv.WindowedManifoldL2.name
+    snap, proto, stream, qf = kv.SnapKV.name, kv.ProtoKV.name, kv.StreamingLLM.name, kv.QFilter.name
+    ours = lambda m, tail="": "kvscore:" + cli[m] + tail  # noqa: E731
+    theirs = lambda m: "kvpress:" + cli[m]  # noqa: E731
+    s, w = SINKS, _kvscore.kDefaultSnapKVWindow
     t = {
-        "kvscore:knorm": ("kvscore", lambda r: ks.KvscorePress("knorm", r, sinks=s)),
-        "kvscore:keydiff": ("kvscore", lambda r: ks.KvscorePress("keydiff", r, sinks=s)),
-        "kvscore:l2": ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s)),
-        "kvscore:l2-nosinks": ("kvscore", lambda r: ks.ManifoldKVPress(r)),
-        "kvscore:windowed-l2": ("kvscore", lambda r: ks.WindowedManifoldKVPress(r, sinks=s)),
-        "kvscore:snapkv": ("kvscore", lambda r: ks.KvscorePress("snapkv", r, window=64, sinks=s)),
-        "kvscore:protokv": ("kvscore", lambda r: ks.ProtoKVPress(r, window=64, sinks=s)),
-        "kvscore:streaming_llm": ("kvscore", lambda r: ks.KvscorePress("streaming_llm", r, sinks=s)),
-        "kvscore:keydiff-adakv": ("kvscore", lambda r: ks.KvscorePress("keydiff", r, sinks=s, alloc="adakv")),
-        "kvscore:l2-adakv": ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s, alloc="adakv")),
+        ours(knorm): ("kvscore", lambda r: ks.KvscorePress(knorm, r, sinks=s)),
+        ours(keydiff): ("kvscore", lambda r: ks.KvscorePress(keydiff, r, sinks=s)),
+        ours(l2): ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s)),
+        ours(l2, "-nosinks"): ("kvscore", lambda r: ks.ManifoldKVPress(r)),
+        ours(wl2): ("kvscore", lambda r: ks.WindowedManifoldKVPress(r, sinks=s)),
+        ours(snap): ("kvscore", lambda r: ks.KvscorePress(snap, r, window=w, sinks=s)),
+        ours(proto): ("kvscore", lambda r: ks.ProtoKVPress(r, window=w, sinks=s)),
+        ours(stream): ("kvscore", lambda r: ks.KvscorePress(stream, r, sinks=s)),
+        ours(keydiff, "-adakv"): ("kvscore", lambda r: ks.KvscorePress(keydiff, r, sinks=s, alloc="adakv")),
+        ours(l2, "-adakv"): ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s, alloc="adakv")),
     }
     if filters is not None:
-        t["kvscore:qfilter"] = ("kvscore", lambda r: ks.KvscorePress("qfilter", r, filters=filters, sinks=s))
+        t[ours(qf)] = ("kvscore", lambda r: ks.KvscorePress(qf, r, filters=filters, sinks=s))
     mixes = {"mix": mix} if isinstance(mix, (str, pathlib.Path)) else dict(mix or {})
     for name, path in mixes.items():  # the report's own sinks / recent / alloc
         t[f"kvscore:{name}"] = ("kvscore", lambda r, path=path: ks.PerLayerPress.from_report(path, r, filters=filters,
-                                                                                             window=64))
+                                                                                             window=w))
     t.update({
         "kvpress:random": ("kvpress", lambda r: kp.RandomPress(compression_ratio=r, seed=0)),
-        "kvpress:knorm": ("kvpress", lambda r: kp.KnormPress(compression_ratio=r)),
-        "kvpress:keydiff": ("kvpress", lambda r: kp.KeyDiffPress(compression_ratio=r)),
-        "kvpress:streaming_llm": ("kvpress", lambda r: kp.StreamingLLMPress(compression_ratio=r)),
-        "kvpress:snapkv": ("kvpress", lambda r: kp.SnapKVPress(compression_ratio=r)),
+        theirs(knorm): ("kvpress", lambda r: kp.KnormPress(compression_ratio=r)),
+        theirs(keydiff): ("kvpress", lambda r: kp.KeyDiffPress(compression_ratio=r)),
+        theirs(stream): ("kvpress", lambda r: kp.StreamingLLMPress(compression_ratio=r)),
+        theirs(snap): ("kvpress", lambda r: kp.SnapKVPress(compression_ratio=r)),
         "kvpress:tova": ("kvpress", lambda r: kp.TOVAPress(compression_ratio=r)),
         "kvpress:adakv_keydiff": ("kvpress", lambda r: kp.AdaKVPress(kp.KeyDiffPress(compression_ratio=r))),
         "kvpress:expected_attention": (
-            "kvpress", lambda r: kp.AdaKVPress(kp.ExpectedAttentionPress(compression_ratio=r, epsilon=1e-2))),
+            "kvpress", lambda r: kp.AdaKVPress(kp.ExpectedAttentionPress(compression_ratio=r,
+                                                                         epsilon=EXPECTED_ATTENTION_EPSILON))),
         "kvpress:expected_attention_plain": ("kvpress", lambda r: kp.ExpectedAttentionPress(compression_ratio=r)),
     })
     return t

@@ -5,8 +5,13 @@
 // view can express is scored without a copy, and any other layout (an inner stride != 1,
 // negative or overlapping strides) is a ValueError naming the stride. Results are new numpy
 // arrays; kvscore/__init__.py turns them into torch tensors (zero-copy) when the input was
-// one. Every heavy call releases the GIL; C++ std::invalid_argument becomes ValueError
-// (nanobind's translation), so the message is the C++ one.
+// one. Every heavy call releases the GIL.
+//
+// One bind_* function per area (registry, scorers, selection and compaction, evaluator and
+// synthetic data, ParisKV, OjaKV, ISA); errors become Python exceptions in one place,
+// translate_errors() at the bottom. Every method and every default comes from the C++
+// registry (kvscore/methods.hpp, make_scorer.hpp, make_method.hpp) and the option structs:
+// python/tests/test_tree.py checks that this file and python/kvscore write none of their own.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -18,14 +23,17 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvscore/eval/evaluate.hpp"
 #include "kvscore/eval/report.hpp"
+#include "kvscore/joint.hpp"
 #include "kvscore/kvscore.hpp"
 #include "kvscore/methods.hpp"
 #include "kvscore/synth.hpp"
@@ -38,12 +46,37 @@ namespace {
 
 using Any = nb::ndarray<nb::ro, nb::device::cpu>;
 using Mut = nb::ndarray<nb::device::cpu>;
-using NpF32 = nb::ndarray<nb::numpy, float>;
-using NpI64 = nb::ndarray<nb::numpy, std::int64_t>;
+
+// ------------------------------------------------------------------ errors
+
+/// A wrong kind of argument (not a wrong value): TypeError in Python (translate_errors).
+struct ArgTypeError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
 
 [[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
 
+// ------------------------------------------------------------------ arrays in
+
 enum class DT { f32, f16, bf16 };
+
+/// "float64", "int32", "bool", ... for a DLPack dtype (messages).
+std::string dtype_name(const nb::dlpack::dtype& t) {
+  using C = nb::dlpack::dtype_code;
+  std::string s;
+  switch (C(t.code)) {
+    case C::Int: s = "int"; break;
+    case C::UInt: s = "uint"; break;
+    case C::Float: s = "float"; break;
+    case C::Bfloat: s = "bfloat"; break;
+    case C::Complex: s = "complex"; break;
+    case C::Bool: return "bool";
+    default: s = "DLPack code " + std::to_string(t.code) + " "; break;
+  }
+  s += std::to_string(t.bits);
+  if (t.lanes != 1) s += " x" + std::to_string(t.lanes);
+  return s;
+}
 
 template <class A>
 DT dtype_of(const A& a, const std::string& what) {
@@ -51,17 +84,10 @@ DT dtype_of(const A& a, const std::string& what) {
   if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DT::f32;
   if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DT::f16;
   if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return DT::bf16;
-  bad(what + ": dtype (DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
-      " bits) must be float32, float16 or bfloat16");
+  bad(what + ": dtype " + dtype_name(t) + " must be float32, float16 or bfloat16");
 }
 
-/// A new numpy array owning `v` (moved; no copy of the data).
-template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::vector<std::size_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  return nb::ndarray<nb::numpy, T>(owned->data(), shape.size(), shape.data(), owner);
-}
+std::size_t element_size(DT dt) { return dt == DT::f32 ? 4 : 2; }
 
 /// Dimensions [heads, tokens, dim] of a 3-D array or a 4-D one with batch 1; the offset of the
 /// first of them.
@@ -86,39 +112,57 @@ void check_strides_nonneg(const A& a, const std::string& what) {
           " is negative; kvscore reads arrays in place and needs non-negative strides");
 }
 
+/// A [heads, tokens, head_dim] view's shape and element strides, read from a 3-D or [1, ...] 4-D
+/// array. An empty array (no heads or no tokens) has no rows to read, and numpy 2 reports zero
+/// strides for it: its strides are then C order's, so empty caches are valid (docs/robustness.md).
+struct HND {
+  std::int64_t H = 0, N = 0, D = 0, hs = 0, ts = 0;
+};
+template <class A>
+HND keys_shape(const A& a, const std::string& what, const char* needs) {
+  const std::size_t o = hnd_offset(a, what, "[heads, tokens, head_dim]");
+  check_strides_nonneg(a, what);
+  HND s{std::int64_t(a.shape(o)), std::int64_t(a.shape(o + 1)), std::int64_t(a.shape(o + 2)), 0, 0};
+  if (s.H == 0 || s.N == 0) {
+    s.ts = s.D;
+    s.hs = s.N * s.D;
+    return s;
+  }
+  if (s.D > 1 && a.stride(o + 2) != 1)
+    bad(what + ": head_dim stride is " + std::to_string(a.stride(o + 2)) + " elements; " + needs);
+  s.hs = a.stride(o);
+  s.ts = a.stride(o + 1);
+  return s;
+}
+
 /// f(KeysView<T>) over keys [H, N, D] / [1, H, N, D] in place, for the array's dtype.
 template <class A, class F>
 auto with_keys(const A& a, const std::string& what, F&& f) {
-  const std::size_t o = hnd_offset(a, what, "[heads, tokens, head_dim]");
-  check_strides_nonneg(a, what);
-  const auto H = std::int64_t(a.shape(o)), N = std::int64_t(a.shape(o + 1)), D = std::int64_t(a.shape(o + 2));
-  if (D > 1 && a.stride(o + 2) != 1)
-    bad(what + ": head_dim stride is " + std::to_string(a.stride(o + 2)) +
-        " elements; kvscore reads each key row in place and needs stride 1 (no silent copy: pass a tensor "
-        "whose last dimension is contiguous, e.g. .contiguous())");
-  const std::int64_t hs = a.stride(o), ts = a.stride(o + 1);
+  const HND s = keys_shape(a, what,
+                           "kvscore reads each key row in place and needs stride 1 (no silent copy: pass a tensor "
+                           "whose last dimension is contiguous, e.g. .contiguous())");
   const void* p = a.data();
   switch (dtype_of(a, what)) {
-    case DT::f32: return f(kvscore::KeysView<float>(static_cast<const float*>(p), H, N, D, hs, ts));
-    case DT::f16: return f(kvscore::KeysView<kvscore::half>(static_cast<const kvscore::half*>(p), H, N, D, hs, ts));
-    default: return f(kvscore::KeysView<kvscore::bfloat16>(static_cast<const kvscore::bfloat16*>(p), H, N, D, hs, ts));
+    case DT::f32: return f(kvscore::KeysView<float>(static_cast<const float*>(p), s.H, s.N, s.D, s.hs, s.ts));
+    case DT::f16:
+      return f(kvscore::KeysView<kvscore::half>(static_cast<const kvscore::half*>(p), s.H, s.N, s.D, s.hs, s.ts));
+    default:
+      return f(kvscore::KeysView<kvscore::bfloat16>(static_cast<const kvscore::bfloat16*>(p), s.H, s.N, s.D, s.hs,
+                                                    s.ts));
   }
 }
 
 /// Mutable form (compaction).
 template <class F>
 auto with_mut_keys(const Mut& a, const std::string& what, F&& f) {
-  const std::size_t o = hnd_offset(a, what, "[heads, tokens, head_dim]");
-  check_strides_nonneg(a, what);
-  const auto H = std::int64_t(a.shape(o)), N = std::int64_t(a.shape(o + 1)), D = std::int64_t(a.shape(o + 2));
-  if (D > 1 && a.stride(o + 2) != 1)
-    bad(what + ": head_dim stride is " + std::to_string(a.stride(o + 2)) + " elements; compaction needs stride 1");
-  const std::int64_t hs = a.stride(o), ts = a.stride(o + 1);
+  const HND s = keys_shape(a, what, "compaction needs stride 1");
   void* p = a.data();
   switch (dtype_of(a, what)) {
-    case DT::f32: return f(kvscore::MutKeysView<float>(static_cast<float*>(p), H, N, D, hs, ts));
-    case DT::f16: return f(kvscore::MutKeysView<kvscore::half>(static_cast<kvscore::half*>(p), H, N, D, hs, ts));
-    default: return f(kvscore::MutKeysView<kvscore::bfloat16>(static_cast<kvscore::bfloat16*>(p), H, N, D, hs, ts));
+    case DT::f32: return f(kvscore::MutKeysView<float>(static_cast<float*>(p), s.H, s.N, s.D, s.hs, s.ts));
+    case DT::f16:
+      return f(kvscore::MutKeysView<kvscore::half>(static_cast<kvscore::half*>(p), s.H, s.N, s.D, s.hs, s.ts));
+    default:
+      return f(kvscore::MutKeysView<kvscore::bfloat16>(static_cast<kvscore::bfloat16*>(p), s.H, s.N, s.D, s.hs, s.ts));
   }
 }
 
@@ -154,18 +198,17 @@ Queries gather_queries(const Any& q, const std::string& what, std::int64_t last 
   r.data.resize(std::size_t(r.heads * r.n * r.dim));
   const DT dt = dtype_of(q, what);
   const auto* base = static_cast<const unsigned char*>(q.data());
-  const std::size_t es = dt == DT::f32 ? 4 : 2;
+  const auto es = std::int64_t(element_size(dt));
   for (std::int64_t h = 0; h < r.heads; ++h)
     for (std::int64_t i = 0; i < r.n; ++i)
       for (std::int64_t j = 0; j < r.dim; ++j) {
         const std::int64_t off = h * q.stride(o) + (first + i) * q.stride(o + 1) + j * q.stride(o + 2);
-        const unsigned char* e = base + off * std::int64_t(es);
-        r.data[std::size_t((h * r.n + i) * r.dim + j)] = element_as_float(e, dt);
+        r.data[std::size_t((h * r.n + i) * r.dim + j)] = element_as_float(base + off * es, dt);
       }
   return r;
 }
 
-/// fp32 2-D [rows, cols] read in place (token stride 1), e.g. scores or filters.
+/// fp32 2-D [rows, cols] read in place (token stride 1), e.g. scores.
 struct F32Rows {
   const float* data;
   std::int64_t rows, cols, row_stride;
@@ -175,80 +218,28 @@ F32Rows f32_rows(const Any& a, const std::string& what) {
   if (dtype_of(a, what) != DT::f32) bad(what + ": must be float32 (kvscore's scores are fp32)");
   check_strides_nonneg(a, what);
   const auto R = std::int64_t(a.shape(0)), C = std::int64_t(a.shape(1));
+  if (R == 0 || C == 0) return {static_cast<const float*>(a.data()), R, C, C};  // empty: strides say nothing
   if (C > 1 && a.stride(1) != 1)
     bad(what + ": stride " + std::to_string(a.stride(1)) + " of the last dimension must be 1 (no silent copy)");
   return {static_cast<const float*>(a.data()), R, C, R > 1 ? std::int64_t(a.stride(0)) : C};
 }
 
-nb::object scores_out(kvscore::Scores&& s) {
-  const auto H = std::size_t(s.heads()), N = std::size_t(s.tokens());
-  std::vector<float> v(s.values());  // Scores keeps its vector private; one copy of the fp32 result
-  return nb::cast(to_numpy(std::move(v), {H, N}));
-}
-
-/// Scores a view with scorer `sc` with the GIL released.
-template <class Scorer>
-nb::object score_any(const Scorer& sc, const Any& keys) {
-  kvscore::Scores s = with_keys(keys, "keys", [&](const auto& view) {
-    nb::gil_scoped_release unlocked;
-    return sc.score(view);
-  });
-  return scores_out(std::move(s));
-}
-
-kvscore::Alloc parse_alloc(const std::string& a) {
-  if (a == "per_head" || a == "per-head") return kvscore::Alloc::per_head;
-  if (a == "adakv") return kvscore::Alloc::adakv;
-  bad("alloc '" + a + "' must be 'per_head' or 'adakv'");
-}
-
-/// Selection from an int64 [heads, n] array (dense) or a list of 1-D int64 arrays (ragged).
-kvscore::Selection selection_from(nb::handle sel, std::int64_t tokens) {
-  kvscore::Selection s;
-  s.tokens = tokens;
-  auto add_row = [&](const nb::ndarray<nb::ro, nb::device::cpu, std::int64_t>& row, const std::int64_t* p,
-                     std::int64_t n, std::int64_t stride) {
-    (void)row;
-    for (std::int64_t i = 0; i < n; ++i) s.positions.push_back(p[i * stride]);
-    s.offsets.push_back(std::int64_t(s.positions.size()));
-  };
-  nb::ndarray<nb::ro, nb::device::cpu, std::int64_t> arr;
-  if (nb::try_cast(sel, arr) && arr.ndim() == 2) {
-    s.heads = std::int64_t(arr.shape(0));
-    const auto n = std::int64_t(arr.shape(1));
-    for (std::int64_t h = 0; h < s.heads; ++h)
-      add_row(arr, arr.data() + h * arr.stride(0), n, arr.stride(1));
-    return s;
-  }
-  if (nb::isinstance<nb::list>(sel) || nb::isinstance<nb::tuple>(sel)) {
-    for (nb::handle item : sel) {
-      nb::ndarray<nb::ro, nb::device::cpu, std::int64_t> row;
-      if (!nb::try_cast(item, row) || row.ndim() != 1)
-        bad("selection: every entry of the list must be a 1-D int64 array of kept positions");
-      add_row(row, row.data(), std::int64_t(row.shape(0)), row.stride(0));
-      ++s.heads;
-    }
-    return s;
-  }
-  bad("selection: expected an int64 array [heads, kept] or a list of 1-D int64 arrays (one per head)");
-}
-
+/// Any float array of `ndim` dimensions (any dtype kvscore reads, any strides) as fp32, C order.
 std::vector<float> f32_copy(const Any& a, const std::string& what, std::size_t ndim) {
-  if (a.ndim() != ndim) bad(what + ": expected " + std::to_string(ndim) + " dimensions (got " + std::to_string(a.ndim()) + ")");
-  std::vector<float> out;
+  if (a.ndim() != ndim)
+    bad(what + ": expected " + std::to_string(ndim) + " dimensions (got " + std::to_string(a.ndim()) + ")");
   const DT dt = dtype_of(a, what);
   check_strides_nonneg(a, what);
   std::size_t total = 1;
   for (std::size_t i = 0; i < ndim; ++i) total *= a.shape(i);
-  out.resize(total);
+  std::vector<float> out(total);
   const auto* base = static_cast<const unsigned char*>(a.data());
-  const std::size_t es = dt == DT::f32 ? 4 : 2;
+  const auto es = std::int64_t(element_size(dt));
   std::vector<std::size_t> idx(ndim, 0);
   for (std::size_t flat = 0; flat < total; ++flat) {
     std::int64_t off = 0;
     for (std::size_t i = 0; i < ndim; ++i) off += std::int64_t(idx[i]) * a.stride(i);
-    const unsigned char* e = base + off * std::int64_t(es);
-    out[flat] = element_as_float(e, dt);
+    out[flat] = element_as_float(base + off * es, dt);
     for (std::size_t i = ndim; i-- > 0;) {
       if (++idx[i] < a.shape(i)) break;
       idx[i] = 0;
@@ -256,16 +247,6 @@ std::vector<float> f32_copy(const Any& a, const std::string& what, std::size_t n
   }
   return out;
 }
-
-/// An OjaKV basis U [d, r] as a new float32 numpy array (C order).
-nb::object basis_out(const kvscore::OjaBasis& b) {
-  const Eigen::MatrixXf u = b.basis_f32();
-  std::vector<float> v(std::size_t(u.size()));
-  for (Eigen::Index i = 0; i < u.rows(); ++i)
-    for (Eigen::Index j = 0; j < u.cols(); ++j) v[std::size_t(i * u.cols() + j)] = u(i, j);
-  return nb::cast(to_numpy(std::move(v), {std::size_t(u.rows()), std::size_t(u.cols())}));
-}
-
 
 /// One query [head_dim] of a decode-time cache, as fp32.
 std::vector<float> cache_query(const Any& query, std::int64_t head_dim, const std::string& who) {
@@ -275,150 +256,272 @@ std::vector<float> cache_query(const Any& query, std::int64_t head_dim, const st
   return q;
 }
 
-/// ParisKVCache<T> for one storage type: rows arrive as 2-D [n, head_dim] arrays of that type,
-/// row-contiguous (an engine's own layout), read in place; queries are copied to fp32.
+// ------------------------------------------------------------------ arrays out
+
+/// A new numpy array owning `v` (moved; no copy of the data).
 template <class T>
-void bind_pariskv_cache(nb::module_& m, const char* name, DT dt) {
-  using C = kvscore::ParisKVCache<T>;
-  const kvscore::ParisKVCacheConfig def;
-  nb::class_<C>(m, name)
-      .def("__init__",
-           [](C* self, std::int64_t head_dim, std::int64_t sinks, std::int64_t local, std::int64_t update_interval,
-              std::int64_t dense_min, std::int64_t k, std::int64_t rerank_exact) {
-             kvscore::ParisKVCacheConfig c;
-             c.sinks = sinks;
-             c.local = local;
-             c.update_interval = update_interval;
-             c.dense_min = dense_min;
-             c.search.k = k;
-             c.search.rerank_exact = rerank_exact;
-             new (self) C(head_dim, c);
-           },
-           "head_dim"_a, "sinks"_a = def.sinks, "local"_a = def.local, "update_interval"_a = def.update_interval,
-           "dense_min"_a = def.dense_min, "k"_a = def.search.k, "rerank_exact"_a = def.search.rerank_exact)
-      .def_prop_ro("size", &C::size)
-      .def_prop_ro("head_dim", &C::head_dim)
-      .def_prop_ro("indexed", &C::indexed)
-      .def_prop_ro("retrieval_begin", &C::retrieval_begin)
-      .def_prop_ro("local_begin", &C::local_begin)
-      .def_prop_ro("memory_bytes", &C::memory_bytes)
-      .def(
-          "append",
-          [dt](C& c, const Any& keys, const Any& values) {
-            const std::string who = "ParisKVCache.append";
-            for (const Any* a : {&keys, &values}) {
-              const char* what = a == &keys ? "keys" : "values";
-              if (a->ndim() != 2) bad(who + ": " + what + " must be 2-D [n, head_dim] (got " + std::to_string(a->ndim()) + " dimensions)");
-              if (dtype_of(*a, who) != dt) bad(who + ": " + what + " must have the cache's dtype");
-              if (std::int64_t(a->shape(1)) != c.head_dim())
-                bad(who + ": " + what + " have head_dim " + std::to_string(a->shape(1)) + ", the cache " + std::to_string(c.head_dim()));
-              if (a->shape(0) > 1 && (a->stride(1) != 1 || a->stride(0) != std::int64_t(a->shape(1))))
-                bad(who + ": " + what + " rows must be contiguous (strides [head_dim, 1]; no silent copy)");
-            }
-            if (keys.shape(0) != values.shape(0))
-              bad(who + ": " + std::to_string(keys.shape(0)) + " keys but " + std::to_string(values.shape(0)) + " values");
-            const T* k = static_cast<const T*>(keys.data());
-            const T* v = static_cast<const T*>(values.data());
-            nb::gil_scoped_release unlocked;
-            c.append(k, v, std::int64_t(keys.shape(0)));
-          },
-          "keys"_a, "values"_a)
+nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::vector<std::size_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T>(owned->data(), shape.size(), shape.data(), owner);
+}
+
+nb::object scores_out(const kvscore::Scores& s) {
+  std::vector<float> v(s.values());  // Scores keeps its vector private; one copy of the fp32 result
+  return nb::cast(to_numpy(std::move(v), {std::size_t(s.heads()), std::size_t(s.tokens())}));
+}
+
+/// A per-head selection as int64 [heads, n] (every head keeps n) or a list of 1-D arrays.
+nb::object selection_out(kvscore::Selection&& s, bool dense) {
+  if (dense) {
+    const auto H = std::size_t(s.heads), n = std::size_t(s.heads > 0 ? s.kept(0) : 0);
+    return nb::cast(to_numpy(std::move(s.positions), {H, n}));
+  }
+  nb::list out;
+  for (std::int64_t h = 0; h < s.heads; ++h) {
+    auto span = s.head(h);
+    out.append(to_numpy(std::vector<std::int64_t>(span.begin(), span.end()), {span.size()}));
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ registry
+
+/// Enum options by name, both ways (the C++ parse_* where one exists).
+kvscore::ProtoKV::Psi parse_psi(const std::string& psi) {
+  for (auto p : {kvscore::ProtoKV::Psi::sum, kvscore::ProtoKV::Psi::mean, kvscore::ProtoKV::Psi::attention})
+    if (psi == kvscore::to_string(p)) return p;
+  bad("ProtoKV: psi '" + psi + "' must be 'sum', 'mean' or 'attention'");
+}
+const char* to_string(kvscore::WindowTail t) { return t == kvscore::WindowTail::own ? "own" : "merge"; }
+const char* to_string(kvscore::Alloc a) { return a == kvscore::Alloc::adakv ? "adakv" : "per_head"; }
+kvscore::Alloc parse_alloc(const std::string& a) {
+  if (a == "per_head" || a == "per-head") return kvscore::Alloc::per_head;
+  if (a == "adakv") return kvscore::Alloc::adakv;
+  bad("alloc '" + a + "' must be 'per_head' or 'adakv'");
+}
+const char* to_string(kvscore::BudgetRounding r) { return r == kvscore::BudgetRounding::floor ? "floor" : "nearest"; }
+kvscore::BudgetRounding parse_rounding(const std::string& who, const std::string& r) {
+  if (r == "nearest") return kvscore::BudgetRounding::nearest;
+  if (r == "floor") return kvscore::BudgetRounding::floor;
+  bad(who + ": rounding '" + r + "' must be 'nearest' or 'floor'");
+}
+
+// The evaluator's protocol and per-layer metric, in Python's spelling (kvscore eval's --protocol
+// leak-free is 'leak_free' here, as alloc's per-head is 'per_head').
+const char* protocol_name(kvscore::eval::Protocol p) {
+  return p == kvscore::eval::Protocol::leak_free ? "leak_free" : "shared";
+}
+kvscore::eval::Protocol parse_protocol(const std::string& p) {
+  if (p == "leak_free" || p == "leak-free") return kvscore::eval::Protocol::leak_free;
+  if (p == "shared") return kvscore::eval::Protocol::shared;
+  bad("evaluate: protocol '" + p + "' must be 'leak_free' or 'shared'");
+}
+const char* mix_metric_name(kvscore::eval::MixMetric m) {
+  return m == kvscore::eval::MixMetric::recall ? "recall" : m == kvscore::eval::MixMetric::output_error ? "error" : "overlap";
+}
+kvscore::eval::MixMetric parse_mix_metric(const std::string& m) {
+  if (m == "recall") return kvscore::eval::MixMetric::recall;
+  if (m == "error") return kvscore::eval::MixMetric::output_error;
+  if (m == "overlap") return kvscore::eval::MixMetric::overlap;
+  bad("evaluate: mix_metric '" + m + "' must be 'recall', 'error' or 'overlap'");
+}
+
+/// A dict of (name, value) pairs.
+template <class... V>
+nb::dict fields(std::pair<const char*, V>... kv) {
+  nb::dict d;
+  ((d[kv.first] = kv.second), ...);
+  return d;
+}
+
+/// The defaults of the option structs the Python signatures use, by struct and field.
+nb::dict struct_defaults() {
+  using P = std::pair<const char*, nb::object>;
+  auto f = [](const char* k, auto v) { return P{k, nb::cast(v)}; };
+  nb::dict d;
+  const kvscore::SelectOptions sel;
+  d["SelectOptions"] = fields(f("sinks", sel.sinks), f("recent", sel.recent), f("alloc", to_string(sel.alloc)),
+                              f("alpha", sel.alpha), f("normalize", sel.normalize), f("threads", sel.num_threads));
+  const kvscore::CompactOptions co;
+  d["CompactOptions"] = fields(f("tail", co.tail == kvscore::CompactTail::zero ? "zero" : "keep"));
+  const kvscore::eval::EvalOptions ev;
+  d["EvalOptions"] = fields(f("keep", ev.keep), f("rounding", to_string(ev.rounding)),
+                            f("mix_metric", mix_metric_name(ev.mix_metric)));
+  const kvscore::eval::MethodOptions mo;
+  d["MethodOptions"] = fields(f("window", mo.window), f("window_tail", to_string(mo.window_tail)),
+                              f("placement", kvscore::to_string(mo.placement)),
+                              f("streaming_sinks", mo.streaming_sinks), f("protocol", protocol_name(mo.protocol)));
+  const kvscore::synth::Spec sp;
+  d["synth.Spec"] = fields(f("kind", kvscore::synth::kind_name(sp.kind)), f("layers", sp.layers),
+                           f("kv_heads", sp.kv_heads), f("group", sp.group), f("tokens", sp.tokens),
+                           f("head_dim", sp.head_dim), f("queries", sp.queries), f("segment", sp.segment),
+                           f("seed", sp.seed));
+  const kvscore::ParisKVConfig pc;
+  d["ParisKVConfig"] = fields(f("m", pc.m), f("seed", pc.seed), f("center", pc.center));
+  const kvscore::ParisKVSearch ps;
+  d["ParisKVSearch"] = fields(f("k", ps.k), f("beta", ps.beta), f("rho", ps.rho), f("rerank_exact", ps.rerank_exact));
+  const kvscore::ParisKVCacheConfig cc;
+  d["ParisKVCacheConfig"] = fields(f("sinks", cc.sinks), f("local", cc.local), f("update_interval", cc.update_interval),
+                                   f("dense_min", cc.dense_min), f("k", cc.search.k),
+                                   f("rerank_exact", cc.search.rerank_exact));
+  return d;
+}
+
+void bind_registry(nb::module_& m) {
+  m.def(
+      "methods",
+      [] {
+        nb::list out;
+        for (const kvscore::MethodInfo& x : kvscore::kMethods) {
+          auto strings = [](std::string_view list) {
+            std::vector<std::string> v;
+            for (std::string_view a : kvscore::split_list(list)) v.emplace_back(a);
+            return v;
+          };
+          nb::dict d;
+          d["name"] = std::string(x.name);
+          d["cli"] = std::string(x.cli);
+          d["aliases"] = strings(x.aliases);
+          d["kind"] = std::string(kvscore::kind_name(x.kind));
+          d["cls"] = std::string(x.cls);
+          d["header"] = std::string(x.header);
+          d["doc"] = std::string(x.doc);
+          d["summary"] = std::string(x.summary);
+          d["options"] = strings(x.options);
+          out.append(d);
+        }
+        return out;
+      },
+      "kvscore/methods.hpp's kMethods, the one list of methods: a list of dicts (name, cli, aliases, kind, cls,\n"
+      "header, doc, summary, options).");
+  m.def(
+      "method_names", [] { return kvscore::eval::resolve_methods("all"); },
+      "The evaluator's `--methods all`, in report order.");
+
+  // The defaults every method shares with a front end (kvscore/methods.hpp), under their C++ names.
+  m.attr("kDefaultWindow") = kvscore::kDefaultWindow;
+  m.attr("kDefaultSnapKVWindow") = kvscore::kDefaultSnapKVWindow;
+  m.attr("kDefaultSnapKVKernel") = kvscore::kDefaultSnapKVKernel;
+  m.attr("kDefaultProtoKVKappa") = kvscore::kDefaultProtoKVKappa;
+  m.attr("kDefaultProtoKVSatCandidates") = kvscore::kDefaultProtoKVSatCandidates;
+  m.attr("kDefaultProtoKVLshBits") = kvscore::kDefaultProtoKVLshBits;
+  m.attr("kDefaultProtoKVChunks") = kvscore::kDefaultProtoKVChunks;
+  m.attr("kDefaultSinks") = kvscore::kDefaultSinks;
+  m.attr("kDefaultParisKVLocal") = kvscore::kDefaultParisKVLocal;
+  m.attr("struct_defaults") = struct_defaults();
+
+  // Selection rules (make_method.hpp): StreamingLLM.
+  nb::class_<kvscore::StreamingLLM>(m, "StreamingLLM", "kvscore::StreamingLLM: sinks + the most recent tokens.")
+      .def_rw("sinks", &kvscore::StreamingLLM::sinks)
       .def(
           "select",
-          [](const C& c, const Any& query) {
-            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.select");
-            std::vector<std::int64_t> pos;
-            {
-              nb::gil_scoped_release unlocked;
-              pos = c.select(q.data());
-            }
-            const std::size_t n = pos.size();
-            return to_numpy(std::move(pos), {n});
+          [](const kvscore::StreamingLLM& r, std::int64_t heads, std::int64_t tokens, std::int64_t budget) {
+            return selection_out(r.select(heads, tokens, kvscore::Budget::per_head(budget)), true);
           },
-          "query"_a)
-      .def(
-          "attend",
-          [](const C& c, const Any& query) {
-            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.attend");
-            std::vector<float> out(q.size());
-            typename C::Workspace ws;
-            {
-              nb::gil_scoped_release unlocked;
-              c.attend(q.data(), out.data(), ws);
-            }
-            const std::size_t n = ws.positions.size(), d = out.size();
-            return nb::make_tuple(to_numpy(std::move(out), {d}), to_numpy(std::move(ws.positions), {n}));
-          },
-          "query"_a);
-}
-}  // namespace
-
-NB_MODULE(_kvscore, m) {
-  m.doc() = "kvscore C++ core (use the kvscore package; docs/python.md)";
-  m.attr("__version__") = kvscore::version_string;
-
-  m.def("isa", [] { return std::string(kvscore::simd::active_table().name); },
-        "Name of the SIMD kernel table the scorers use (KVSCORE_ISA pins it).");
+          "heads"_a, "tokens"_a, "budget"_a,
+          "int64 [heads, budget]: [0, min(sinks, tokens)) and the last budget - min(sinks, tokens) positions;\n"
+          "ValueError when the sinks exceed the budget or the budget the tokens.");
   m.def(
-      "isas",
-      [] {
-        std::vector<std::string> names;
-        for (const kvscore::simd::KernelTable* t : kvscore::simd::available_tables()) names.emplace_back(t->name);
-        return names;
+      "make_selection_rule",
+      [](const std::string& name, std::int64_t sinks) {
+        kvscore::SelectionRuleArgs a;
+        a.sinks = sinks;
+        return kvscore::make_selection_rule(name, a);
       },
-      "Kernel tables this CPU supports, scalar first.");
-  m.def("set_isa", [](const std::string& n) { kvscore::simd::set_active_isa(n); }, "name"_a,
-        "Pin the kernel table by name (as KVSCORE_ISA).");
+      "name"_a, "sinks"_a = kvscore::SelectionRuleArgs{}.sinks,
+      "kvscore::make_selection_rule: the selection rule a registry spelling names.");
+}
 
-  // ---- scorers (query-agnostic)
-  nb::class_<kvscore::KNorm>(m, "KNorm")
-      .def(nb::init<>())
-      .def_rw("num_threads", &kvscore::KNorm::num_threads)
-      .def("score", [](const kvscore::KNorm& s, const Any& k) { return score_any(s, k); }, "keys"_a);
-  nb::class_<kvscore::KeyDiff>(m, "KeyDiff")
-      .def(nb::init<>())
-      .def_rw("num_threads", &kvscore::KeyDiff::num_threads)
-      .def("score", [](const kvscore::KeyDiff& s, const Any& k) { return score_any(s, k); }, "keys"_a);
-  nb::class_<kvscore::ManifoldL2>(m, "ManifoldL2")
-      .def(nb::init<>())
-      .def_rw("num_threads", &kvscore::ManifoldL2::num_threads)
-      .def("score", [](const kvscore::ManifoldL2& s, const Any& k) { return score_any(s, k); }, "keys"_a);
-  nb::class_<kvscore::WindowedManifoldL2>(m, "WindowedManifoldL2")
-      .def("__init__",
-           [](kvscore::WindowedManifoldL2* self, std::int64_t window, const std::string& tail) {
-             new (self) kvscore::WindowedManifoldL2(window, kvscore::parse_window_tail(tail));
-           },
-           "window"_a = 4096, "tail"_a = "merge")
-      .def_ro("window", &kvscore::WindowedManifoldL2::window)
-      .def_rw("num_threads", &kvscore::WindowedManifoldL2::num_threads)
-      .def("score", [](const kvscore::WindowedManifoldL2& s, const Any& k) { return score_any(s, k); }, "keys"_a);
+// ------------------------------------------------------------------ scorers
 
-  nb::class_<kvscore::QFilter>(m, "QFilter")
-      .def("__init__",
-           [](kvscore::QFilter* self, const Any& filters) {
-             std::vector<float> f = f32_copy(filters, "filters [kv_heads, head_dim]", 2);
-             new (self) kvscore::QFilter(std::move(f), std::int64_t(filters.shape(0)), std::int64_t(filters.shape(1)));
-           },
-           "filters"_a)
-      .def_static("from_published", &kvscore::QFilter::from_published, "path"_a, "layer"_a)
-      .def_static(
-          "load",
-          [](const std::string& path, std::int64_t layer, const std::string& conv) {
-            if (conv.empty()) return kvscore::QFilter::load(path, layer, kvscore::QFilter::file_convention(path));
-            if (conv == "published") return kvscore::QFilter::load(path, layer, kvscore::FilterConvention::published);
-            if (conv == "kvscore") return kvscore::QFilter::load(path, layer, kvscore::FilterConvention::kvscore);
-            bad("convention '" + conv + "' must be 'published' or 'kvscore'");
-          },
-          "path"_a, "layer"_a, "convention"_a = "")
-      .def_rw("num_threads", &kvscore::QFilter::num_threads)
-      .def_prop_ro("kv_heads", &kvscore::QFilter::kv_heads)
-      .def_prop_ro("head_dim", &kvscore::QFilter::head_dim)
+/// The Python side of kvscore::ScorerArgs: every scalar option, under the struct's field names
+/// (enums as their names); queries and filters are arrays passed to make_scorer.
+void bind_scorer_args(nb::module_& m) {
+  using A = kvscore::ScorerArgs;
+  nb::class_<A>(m, "ScorerArgs", "kvscore::ScorerArgs (make_scorer.hpp); its defaults are the registry's.")
+      .def(nb::init<>())
+      .def_rw("threads", &A::threads)
+      .def_rw("window", &A::window)
+      .def_prop_rw(
+          "window_tail", [](const A& a) -> std::string { return to_string(a.window_tail); },
+          [](A& a, const std::string& s) { a.window_tail = kvscore::parse_window_tail(s); })
+      .def_rw("group", &A::group)
+      .def_prop_rw(
+          "placement", [](const A& a) -> std::string { return kvscore::to_string(a.placement); },
+          [](A& a, const std::string& s) { a.placement = kvscore::parse_query_placement(s); })
+      .def_rw("kernel_size", &A::kernel_size)
+      .def_rw("seed", &A::seed)
+      .def_rw("kappa", &A::kappa)
+      .def_rw("sat_candidates", &A::sat_candidates)
+      .def_rw("lsh_bits", &A::lsh_bits)
+      .def_rw("chunks", &A::chunks)
+      .def_rw("bandwidth", &A::bandwidth)
+      .def_prop_rw(
+          "psi", [](const A& a) -> std::string { return kvscore::to_string(a.psi); },
+          [](A& a, const std::string& s) { a.psi = parse_psi(s); });
+}
+
+/// An array argument passed as a handle (optional ones); a TypeError naming it otherwise.
+Any as_array(nb::handle h, const std::string& what) {
+  Any a;
+  if (!nb::try_cast(h, a))
+    throw ArgTypeError(what + ": expected a numpy array or a CPU torch tensor (got " +
+                       std::string(nb::type_name(h.type()).c_str()) + ")");
+  return a;
+}
+
+void bind_scorers(nb::module_& m) {
+  bind_scorer_args(m);
+
+  using S = kvscore::AnyScorer;
+  nb::class_<S>(m, "AnyScorer", "kvscore::AnyScorer: any scorer of the registry (make_scorer).")
+      .def_prop_rw(
+          "num_threads", [](S& s) { return s.options().num_threads; },
+          [](S& s, int n) { s.options().num_threads = n; })
+      .def_prop_ro("protected_recent", &S::protected_recent)
       .def_prop_ro("filters",
-                   [](const kvscore::QFilter& q) {
-                     std::vector<float> f = q.filters();
-                     return nb::cast(to_numpy(std::move(f), {std::size_t(q.kv_heads()), std::size_t(q.head_dim())}));
+                   [](const S& s) {
+                     const kvscore::QFilter* q = s.get<kvscore::QFilter>();
+                     if (q == nullptr) bad(std::string("filters: scorer '") + s.name() + "' has no filters");
+                     std::vector<float> f = q->filters();
+                     return nb::cast(to_numpy(std::move(f), {std::size_t(q->kv_heads()), std::size_t(q->head_dim())}));
                    })
-      .def("score", [](const kvscore::QFilter& s, const Any& k) { return score_any(s, k); }, "keys"_a);
+      .def(
+          "score",
+          [](const S& sc, const Any& keys) {
+            kvscore::Scores s = with_keys(keys, "keys", [&](const auto& view) {
+              nb::gil_scoped_release unlocked;
+              return sc.score(view);
+            });
+            return scores_out(s);
+          },
+          "keys"_a, "float32 [heads, tokens] scores of keys [heads, tokens, head_dim] (or [1, ...]), read in place.");
+
+  m.def(
+      "make_scorer",
+      [](const std::string& name, const kvscore::ScorerArgs& args, nb::handle queries, std::int64_t last,
+         nb::handle filters) {
+        kvscore::ScorerArgs a = args;
+        Queries q;
+        if (!queries.is_none()) {
+          q = gather_queries(as_array(queries, "queries"), "queries", last);
+          a.queries = q.data.data();
+          a.q_heads = q.heads;
+          a.n_queries = q.n;
+          a.head_dim = q.dim;
+        }
+        if (!filters.is_none()) {
+          const Any f = as_array(filters, "filters");
+          a.filters = f32_copy(f, "filters [kv_heads, head_dim]", 2);
+          a.kv_heads = std::int64_t(f.shape(0));
+          a.head_dim = std::int64_t(f.shape(1));
+        }
+        return kvscore::make_scorer(name, a);  // copies what it keeps of the queries
+      },
+      "name"_a, "args"_a, "queries"_a = nb::none(), "last"_a = 0, "filters"_a = nb::none(),
+      "kvscore::make_scorer(name, args): queries [q_heads, n, head_dim] (the last `last`, 0 = all) and\n"
+      "filters [kv_heads, head_dim] are copied to fp32.");
 
   m.def(
       "calibrate_qfilters",
@@ -431,69 +534,65 @@ NB_MODULE(_kvscore, m) {
         }
         return to_numpy(std::move(f), {std::size_t(kv_heads), std::size_t(q.dim)});
       },
-      "queries"_a, "kv_heads"_a);
+      "queries"_a, "kv_heads"_a, "Q-Filters calibration: float32 [kv_heads, head_dim] in kvscore's convention.");
+  m.def(
+      "load_qfilters",
+      [](const std::string& path, std::int64_t layer, const std::string& conv) {
+        kvscore::FilterConvention c;
+        if (conv.empty()) c = kvscore::QFilter::file_convention(path);
+        else if (conv == "published") c = kvscore::FilterConvention::published;
+        else if (conv == "kvscore") c = kvscore::FilterConvention::kvscore;
+        else bad("convention '" + conv + "' must be 'published' or 'kvscore'");
+        const kvscore::QFilter q = kvscore::QFilter::load(path, layer, c);
+        std::vector<float> f = q.filters();
+        return to_numpy(std::move(f), {std::size_t(q.kv_heads()), std::size_t(q.head_dim())});
+      },
+      "path"_a, "layer"_a, "convention"_a = "",
+      "One layer's Q-Filters from a file (.npy: kvscore's convention, .safetensors: the published one unless\n"
+      "`convention`), as float32 [kv_heads, head_dim] in kvscore's convention.");
+}
 
-  // ---- scorers with queries
-  nb::class_<kvscore::SnapKV>(m, "SnapKV")
-      .def("__init__",
-           [](kvscore::SnapKV* self, const Any& queries, std::int64_t window, std::int64_t kernel,
-              const std::string& placement) {
-             if (window < 1) bad("SnapKV: window " + std::to_string(window) + " must be >= 1");
-             const kvscore::QueryPlacement where = kvscore::parse_query_placement(placement);
-             Queries q = gather_queries(queries, "queries", window);
-             new (self) kvscore::SnapKV(q.data.data(), q.heads, q.n, q.dim);
-             self->kernel_size = kernel;
-             self->placement = where;
-           },
-           "queries"_a, "window"_a = kvscore::SnapKV::kDefaultWindow, "kernel"_a = kvscore::SnapKV::kDefaultKernel,
-           nb::kw_only(), "placement"_a = "in_cache")
-      .def_rw("num_threads", &kvscore::SnapKV::num_threads)
-      .def_prop_ro("window", &kvscore::SnapKV::window)
-      .def_ro("kernel", &kvscore::SnapKV::kernel_size)
-      .def_prop_ro("protected_recent", &kvscore::SnapKV::protected_recent)
-      .def_prop_ro("placement", [](const kvscore::SnapKV& s) -> std::string { return kvscore::to_string(s.placement); })
-      .def("score", [](const kvscore::SnapKV& s, const Any& k) { return score_any(s, k); }, "keys"_a);
+// ------------------------------------------------------------------ selection and compaction
 
-  nb::class_<kvscore::ProtoKV>(m, "ProtoKV")
-      .def("__init__",
-           [](kvscore::ProtoKV* self, const Any& queries, std::int64_t window, std::int64_t kappa,
-              std::int64_t sat_candidates, int lsh_bits, std::int64_t chunks, double bandwidth, std::uint64_t seed,
-              const std::string& psi, const std::string& placement) {
-             const kvscore::QueryPlacement where = kvscore::parse_query_placement(placement);
-             Queries q = gather_queries(queries, "queries", window);
-             new (self) kvscore::ProtoKV(q.data.data(), q.heads, q.n, q.dim);
-             self->kappa = kappa;
-             self->sat_candidates = sat_candidates;
-             self->lsh_bits = lsh_bits;
-             self->chunks = chunks;
-             self->bandwidth = bandwidth;
-             self->seed = seed;
-             self->placement = where;
-             if (psi == "sum") self->psi = kvscore::ProtoKV::Psi::sum;
-             else if (psi == "mean") self->psi = kvscore::ProtoKV::Psi::mean;
-             else if (psi == "attention") self->psi = kvscore::ProtoKV::Psi::attention;
-             else bad("ProtoKV: psi '" + psi + "' must be 'sum', 'mean' or 'attention'");
-           },
-           "queries"_a, "window"_a = 0, "kappa"_a = kvscore::ProtoKV::kDefaultKappa,
-           "sat_candidates"_a = kvscore::ProtoKV::kDefaultSatCandidates,
-           "lsh_bits"_a = kvscore::ProtoKV::kDefaultLshBits, "chunks"_a = kvscore::ProtoKV::kDefaultChunks,
-           "bandwidth"_a = 0.0, "seed"_a = 0, "psi"_a = "attention", nb::kw_only(), "placement"_a = "in_cache")
-      .def_rw("num_threads", &kvscore::ProtoKV::num_threads)
-      .def_prop_ro("window", &kvscore::ProtoKV::window)
-      .def_prop_ro("protected_recent", &kvscore::ProtoKV::protected_recent)
-      .def_prop_ro("placement", [](const kvscore::ProtoKV& s) -> std::string { return kvscore::to_string(s.placement); })
-      .def("score", [](const kvscore::ProtoKV& s, const Any& k) { return score_any(s, k); }, "keys"_a);
+/// Selection from an int64 [heads, n] array (dense) or a list of 1-D int64 arrays (ragged).
+kvscore::Selection selection_from(nb::handle sel, std::int64_t tokens) {
+  using I64 = nb::ndarray<nb::ro, nb::device::cpu, std::int64_t>;
+  kvscore::Selection s;
+  s.tokens = tokens;
+  auto add_row = [&](const std::int64_t* p, std::int64_t n, std::int64_t stride) {
+    for (std::int64_t i = 0; i < n; ++i) s.positions.push_back(p[i * stride]);
+    s.offsets.push_back(std::int64_t(s.positions.size()));
+  };
+  I64 arr;
+  if (nb::try_cast(sel, arr) && arr.ndim() == 2) {
+    s.heads = std::int64_t(arr.shape(0));
+    const auto n = std::int64_t(arr.shape(1));
+    for (std::int64_t h = 0; h < s.heads; ++h) add_row(arr.data() + h * arr.stride(0), n, arr.stride(1));
+    return s;
+  }
+  if (nb::isinstance<nb::list>(sel) || nb::isinstance<nb::tuple>(sel)) {
+    for (nb::handle item : sel) {
+      I64 row;
+      if (!nb::try_cast(item, row) || row.ndim() != 1)
+        bad("selection: every entry of the list must be a 1-D int64 array of kept positions");
+      add_row(row.data(), std::int64_t(row.shape(0)), row.stride(0));
+      ++s.heads;
+    }
+    return s;
+  }
+  bad("selection: expected an int64 array [heads, kept] or a list of 1-D int64 arrays (one per head)");
+}
 
-  // ---- selection and compaction
+void bind_select(nb::module_& m) {
   m.def(
       "budget_from_ratio",
       [](std::int64_t tokens, double keep, const std::string& rounding) {
-        if (rounding != "nearest" && rounding != "floor")
-          bad("budget_from_ratio: rounding '" + rounding + "' must be 'nearest' or 'floor'");
-        return kvscore::budget_from_ratio(
-            tokens, keep, rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest);
+        return kvscore::budget_from_ratio(tokens, keep, parse_rounding("budget_from_ratio", rounding));
       },
-      "tokens"_a, "keep_ratio"_a, "rounding"_a = "nearest");
+      "tokens"_a, "keep_ratio"_a, "rounding"_a = to_string(kvscore::BudgetRounding::nearest),
+      "Tokens kept per head for a keep ratio: the nearest integer, or 'floor' (the papers' and kvpress's\n"
+      "floor((1 - compression_ratio) * tokens)); at least 1 for a non-empty cache.");
+  const kvscore::SelectOptions def;
   m.def(
       "select",
       [](const Any& scores, std::int64_t budget, std::int64_t sinks, std::int64_t recent, const std::string& alloc,
@@ -513,19 +612,11 @@ NB_MODULE(_kvscore, m) {
           kvscore::ScoresView v(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
           s = kvscore::select(v, kvscore::Budget::per_head(budget), o);
         }
-        if (o.alloc == kvscore::Alloc::per_head) {
-          const auto H = std::size_t(s.heads), n = std::size_t(s.heads > 0 ? s.kept(0) : 0);
-          return nb::cast(to_numpy(std::move(s.positions), {H, n}));
-        }
-        nb::list out;
-        for (std::int64_t h = 0; h < s.heads; ++h) {
-          auto span = s.head(h);
-          out.append(to_numpy(std::vector<std::int64_t>(span.begin(), span.end()), {span.size()}));
-        }
-        return out;
+        return selection_out(std::move(s), o.alloc == kvscore::Alloc::per_head);
       },
-      "scores"_a, "budget"_a, nb::kw_only(), "sinks"_a = 0, "recent"_a = 0, "alloc"_a = "per_head",
-      "alpha"_a = 0.2, "normalize"_a = false, "threads"_a = 0);
+      "scores"_a, "budget"_a, nb::kw_only(), "sinks"_a = def.sinks, "recent"_a = def.recent,
+      "alloc"_a = to_string(def.alloc), "alpha"_a = def.alpha, "normalize"_a = def.normalize,
+      "threads"_a = def.num_threads, "kvscore::select over float32 scores [heads, tokens], read in place.");
 
   m.def(
       "compact",
@@ -542,9 +633,59 @@ NB_MODULE(_kvscore, m) {
           });
         });
       },
-      "keys"_a, "values"_a, "selection"_a, nb::kw_only(), "tail"_a = "keep", "require_equal_lengths"_a = true);
+      "keys"_a, "values"_a, "selection"_a, nb::kw_only(),
+      "tail"_a = kvscore::CompactOptions{}.tail == kvscore::CompactTail::zero ? "zero" : "keep",
+      "require_equal_lengths"_a = true,
+      "kvscore::compact in place; the kept length of each head.");
+}
 
-  // ---- evaluator and synthetic data
+// ------------------------------------------------------------------ evaluator, synthetic data
+
+/// A C-contiguous float32 [layers, heads, n, d] array, read in place.
+const float* c_f32_4d(const Any& a, const char* what) {
+  if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
+  if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
+  std::int64_t expect = 1;
+  for (std::size_t i = 4; i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect) bad(std::string(what) + ": must be C-contiguous");
+    expect *= std::int64_t(a.shape(i));
+  }
+  return static_cast<const float*>(a.data());
+}
+
+/// kvscore.select_joint (kvscore/joint.hpp): layers = one fp32 [heads, tokens] array per layer,
+/// read in place; returns int64 [kept] ascending.
+void bind_joint(nb::module_& m) {
+  const kvscore::JointOptions def{};
+  m.def(
+      "select_joint",
+      [](const std::vector<Any>& layers, std::int64_t budget, std::int64_t sinks, std::int64_t recent,
+         const std::string& aggregate, int threads) {
+        kvscore::JointOptions o;
+        o.sinks = sinks;
+        o.recent = recent;
+        o.aggregate = kvscore::parse_joint_aggregate(aggregate);
+        o.num_threads = threads;
+        std::vector<kvscore::ScoresView> views;
+        for (std::size_t l = 0; l < layers.size(); ++l) {
+          const F32Rows r = f32_rows(layers[l], "scores[" + std::to_string(l) + "] [heads, tokens]");
+          // select_joint only reads; ScoresView is the mutable view type it takes.
+          views.emplace_back(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
+        }
+        std::vector<std::int64_t> kept;
+        {
+          nb::gil_scoped_release unlocked;
+          kept = kvscore::select_joint(views, budget, o);
+        }
+        const std::size_t n = kept.size();
+        return to_numpy(std::move(kept), {n});
+      },
+      "layers"_a, "budget"_a, nb::kw_only(), "sinks"_a = def.sinks, "recent"_a = def.recent,
+      "aggregate"_a = std::string(kvscore::joint_aggregate_name(def.aggregate)), "threads"_a = def.num_threads,
+      "kvscore::select_joint: one keep list, int64 [budget] ascending, for every row of every layer.");
+}
+
+void bind_evaluator(nb::module_& m) {
   m.def(
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
@@ -552,24 +693,13 @@ NB_MODULE(_kvscore, m) {
          const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads,
          const std::optional<Any>& W, const std::optional<Any>& C, const std::string& protocol,
          const std::string& mix_metric) {
-        auto c_f32 = [](const Any& a, const char* what) {
-          if (a.ndim() != 4) bad(std::string(what) + ": expected 4 dimensions [layers, heads, n, d]");
-          if (dtype_of(a, what) != DT::f32) bad(std::string(what) + ": must be float32");
-          std::int64_t expect = 1;
-          for (std::size_t i = 4; i-- > 0;) {
-            if (a.shape(i) > 1 && a.stride(i) != expect) bad(std::string(what) + ": must be C-contiguous");
-            expect *= std::int64_t(a.shape(i));
-          }
-          return static_cast<const float*>(a.data());
-        };
-        const float* k = c_f32(K, "K");
-        const float* v = c_f32(V, "V");
-        const float* q = c_f32(Q, "Q");
+        const float* k = c_f32_4d(K, "K");
+        const float* v = c_f32_4d(V, "V");
+        const float* q = c_f32_4d(Q, "Q");
         const auto L = std::int64_t(K.shape(0));
         if (std::int64_t(V.shape(0)) != L || std::int64_t(Q.shape(0)) != L)
           bad("evaluate: K, V and Q must have the same number of layers");
-        if (V.shape(1) != K.shape(1) || V.shape(2) != K.shape(2))
-          bad("evaluate: V must have K's heads and tokens");
+        if (V.shape(1) != K.shape(1) || V.shape(2) != K.shape(2)) bad("evaluate: V must have K's heads and tokens");
         if (Q.shape(3) != K.shape(3)) bad("evaluate: Q's head_dim must equal K's");
         std::vector<kvscore::eval::LayerInput> layers(static_cast<std::size_t>(L));
         const std::int64_t H = K.shape(1), N = K.shape(2), D = K.shape(3), DV = V.shape(3), HQ = Q.shape(1),
@@ -577,7 +707,7 @@ NB_MODULE(_kvscore, m) {
         // leak-free protocol: the cache's last-window queries and other text's (both like Q)
         auto like_q = [&](const std::optional<Any>& a, const char* what) -> std::int64_t {
           if (!a) return 0;
-          c_f32(*a, what);
+          c_f32_4d(*a, what);
           if (std::int64_t(a->shape(0)) != L || a->shape(1) != Q.shape(1) || a->shape(3) != Q.shape(3))
             bad(std::string("evaluate: ") + what + " must have Q's layers, q_heads and head_dim");
           return std::int64_t(a->shape(2));
@@ -600,19 +730,11 @@ NB_MODULE(_kvscore, m) {
         o.method.window = window;
         o.method.window_tail = kvscore::parse_window_tail(window_tail);
         o.method.placement = kvscore::parse_query_placement(placement);
-        if (rounding != "nearest" && rounding != "floor")
-          bad("evaluate: budget_rounding '" + rounding + "' must be 'nearest' or 'floor'");
-        o.rounding = rounding == "floor" ? kvscore::BudgetRounding::floor : kvscore::BudgetRounding::nearest;
+        o.rounding = parse_rounding("evaluate: budget_rounding", rounding);
         o.method.threads = threads;
         o.threads = threads;
-        if (protocol != "leak_free" && protocol != "shared")
-          bad("evaluate: protocol '" + protocol + "' must be 'leak_free' or 'shared'");
-        o.method.protocol = protocol == "leak_free" ? kvscore::eval::Protocol::leak_free : kvscore::eval::Protocol::shared;
-        if (mix_metric != "recall" && mix_metric != "error" && mix_metric != "overlap")
-          bad("evaluate: mix_metric '" + mix_metric + "' must be 'recall', 'error' or 'overlap'");
-        o.mix_metric = mix_metric == "recall" ? kvscore::eval::MixMetric::recall
-                       : mix_metric == "error" ? kvscore::eval::MixMetric::output_error
-                                               : kvscore::eval::MixMetric::overlap;
+        o.method.protocol = parse_protocol(protocol);
+        o.mix_metric = parse_mix_metric(mix_metric);
         std::string json;
         {
           nb::gil_scoped_release unlocked;
@@ -622,7 +744,11 @@ NB_MODULE(_kvscore, m) {
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
       "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a, "window_queries"_a = nb::none(),
-      "calib_queries"_a = nb::none(), "protocol"_a = "shared", "mix_metric"_a = "recall");
+      "calib_queries"_a = nb::none(), "protocol"_a = protocol_name(kvscore::eval::MethodOptions{}.protocol),
+      "mix_metric"_a = mix_metric_name(kvscore::eval::EvalOptions{}.mix_metric),
+      "kvscore::eval::evaluate's report as JSON (`kvscore eval`; window_queries / calib_queries: the leak-free\n"
+      "protocol's inputs).");
+
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.
   m.def(
@@ -648,26 +774,6 @@ NB_MODULE(_kvscore, m) {
         });
       },
       "keys"_a, "budget"_a, "reps"_a, "threads"_a);
-  m.def("method_names", [] { return kvscore::eval::resolve_methods("all"); });
-  // kvscore/methods.hpp, the one list of methods: Python's METHODS and ALIASES are built from it.
-  m.def("methods", [] {
-    nb::list out;
-    for (const kvscore::MethodInfo& x : kvscore::kMethods) {
-      nb::dict d;
-      d["name"] = std::string(x.name);
-      d["cli"] = std::string(x.cli);
-      std::vector<std::string> aliases;
-      for (std::string_view a : kvscore::split_list(x.aliases)) aliases.emplace_back(a);
-      d["aliases"] = aliases;
-      d["kind"] = std::string(kvscore::kind_name(x.kind));
-      d["cls"] = std::string(x.cls);
-      d["header"] = std::string(x.header);
-      d["doc"] = std::string(x.doc);
-      d["summary"] = std::string(x.summary);
-      out.append(d);
-    }
-    return out;
-  });
 
   m.def(
       "synth",
@@ -703,36 +809,124 @@ NB_MODULE(_kvscore, m) {
         out["planted"] = planted;
         return out;
       },
-      "kind"_a, "layers"_a, "kv_heads"_a, "group"_a, "tokens"_a, "head_dim"_a, "queries"_a, "segment"_a, "seed"_a);
+      "kind"_a, "layers"_a, "kv_heads"_a, "group"_a, "tokens"_a, "head_dim"_a, "queries"_a, "segment"_a, "seed"_a,
+      "kvscore::synth::generate: {'K', 'V', 'Q', 'planted'}.");
+}
 
-  // ---- ParisKV: one head's retrieval index
-  nb::class_<kvscore::ParisKV>(m, "ParisKV")
+// ------------------------------------------------------------------ ParisKV
+
+/// ParisKVCache<T> for one storage type: rows arrive as 2-D [n, head_dim] arrays of that type,
+/// row-contiguous (an engine's own layout), read in place; queries are copied to fp32.
+template <class T>
+void bind_pariskv_cache(nb::module_& m, const char* name, DT dt) {
+  using C = kvscore::ParisKVCache<T>;
+  const kvscore::ParisKVCacheConfig def;
+  nb::class_<C>(m, name)
       .def("__init__",
-           [](kvscore::ParisKV* self, std::int64_t head_dim, std::int64_t m_, std::uint64_t seed, bool center) {
+           [](C* self, std::int64_t head_dim, std::int64_t sinks, std::int64_t local, std::int64_t update_interval,
+              std::int64_t dense_min, std::int64_t k, std::int64_t rerank_exact) {
+             kvscore::ParisKVCacheConfig c;
+             c.sinks = sinks;
+             c.local = local;
+             c.update_interval = update_interval;
+             c.dense_min = dense_min;
+             c.search.k = k;
+             c.search.rerank_exact = rerank_exact;
+             new (self) C(head_dim, c);
+           },
+           "head_dim"_a, "sinks"_a = def.sinks, "local"_a = def.local, "update_interval"_a = def.update_interval,
+           "dense_min"_a = def.dense_min, "k"_a = def.search.k, "rerank_exact"_a = def.search.rerank_exact)
+      .def_prop_ro("size", &C::size)
+      .def_prop_ro("head_dim", &C::head_dim)
+      .def_prop_ro("indexed", &C::indexed)
+      .def_prop_ro("retrieval_begin", &C::retrieval_begin)
+      .def_prop_ro("local_begin", &C::local_begin)
+      .def_prop_ro("memory_bytes", &C::memory_bytes)
+      .def(
+          "append",
+          [dt](C& c, const Any& keys, const Any& values) {
+            const std::string who = "ParisKVCache.append";
+            for (const Any* a : {&keys, &values}) {
+              const char* what = a == &keys ? "keys" : "values";
+              if (a->ndim() != 2)
+                bad(who + ": " + what + " must be 2-D [n, head_dim] (got " + std::to_string(a->ndim()) + " dimensions)");
+              if (dtype_of(*a, who) != dt) bad(who + ": " + what + " must have the cache's dtype");
+              if (std::int64_t(a->shape(1)) != c.head_dim())
+                bad(who + ": " + what + " have head_dim " + std::to_string(a->shape(1)) + ", the cache " +
+                    std::to_string(c.head_dim()));
+              if (a->shape(0) > 1 && (a->stride(1) != 1 || a->stride(0) != std::int64_t(a->shape(1))))
+                bad(who + ": " + what + " rows must be contiguous (strides [head_dim, 1]; no silent copy)");
+            }
+            if (keys.shape(0) != values.shape(0))
+              bad(who + ": " + std::to_string(keys.shape(0)) + " keys but " + std::to_string(values.shape(0)) +
+                  " values");
+            const T* k = static_cast<const T*>(keys.data());
+            const T* v = static_cast<const T*>(values.data());
+            nb::gil_scoped_release unlocked;
+            c.append(k, v, std::int64_t(keys.shape(0)));
+          },
+          "keys"_a, "values"_a)
+      .def(
+          "select",
+          [](const C& c, const Any& query) {
+            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.select");
+            std::vector<std::int64_t> pos;
+            {
+              nb::gil_scoped_release unlocked;
+              pos = c.select(q.data());
+            }
+            const std::size_t n = pos.size();
+            return to_numpy(std::move(pos), {n});
+          },
+          "query"_a)
+      .def(
+          "attend",
+          [](const C& c, const Any& query) {
+            const std::vector<float> q = cache_query(query, c.head_dim(), "ParisKVCache.attend");
+            std::vector<float> out(q.size());
+            typename C::Workspace ws;
+            {
+              nb::gil_scoped_release unlocked;
+              c.attend(q.data(), out.data(), ws);
+            }
+            const std::size_t n = ws.positions.size(), d = out.size();
+            return nb::make_tuple(to_numpy(std::move(out), {d}), to_numpy(std::move(ws.positions), {n}));
+          },
+          "query"_a);
+}
+
+void bind_pariskv(nb::module_& m) {
+  using P = kvscore::ParisKV;
+  const kvscore::ParisKVConfig cfg;
+  const kvscore::ParisKVSearch srch;
+  nb::class_<P>(m, "ParisKV", "kvscore::ParisKV: one KV head's retrieval index.")
+      .def("__init__",
+           [](P* self, std::int64_t head_dim, std::int64_t m_, std::uint64_t seed, bool center) {
              kvscore::ParisKVConfig c;
              c.m = m_;
              c.seed = seed;
              c.center = center;
-             new (self) kvscore::ParisKV(head_dim, c);
+             new (self) P(head_dim, c);
            },
-           "head_dim"_a, "m"_a = 8, "seed"_a = kvscore::pariskv::kDefaultSeed, "center"_a = true)
-      .def_prop_ro("size", &kvscore::ParisKV::size)
-      .def_prop_ro("head_dim", &kvscore::ParisKV::head_dim)
-      .def_prop_ro("memory_bytes", &kvscore::ParisKV::memory_bytes)
+           "head_dim"_a, "m"_a = cfg.m, "seed"_a = cfg.seed, "center"_a = cfg.center)
+      .def_prop_ro("size", &P::size)
+      .def_prop_ro("head_dim", &P::head_dim)
+      .def_prop_ro("memory_bytes", &P::memory_bytes)
       .def(
           "append",
-          [](kvscore::ParisKV& idx, const Any& keys) {
+          [](P& idx, const Any& keys) {
             if (keys.ndim() != 2) bad("ParisKV.append: keys must be 2-D [n, head_dim]");
             check_strides_nonneg(keys, "ParisKV.append: keys");
             const auto n = std::int64_t(keys.shape(0)), d = std::int64_t(keys.shape(1));
             if (d != idx.head_dim())
               bad("ParisKV.append: keys have head_dim " + std::to_string(d) + ", the index " +
                   std::to_string(idx.head_dim()));
-            if (d > 1 && keys.stride(1) != 1) bad("ParisKV.append: keys: head_dim stride must be 1");
+            if (n > 0 && d > 1 && keys.stride(1) != 1) bad("ParisKV.append: keys: head_dim stride must be 1");
             const std::int64_t rs = n > 1 ? std::int64_t(keys.stride(0)) : d;
             const void* p = keys.data();
+            const DT dt = dtype_of(keys, "ParisKV.append: keys");
             nb::gil_scoped_release unlocked;
-            switch (dtype_of(keys, "ParisKV.append: keys")) {
+            switch (dt) {
               case DT::f32: idx.append(static_cast<const float*>(p), n, rs); break;
               case DT::f16: idx.append(static_cast<const kvscore::half*>(p), n, rs); break;
               default: idx.append(static_cast<const kvscore::bfloat16*>(p), n, rs); break;
@@ -741,7 +935,7 @@ NB_MODULE(_kvscore, m) {
           "keys"_a)
       .def(
           "search",
-          [](const kvscore::ParisKV& idx, const Any& queries, std::int64_t k, double beta, double rho) {
+          [](const P& idx, const Any& queries, std::int64_t k, double beta, double rho) {
             std::vector<float> q = f32_copy(queries, "ParisKV.search: queries [n, head_dim]", 2);
             const auto nq = std::int64_t(queries.shape(0));
             if (std::int64_t(queries.shape(1)) != idx.head_dim())
@@ -756,7 +950,7 @@ NB_MODULE(_kvscore, m) {
             std::vector<float> sc(std::size_t(nq * k));
             {
               nb::gil_scoped_release unlocked;
-              kvscore::ParisKV::Workspace ws;
+              P::Workspace ws;
               kvscore::ParisKVResult r;
               for (std::int64_t i = 0; i < nq; ++i) {
                 idx.search(q.data() + i * idx.head_dim(), o, ws, r);
@@ -767,25 +961,35 @@ NB_MODULE(_kvscore, m) {
             return nb::make_tuple(to_numpy(std::move(pos), {std::size_t(nq), std::size_t(k)}),
                                   to_numpy(std::move(sc), {std::size_t(nq), std::size_t(k)}));
           },
-          "queries"_a, "k"_a = 100, "beta"_a = 0.0, "rho"_a = 0.0);
+          "queries"_a, "k"_a = srch.k, "beta"_a = srch.beta, "rho"_a = srch.rho);
 
-  // ---- ParisKVCache: one head's decode-time cache (sinks + index + local window)
   bind_pariskv_cache<float>(m, "ParisKVCacheF32", DT::f32);
   bind_pariskv_cache<kvscore::half>(m, "ParisKVCacheF16", DT::f16);
   bind_pariskv_cache<kvscore::bfloat16>(m, "ParisKVCacheBF16", DT::bf16);
+}
 
-  // ---- OjaKV: one head's low-rank key/value projector
-  nb::class_<kvscore::OjaProjector>(m, "OjaProjector")
+// ------------------------------------------------------------------ OjaKV
+
+/// An OjaKV basis U [d, r] as a new float32 numpy array (C order).
+nb::object basis_out(const kvscore::OjaBasis& b) {
+  const Eigen::MatrixXf u = b.basis_f32();
+  std::vector<float> v(std::size_t(u.size()));
+  for (Eigen::Index i = 0; i < u.rows(); ++i)
+    for (Eigen::Index j = 0; j < u.cols(); ++j) v[std::size_t(i * u.cols() + j)] = u(i, j);
+  return nb::cast(to_numpy(std::move(v), {std::size_t(u.rows()), std::size_t(u.cols())}));
+}
+
+void bind_ojakv(nb::module_& m) {
+  using O = kvscore::OjaProjector;
+  nb::class_<O>(m, "OjaProjector", "kvscore::OjaProjector: one head's low-rank key/value bases.")
       .def_static(
           "random",
-          [](std::int64_t d, std::int64_t rk, std::int64_t rv, std::uint64_t seed) {
-            return kvscore::OjaProjector::random(d, rk, rv, seed);
-          },
+          [](std::int64_t d, std::int64_t rk, std::int64_t rv, std::uint64_t seed) { return O::random(d, rk, rv, seed); },
           "head_dim"_a, "key_rank"_a, "value_rank"_a, "seed"_a = 0)
-      .def_prop_ro("head_dim", &kvscore::OjaProjector::head_dim)
+      .def_prop_ro("head_dim", &O::head_dim)
       .def(
           "prefill",
-          [](kvscore::OjaProjector& p, const Any& keys, const Any& values) {
+          [](O& p, const Any& keys, const Any& values) {
             with_keys(keys, "keys", [&](const auto& k) {
               with_keys(values, "values", [&](const auto& v) {
                 if (k.heads() != 1 || v.heads() != 1) bad("OjaProjector.prefill: keys and values must have 1 head");
@@ -795,7 +999,63 @@ NB_MODULE(_kvscore, m) {
             });
           },
           "keys"_a, "values"_a)
-      .def_prop_ro("key_basis",
-                   [](const kvscore::OjaProjector& p) { return basis_out(p.key()); })
-      .def_prop_ro("value_basis", [](const kvscore::OjaProjector& p) { return basis_out(p.value()); });
+      .def_prop_ro("key_basis", [](const O& p) { return basis_out(p.key()); })
+      .def_prop_ro("value_basis", [](const O& p) { return basis_out(p.value()); });
+}
+
+// ------------------------------------------------------------------ ISA
+
+void bind_isa(nb::module_& m) {
+  m.def(
+      "isa", [] { return std::string(kvscore::simd::active_table().name); },
+      "Name of the SIMD kernel table the scorers use (KVSCORE_ISA pins it).");
+  m.def(
+      "isas",
+      [] {
+        std::vector<std::string> names;
+        for (const kvscore::simd::KernelTable* t : kvscore::simd::available_tables()) names.emplace_back(t->name);
+        return names;
+      },
+      "Kernel tables this CPU supports, scalar first.");
+  m.def(
+      "set_isa", [](const std::string& n) { kvscore::simd::set_active_isa(n); }, "name"_a,
+      "Pin the kernel table by name (as KVSCORE_ISA).");
+}
+
+// ------------------------------------------------------------------ errors, in one place
+
+/// C++ exceptions as Python ones: a wrong kind of argument is a TypeError, a wrong value
+/// (std::invalid_argument and the other logic errors the library throws) a ValueError with the
+/// C++ message, which names the value; an allocation failure a MemoryError. Anything else keeps
+/// nanobind's translation (std::runtime_error: RuntimeError, e.g. an unreadable file).
+void translate_errors(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const ArgTypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::domain_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::length_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_SetString(PyExc_MemoryError, "kvscore: out of memory");
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_kvscore, m) {
+  m.doc() = "kvscore C++ core (use the kvscore package; docs/python.md)";
+  m.attr("__version__") = kvscore::version_string;
+  nb::register_exception_translator(translate_errors);
+  bind_isa(m);
+  bind_registry(m);
+  bind_scorers(m);
+  bind_select(m);
+  bind_joint(m);
+  bind_evaluator(m);
+  bind_pariskv(m);
+  bind_ojakv(m);
 }

@@ -12,8 +12,10 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -25,7 +27,8 @@
 #include <unistd.h>
 
 #include <kvscore/core/dtype.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/core/view.hpp>
+#include <kvscore/io/npy.hpp>
 
 #ifndef KVSCORE_CLI_PATH
 #error "KVSCORE_CLI_PATH (path of the kvscore binary) must be defined by the build"
@@ -95,6 +98,32 @@ inline void check_error(const Result& r, const std::string& needle) {
 inline void check_no_temporaries(const ScratchDir& dir) {
   for (const auto& e : fs::directory_iterator(dir.path))
     CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+}
+
+/// `args` fails by the error contract, writes none of the scratch files `outputs` and leaves no
+/// temporary behind.
+inline void check_bad_run(const ScratchDir& dir, const std::string& args, const std::string& needle,
+                          std::initializer_list<const char*> outputs) {
+  INFO("kvscore " << args);
+  for (const char* o : outputs) fs::remove(dir.file(o));
+  check_error(run(dir, args), needle);
+  for (const char* o : outputs) CHECK(!fs::exists(dir.file(o)));
+  check_no_temporaries(dir);
+}
+
+/// A '<f4' scores file equals the library's scores bit for bit (the CLI and the tests use the
+/// same kernel tables).
+inline void check_scores(const std::string& file, const kvscore::Scores& want) {
+  const kvscore::npy::Array a = kvscore::npy::load(file);
+  CHECK(a.descr == "<f4");
+  REQUIRE(a.shape == std::vector<std::int64_t>{want.heads(), want.tokens()});
+  const std::vector<float> got = a.to_vector<float>();
+  REQUIRE(got.size() == want.values().size());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want.values()[i], sizeof(float)) != 0) {
+      FAIL_CHECK("score " << i << ": cli " << got[i] << " vs library " << want.values()[i]);
+      break;
+    }
 }
 
 /// n normal(0, sigma) floats from a seeded mt19937 (test data only; not platform-pinned).

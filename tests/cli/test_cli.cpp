@@ -29,10 +29,7 @@ namespace {
 
 using cli_test::Result;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("score");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("score"); return d; }
 const std::filesystem::path& tmp() { return dir().path; }
 std::string path(const std::string& name) { return dir().file(name); }
 std::string slurp(const std::string& p) { return cli_test::slurp(p); }
@@ -73,21 +70,7 @@ kvscore::Scores expected(const Scorer& s, const std::vector<E>& keys) {
   return s.score(kvscore::KeysView<E>(keys.data(), H, T, D, T * D, D));
 }
 
-void check_scores(const std::string& out_file, const kvscore::Scores& want) {
-  const npy::Array a = npy::load(out_file);
-  CHECK(a.descr == "<f4");
-  REQUIRE(a.shape == std::vector<std::int64_t>{want.heads(), want.tokens()});
-  const std::vector<float> got = a.to_vector<float>();
-  REQUIRE(got.size() == want.values().size());
-  // Same kernel table in this process and in the CLI: bit-identical.
-  CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (got[i] != want.values()[i]) {
-      FAIL_CHECK("score " << i << ": cli " << got[i] << " vs library " << want.values()[i]);
-      break;
-    }
-  }
-}
+using cli_test::check_scores;
 
 template <class E>
 void check_all_methods(const std::string& keys_file, const std::vector<E>& keys) {
@@ -132,13 +115,7 @@ void check_all_methods(const std::string& keys_file, const std::vector<E>& keys)
 /// Exit 2, nothing on stdout, exactly one line on stderr starting "kvscore: " and
 /// containing `needle`; no output file left behind.
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  const std::string out = path("bad_out.npy");
-  fs::remove(out);
-  const cli_test::Result r = cli(args);
-  cli_test::check_error(r, needle);
-  CHECK(!fs::exists(out));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad_out.npy"});
 }
 
 }  // namespace

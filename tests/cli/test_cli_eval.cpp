@@ -15,7 +15,7 @@
 
 #include <kvscore/eval/evaluate.hpp>
 #include <kvscore/eval/report.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include "cli_harness.hpp"
@@ -26,10 +26,7 @@ namespace npy = kvscore::npy;
 namespace eval = kvscore::eval;
 namespace synth = kvscore::synth;
 
-const cli_test::ScratchDir& eval_dir() {
-  static const cli_test::ScratchDir d("eval");
-  return d;
-}
+const cli_test::ScratchDir& eval_dir() { static const cli_test::ScratchDir d("eval"); return d; }
 cli_test::Result eval_cli(const std::string& args) { return cli_test::run(eval_dir(), args); }
 
 std::size_t eval_count(const std::string& s, const std::string& needle) {
@@ -72,12 +69,7 @@ TEST_CASE("cli eval: report equals the library's, table and SVG carry every resu
   REQUIRE(r.rc == 0);
   CHECK(r.err.empty());
   // the library on the same data
-  synth::Spec s;
-  s.kv_heads = 2;
-  s.tokens = 256;
-  s.head_dim = 32;
-  s.queries = 4;
-  s.segment = 64;
+  synth::Spec s{.kv_heads = 2, .tokens = 256, .head_dim = 32, .queries = 4, .segment = 64};
   const synth::Data D = synth::generate(s);
   const eval::LayerInput in{D.keys.data(), D.values.data(), D.queries.data(), 2, 256, 32, 32, 4, 4};
   eval::EvalOptions o;

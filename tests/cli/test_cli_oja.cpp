@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
-#include <kvscore/ojakv.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
 
 #include "cli_harness.hpp"
 
@@ -21,10 +21,7 @@ namespace {
 namespace npy = kvscore::npy;
 using Mat = Eigen::MatrixXd;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("oja");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("oja"); return d; }
 std::string path(const std::string& name) { return dir().file(name); }
 cli_test::Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
@@ -71,12 +68,7 @@ double value_of(const std::string& out, const std::string& key) {
 }
 
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  std::filesystem::remove(path("bad.npy"));
-  const cli_test::Result r = cli(args);
-  cli_test::check_error(r, needle);
-  CHECK_FALSE(std::filesystem::exists(path("bad.npy")));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad.npy"});
 }
 
 }  // namespace

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include <kvscore/npy.hpp>
-#include <kvscore/pariskv.hpp>
+#include <kvscore/io/npy.hpp>
+#include <kvscore/pariskv/pariskv.hpp>
 
 #include "cli_harness.hpp"
 
@@ -22,10 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace npy = kvscore::npy;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("pariskv");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("pariskv"); return d; }
 std::string path(const std::string& name) { return dir().file(name); }
 cli_test::Result cli(const std::string& args) { return cli_test::run(dir(), args); }
 
@@ -62,11 +59,7 @@ const std::vector<float>& queries() {
 }
 
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  fs::remove(path("bad.npy"));
-  cli_test::check_error(cli(args), needle);
-  CHECK(!fs::exists(path("bad.npy")));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad.npy"});
 }
 
 }  // namespace

@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/select.hpp>
 
 #include "cli_harness.hpp"
@@ -29,10 +29,7 @@ namespace {
 
 using cli_test::Result;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("select");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("select"); return d; }
 std::string path(const std::string& name) { return dir().file(name); }
 std::string slurp(const std::string& p) { return cli_test::slurp(p); }
 Result cli(const std::string& args) { return cli_test::run(dir(), args); }
@@ -55,14 +52,7 @@ const kvscore::Scores& scores() {
 
 /// Exit 2, empty stdout, one "kvscore: " line containing `needle`, no output written.
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  fs::remove(path("bad.npy"));
-  fs::remove(path("bad.offsets.npy"));
-  const Result r = cli(args);
-  cli_test::check_error(r, needle);
-  CHECK(!fs::exists(path("bad.npy")));
-  CHECK(!fs::exists(path("bad.offsets.npy")));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad.npy", "bad.offsets.npy"});
 }
 
 }  // namespace

@@ -30,10 +30,7 @@ namespace snapkv_cli {
 
 using cli_test::Result;
 
-const cli_test::ScratchDir& dir() {
-  static const cli_test::ScratchDir d("snapkv");
-  return d;
-}
+const cli_test::ScratchDir& dir() { static const cli_test::ScratchDir d("snapkv"); return d; }
 std::string path(const std::string& name) { return dir().file(name); }
 std::string slurp(const std::string& p) { return cli_test::slurp(p); }
 Result cli(const std::string& args) { return cli_test::run(dir(), args); }
@@ -56,14 +53,7 @@ kvscore::Scores expected(const std::vector<E>& keys, const kvscore::simd::Kernel
   return s.score(kvscore::KeysView<E>(keys.data(), H, T, D, T * D, D));
 }
 
-void check_scores(const std::string& out_file, const kvscore::Scores& want) {
-  const npy::Array a = npy::load(out_file);
-  CHECK(a.descr == "<f4");
-  REQUIRE(a.shape == std::vector<std::int64_t>{want.heads(), want.tokens()});
-  const std::vector<float> got = a.to_vector<float>();
-  REQUIRE(got.size() == want.values().size());
-  CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);  // same tables: bit-identical
-}
+using cli_test::check_scores;
 
 template <class E>
 void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
@@ -83,13 +73,7 @@ void check_ok(const std::string& keys_file, const std::vector<E>& keys) {
 }
 
 void check_bad(const std::string& args, const std::string& needle) {
-  INFO("kvscore " << args);
-  const std::string out = path("bad_out.npy");
-  fs::remove(out);
-  const Result r = cli(args);
-  cli_test::check_error(r, needle);
-  CHECK(!fs::exists(out));
-  cli_test::check_no_temporaries(dir());
+  cli_test::check_bad_run(dir(), args, needle, {"bad_out.npy"});
 }
 
 }  // namespace snapkv_cli
@@ -176,7 +160,7 @@ TEST_CASE("cli snapkv: bad input gives exit 2 and one line", "[cli][snapkv]") {
               "--queries applies only to --method snapkv");
     check_bad("score --method l2 --keys " + k + " --out " + out + " --group 2", "--group applies only to --method snapkv");
     check_bad("score --method knorm --keys " + k + " --out " + out + " --window 8",
-              "--window applies only to --method windowed-l2 or snapkv");
+              "--window applies only to --method windowed-l2, snapkv or protokv");
     check_bad(base + " --queries " + q + " --group 0", "--group must be > 0 (got 0)");
     check_bad(base + " --queries " + q + " --group two", "--group: 'two' is not an integer");
     check_bad(base + " --queries " + q + " --window 0", "--window must be > 0 (got 0)");

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include <kvscore/core/dtype.hpp>
-#include <kvscore/npy.hpp>
+#include <kvscore/io/npy.hpp>
 #include <kvscore/synth.hpp>
 
 #include "cli_harness.hpp"
@@ -20,10 +20,7 @@ namespace {
 namespace npy = kvscore::npy;
 namespace synth = kvscore::synth;
 
-const cli_test::ScratchDir& synth_dir() {
-  static const cli_test::ScratchDir d("synth");
-  return d;
-}
+const cli_test::ScratchDir& synth_dir() { static const cli_test::ScratchDir d("synth"); return d; }
 cli_test::Result synth_cli(const std::string& args) { return cli_test::run(synth_dir(), args); }
 
 }  // namespace
@@ -37,15 +34,8 @@ TEST_CASE("cli synth: files equal the library's data, same bytes on every run", 
   REQUIRE(r.rc == 0);
   CHECK(r.err.empty());
   CHECK(r.out.find("drift") != std::string::npos);
-  synth::Spec s;
-  s.kind = synth::Kind::drift;
-  s.kv_heads = 2;
-  s.group = 3;
-  s.tokens = 300;
-  s.head_dim = 32;
-  s.queries = 5;
-  s.segment = 100;
-  s.seed = 9;
+  synth::Spec s{.kind = synth::Kind::drift, .kv_heads = 2, .group = 3, .tokens = 300, .head_dim = 32, .queries = 5,
+                .segment = 100, .seed = 9};
   const synth::Data D = synth::generate(s);
   const npy::Array K = npy::load(out + "/K.npy"), V = npy::load(out + "/V.npy"), Q = npy::load(out + "/Q.npy");
   CHECK(K.descr == "<f4");
@@ -76,14 +66,8 @@ TEST_CASE("cli synth: multi-layer shapes and float16 output", "[cli][synth]") {
   CHECK(K.descr == "<f2");
   CHECK(K.shape == std::vector<std::int64_t>{2, 1, 64, 16});
   CHECK(Q.shape == std::vector<std::int64_t>{2, 2, 2, 16});
-  synth::Spec s;
-  s.kind = synth::Kind::sinks;
-  s.layers = 2;
-  s.kv_heads = 1;
-  s.tokens = 64;
-  s.head_dim = 16;
-  s.queries = 2;
-  s.segment = 32;
+  synth::Spec s{.kind = synth::Kind::sinks, .layers = 2, .kv_heads = 1, .tokens = 64, .head_dim = 16, .queries = 2,
+                .segment = 32};
   const synth::Data D = synth::generate(s);
   bool same = true;
   for (std::size_t i = 0; i < D.keys.size(); ++i)

@@ -9,6 +9,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -34,6 +35,13 @@ inline std::int64_t checked_add(std::int64_t a, std::int64_t b, const char* ctx)
   std::int64_t r;
   if (__builtin_add_overflow(a, b, &r)) throw_invalid(std::string(ctx) + ": size overflows int64");
   return r;
+}
+
+/// A double as messages print it: %.17g, every bit of the value.
+inline std::string num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.17g", v);
+  return b;
 }
 
 // Rows (h, t) occupy [h*hs + t*ts, +d). They are disjoint when the strides nest:

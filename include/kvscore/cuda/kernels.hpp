@@ -61,7 +61,7 @@ void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_s
 /// Which top-k kernels run. Every path gives the same positions.
 enum class TopkPath { automatic, one_cta_per_row, multi_cta_per_row };
 
-/// A validated selection plan (made by the CPU's kvscore::detail::sel::make_plan).
+/// A validated selection plan (from kvscore::plan_selection, the CPU's own).
 struct SelectPlan {
   std::int64_t heads = 0, tokens = 0, score_head_stride = 0;
   bool adakv = false;

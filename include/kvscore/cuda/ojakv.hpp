@@ -1,4 +1,4 @@
-// kvscore/cuda/ojakv.hpp — OjaKV (kvscore/ojakv.hpp) on device memory: projection and
+// kvscore/cuda/ojakv.hpp — OjaKV (kvscore/ojakv/ojakv.hpp) on device memory: projection and
 // reconstruction of a layer, the full-rank token score (OjaResidual) and the batched Oja update.
 //
 //   namespace kc = kvscore::cuda;
@@ -71,7 +71,7 @@ void oja_covariance(const KeysArg& rows, std::int64_t pool, Workspace ws, double
 
 #include <Eigen/Dense>
 
-#include "kvscore/ojakv.hpp"
+#include "kvscore/ojakv/ojakv.hpp"
 
 namespace kvscore::cuda {
 

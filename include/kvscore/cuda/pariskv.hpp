@@ -1,4 +1,4 @@
-// kvscore/cuda/pariskv.hpp — ParisKV retrieval (kvscore/pariskv.hpp) on the GPU: one index for
+// kvscore/cuda/pariskv.hpp — ParisKV retrieval (kvscore/pariskv/pariskv.hpp) on the GPU: one index for
 // all KV heads of a layer, built by batched appends of device keys, searched for a batch of
 // queries of every head with one launch per stage.
 //
@@ -45,7 +45,7 @@
 #include "kvscore/cuda/device.hpp"
 #include "kvscore/cuda/kernels.hpp"
 #include "kvscore/cuda/pariskv_kernels.hpp"
-#include "kvscore/pariskv.hpp"
+#include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore::cuda {
 

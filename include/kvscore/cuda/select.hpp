@@ -1,6 +1,6 @@
 // kvscore/cuda/select.hpp — kvscore::select and a batched top-k on device scores.
 //
-// Same Budget / SelectOptions, same validation (the CPU's make_plan runs first), same total
+// Same Budget / SelectOptions, same validation (kvscore::plan_selection runs first), same total
 // order and tie rule as kvscore/select.hpp: higher score first; equal scores lower position
 // first; NaN below every number (-inf included); -0.0 == +0.0; in AdaKV's global step equal
 // scores lower position first, then lower head. Output: CSR offsets[heads + 1] and positions
@@ -32,9 +32,8 @@ inline SelectPlan plan_of(const DeviceScoresView& s, Budget budget, const Select
   if (opt.normalize && opt.alloc == Alloc::adakv)
     kvscore::detail::throw_invalid(
         "kvscore::cuda::select: SelectOptions::normalize (AdaKV z-scores) is not implemented on the CUDA path yet");
-  SelectOptions o = opt;
-  o.num_threads = 1;  // CPU-only settings: validated, then ignored
-  const kvscore::detail::sel::Plan p = kvscore::detail::sel::make_plan(s.heads(), s.tokens(), budget, o);
+  // the CPU's plan and validation (opt.num_threads and opt.kernels: validated, then ignored)
+  const SelectionPlan p = plan_selection(s.heads(), s.tokens(), budget, opt);
   SelectPlan g;
   g.heads = p.heads;
   g.tokens = p.tokens;

@@ -76,11 +76,7 @@ struct Report {
 
 namespace detail {
 
-inline std::string num17(double v) {
-  char b[64];
-  std::snprintf(b, sizeof b, "%.17g", v);
-  return b;
-}
+inline std::string num17(double v) { return kvscore::detail::num(v); }
 
 inline void check_finite(const float* p, std::int64_t count, const std::string& what) {
   for (std::int64_t i = 0; i < count; ++i)
@@ -223,5 +219,5 @@ inline std::vector<LayerChoice> per_layer_best(const Report& r, MixMetric metric
 }  // namespace kvscore::eval
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/eval_evaluate_impl.hpp"
+#include "kvscore/eval/evaluate_impl.hpp"
 #endif

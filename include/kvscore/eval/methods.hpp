@@ -73,9 +73,9 @@ inline const char* to_string(Protocol p) noexcept { return p == Protocol::leak_f
 /// Options shared by every method (from the command line).
 struct MethodOptions {
   SelectOptions select;        ///< sinks, recent, alloc (per_head / adakv), threads
-  std::int64_t window = 4096;  ///< windowed-l2: window W (manifoldkv.txt Alg. 2 default)
+  std::int64_t window = kDefaultWindow;  ///< windowed-l2: window W (manifoldkv.txt Alg. 2 default)
   WindowTail window_tail = WindowTail::merge;  ///< windowed-l2: the final partial window (--window-tail)
-  std::int64_t streaming_sinks = 4;  ///< streaming_llm sinks when select.sinks is 0 (Xiao et al.)
+  std::int64_t streaming_sinks = kDefaultSinks;  ///< streaming_llm sinks when select.sinks is 0 (Xiao et al.)
   /// snapkv, protokv, ojakv: where the evaluation queries sit (--query-placement). A dump's
   /// queries follow its cache (tools/dump_kv.py, kvscore synth), hence after_cache: no causal
   /// mask, no protection beyond --recent. in_cache treats them as the cache's last n_q positions.
@@ -123,9 +123,6 @@ inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std
 /// residual (the evaluation queries as the window) kept full rank through the selector, every
 /// other token as low-rank codes; `output` is the hybrid cache's reference attention.
 Compressed hybrid_method(std::string_view spelling, const LayerInput& in, std::int64_t n, const MethodOptions& o);
-inline Compressed ojakv_method(const LayerInput& in, std::int64_t n, const MethodOptions& o) {
-  return hybrid_method("ojakv", in, n, o);
-}
 
 /// A retriever of the registry (make_retriever<float> with RetrieverArgs::budget = n): one
 /// index per KV head (built inside the timed call), one search per (query head, query) with
@@ -135,12 +132,6 @@ inline Compressed ojakv_method(const LayerInput& in, std::int64_t n, const Metho
 Compressed retriever_method(std::string_view spelling, const LayerInput& in, std::int64_t n);
 using kvscore::ParisKVZones;
 using kvscore::pariskv_zones;
-inline Compressed pariskv_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
-  return retriever_method("pariskv", in, n);
-}
-inline Compressed pariskv_flat_method(const LayerInput& in, std::int64_t n, const MethodOptions&) {
-  return retriever_method("pariskv_flat", in, n);
-}
 
 /// The evaluator's function for a method of kvscore/methods.hpp (by its canonical name);
 /// empty for a name it does not know.
@@ -217,5 +208,5 @@ inline std::vector<std::string> resolve_methods(const std::string& spec) {
 }  // namespace kvscore::eval
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/eval_methods_impl.hpp"
+#include "kvscore/eval/methods_impl.hpp"
 #endif

@@ -170,5 +170,5 @@ class HeadReference {
 }  // namespace kvscore::eval
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/eval_metrics_impl.hpp"
+#include "kvscore/eval/metrics_impl.hpp"
 #endif

@@ -40,6 +40,7 @@
 
 #include "kvscore/core/splitmix.hpp"
 #include "kvscore/core/dtype.hpp"
+#include "kvscore/methods.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
@@ -106,14 +107,11 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   static constexpr const char* name = "protokv";
   static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
 
-  /// Neighbourhood radius κ (paper default 5).
-  static constexpr std::int64_t kDefaultKappa = 5;
-  /// SAT candidates p (paper: 20–40 suffice).
-  static constexpr std::int64_t kDefaultSatCandidates = 32;
-  /// LSH bits r: at most 2^r = 4 SAT prototypes (paper: 2–4).
-  static constexpr int kDefaultLshBits = 2;
-  /// PDT chunks v: with 2^r SAT buckets at most 500 prototypes (paper: about 500).
-  static constexpr std::int64_t kDefaultChunks = 496;
+  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/protokv.md).
+  static constexpr std::int64_t kDefaultKappa = kDefaultProtoKVKappa;
+  static constexpr std::int64_t kDefaultSatCandidates = kDefaultProtoKVSatCandidates;
+  static constexpr int kDefaultLshBits = kDefaultProtoKVLshBits;
+  static constexpr std::int64_t kDefaultChunks = kDefaultProtoKVChunks;
   /// Largest cache: scores are exact integers in fp32.
   static constexpr std::int64_t kMaxTokens = std::int64_t(1) << 24;
 
@@ -233,19 +231,67 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   static constexpr int kBlockRows = 32;
   using BlockMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor, kBlockRows, Eigen::Dynamic>;
 
+  /// One KV head on its way through the stages (the top of this file), each stage a function
+  /// below that reads the fields of the ones before it.
+  struct Head {
+    std::int64_t h = 0, N = 0, d = 0;
+    // pass over the keys
+    std::vector<float> U;              ///< [N][d] fp32 unit rows (0 for zero and invalid keys)
+    std::vector<float> qk, norm;       ///< q̄·k (0 for invalid keys), ‖k‖
+    std::vector<unsigned char> valid;  ///< fp32 squared norm finite
+    // 1. neighbourhood similarity
+    std::vector<double> S;             ///< S_κ(i), NaN for invalid keys
+    std::vector<std::int64_t> elig;    ///< eligible keys (valid, non-zero), for Θ
+    double mean = 0, sd = 0;           ///< of S over the eligible keys
+    // 2. SAT candidates
+    std::vector<std::int64_t> cand;    ///< highest deviation first
+    std::vector<unsigned char> is_cand;
+    double sigma = 0;                  ///< LSH bandwidth
+    std::vector<int> bucket;           ///< of each candidate
+    // 3. prototypes
+    std::int64_t v = 0, ns = 0, P = 0; ///< PDT chunks, SAT buckets, prototypes
+    std::vector<std::int64_t> cb;      ///< PDT chunk boundaries (ranks among the non-candidates)
+    std::vector<int> ids;              ///< SAT bucket ids, ascending
+    std::vector<float> protos;         ///< [P][d]
+    // 4., 5. clusters
+    std::vector<std::int32_t> cl;      ///< prototype of each token, -1 for invalid keys
+    std::vector<double> psi;           ///< ψ per cluster
+    std::vector<std::int64_t> size;    ///< members per cluster
+    std::vector<std::int32_t> corder;  ///< non-empty clusters, best first
+  };
+
   template <class View>
   void run_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out,
                 ProtoKVHead* a) const {
+    Head w;
+    read_keys(table, keys, h, w);
+    similarity(table, w);
+    choose_candidates(w);
+    build_prototypes(w);
+    assign_clusters(w);
+    score_clusters(table, w, keys.heads());
+    rank_tokens(w, out);
+    if (a != nullptr) *a = analysis(std::move(w));
+  }
+
+  /// The pass over the keys: q̄·k, ‖k‖², and the fp32 unit rows U (zero rows for zero and invalid keys).
+  template <class View>
+  void read_keys(const simd::KernelTable& table, const View& keys, std::int64_t h, Head& w) const {
     using T = typename View::value_type;
     const simd::RowOps<T>& ops = table.ops<T>();
     const std::int64_t N = keys.tokens(), d = dim_;
     const std::size_t Nz = std::size_t(N);
-
+    w.h = h;
+    w.N = N;
+    w.d = d;
     const std::vector<float> qbar = query_sum(h, keys.heads());
-
-    // Pass over the keys: q̄·k, ‖k‖², and the fp32 unit rows U (zero rows for zero and invalid keys).
-    std::vector<float> U(Nz * std::size_t(d)), qk(Nz), sq(Nz), norm(Nz);
-    std::vector<unsigned char> valid(Nz);
+    std::vector<float>&U = w.U, &qk = w.qk, &norm = w.norm;
+    std::vector<unsigned char>& valid = w.valid;
+    U.resize(Nz * std::size_t(d));
+    qk.resize(Nz);
+    norm.resize(Nz);
+    valid.resize(Nz);
+    std::vector<float> sq(Nz);
     keys.for_each_run(h, [&](const T* first, std::int64_t t0, std::int64_t len, std::int64_t stride) {
       ops.dot_sqnorm(first, len, stride, d, qbar.data(), qk.data() + t0, sq.data() + t0);
       for (std::int64_t i = 0; i < len; ++i) {
@@ -271,54 +317,65 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
         }
       }
     });
+  }
 
-    // 1. Neighbourhood similarity, each pair (i, i+δ), 1 <= δ <= κ, computed once.
-    std::vector<double> S(Nz, 0.0);
+  /// 1. Neighbourhood similarity, each pair (i, i+δ), 1 <= δ <= κ, computed once; then the mean
+  /// and standard deviation of S over the eligible keys (valid, non-zero), which define Θ.
+  void similarity(const simd::KernelTable& table, Head& w) const {
+    const std::int64_t N = w.N, d = w.d;
+    const std::size_t Nz = std::size_t(N);
+    const std::vector<unsigned char>& valid = w.valid;
+    std::vector<double>& S = w.S;
+    S.assign(Nz, 0.0);
     std::vector<std::int64_t> cnt(Nz, 0);
-    {
-      float c[64];
-      for (std::int64_t i = 0; i < N; ++i) {
-        if (!valid[std::size_t(i)]) continue;
-        for (std::int64_t j0 = i + 1; j0 <= std::min(N - 1, i + kappa); j0 += 64) {
-          const std::int64_t m = std::min<std::int64_t>(64, std::min(N - 1, i + kappa) - j0 + 1);
-          table.f32.dot(U.data() + j0 * d, m, d, d, U.data() + i * d, c);
-          for (std::int64_t k = 0; k < m; ++k) {
-            const std::size_t j = std::size_t(j0 + k);
-            if (!valid[j]) continue;
-            S[std::size_t(i)] += double(c[k]);
-            S[j] += double(c[k]);
-            ++cnt[std::size_t(i)];
-            ++cnt[j];
-          }
+    float c[64];
+    for (std::int64_t i = 0; i < N; ++i) {
+      if (!valid[std::size_t(i)]) continue;
+      for (std::int64_t j0 = i + 1; j0 <= std::min(N - 1, i + kappa); j0 += 64) {
+        const std::int64_t m = std::min<std::int64_t>(64, std::min(N - 1, i + kappa) - j0 + 1);
+        table.f32.dot(w.U.data() + j0 * d, m, d, d, w.U.data() + i * d, c);
+        for (std::int64_t k = 0; k < m; ++k) {
+          const std::size_t j = std::size_t(j0 + k);
+          if (!valid[j]) continue;
+          S[std::size_t(i)] += double(c[k]);
+          S[j] += double(c[k]);
+          ++cnt[std::size_t(i)];
+          ++cnt[j];
         }
       }
-      for (std::size_t i = 0; i < Nz; ++i)
-        S[i] = !valid[i] ? std::numeric_limits<double>::quiet_NaN() : cnt[i] > 0 ? S[i] / double(cnt[i]) : 1.0;
     }
+    for (std::size_t i = 0; i < Nz; ++i)
+      S[i] = !valid[i] ? std::numeric_limits<double>::quiet_NaN() : cnt[i] > 0 ? S[i] / double(cnt[i]) : 1.0;
 
     // Local deviation Θ over the eligible keys (valid, non-zero).
-    auto eligible = [&](std::int64_t t) { return valid[std::size_t(t)] && norm[std::size_t(t)] > 0.f; };
-    std::vector<std::int64_t> elig;
-    elig.reserve(Nz);
+    w.elig.reserve(Nz);
     for (std::int64_t t = 0; t < N; ++t)
-      if (eligible(t)) elig.push_back(t);
+      if (valid[std::size_t(t)] && w.norm[std::size_t(t)] > 0.f) w.elig.push_back(t);
     double mean = 0, var = 0;
-    for (std::int64_t t : elig) mean += S[std::size_t(t)];
-    if (!elig.empty()) mean /= double(elig.size());
-    for (std::int64_t t : elig) var += (S[std::size_t(t)] - mean) * (S[std::size_t(t)] - mean);
-    const double sd = elig.empty() ? 0.0 : std::sqrt(var / double(elig.size()));
+    for (std::int64_t t : w.elig) mean += S[std::size_t(t)];
+    if (!w.elig.empty()) mean /= double(w.elig.size());
+    for (std::int64_t t : w.elig) var += (S[std::size_t(t)] - mean) * (S[std::size_t(t)] - mean);
+    w.mean = mean;
+    w.sd = w.elig.empty() ? 0.0 : std::sqrt(var / double(w.elig.size()));
+  }
 
-    // 2. SAT candidates: top-p deviation = lowest S (Θ is a decreasing affine map of S), ties lower position.
+  /// 2. SAT candidates: top-p deviation = lowest S (Θ is a decreasing affine map of S), ties
+  /// lower position; the bandwidth; the RFF-LSH bucket of each candidate.
+  void choose_candidates(Head& w) const {
+    const std::int64_t d = w.d;
+    const std::vector<double>& S = w.S;
+    std::vector<std::int64_t> elig = w.elig;  // reordered by nth_element; w.elig keeps position order
     const std::int64_t p = std::min<std::int64_t>(sat_candidates, std::int64_t(elig.size()));
     auto by_dev = [&](std::int64_t x, std::int64_t y) {
       return S[std::size_t(x)] != S[std::size_t(y)] ? S[std::size_t(x)] < S[std::size_t(y)] : x < y;
     };
     if (p > 0 && p < std::int64_t(elig.size()))
       std::nth_element(elig.begin(), elig.begin() + (p - 1), elig.end(), by_dev);
-    std::vector<std::int64_t> cand(elig.begin(), elig.begin() + p);
+    std::vector<std::int64_t>& cand = w.cand;
+    cand.assign(elig.begin(), elig.begin() + p);
     std::sort(cand.begin(), cand.end(), by_dev);
-    std::vector<unsigned char> is_cand(Nz, 0);
-    for (std::int64_t t : cand) is_cand[std::size_t(t)] = 1;
+    w.is_cand.assign(std::size_t(w.N), 0);
+    for (std::int64_t t : cand) w.is_cand[std::size_t(t)] = 1;
 
     // Bandwidth: fixed, or the median pairwise distance of the candidates' unit keys.
     double sigma = bandwidth;
@@ -327,8 +384,8 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
       dist.reserve(std::size_t(p * (p - 1) / 2 > 0 ? p * (p - 1) / 2 : 0));
       for (std::int64_t x = 0; x < p; ++x)
         for (std::int64_t y = x + 1; y < p; ++y) {
-          const float* ux = U.data() + cand[std::size_t(x)] * d;
-          const float* uy = U.data() + cand[std::size_t(y)] * d;
+          const float* ux = w.U.data() + cand[std::size_t(x)] * d;
+          const float* uy = w.U.data() + cand[std::size_t(y)] * d;
           double s = 0;
           for (std::int64_t j = 0; j < d; ++j) s += (double(ux[j]) - uy[j]) * (double(ux[j]) - uy[j]);
           dist.push_back(std::sqrt(s));
@@ -340,14 +397,15 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
       }
       if (!(sigma > 0)) sigma = 1.0;
     }
+    w.sigma = sigma;
 
     // RFF-LSH buckets of the candidates.
     const int r = lsh_bits;
     std::vector<double> W, b;
-    detail::proto::rff_params(seed, h, r, d, W, b);
-    std::vector<int> bucket(static_cast<std::size_t>(p));
+    detail::proto::rff_params(seed, w.h, r, d, W, b);
+    w.bucket.resize(static_cast<std::size_t>(p));
     for (std::int64_t x = 0; x < p; ++x) {
-      const float* u = U.data() + cand[std::size_t(x)] * d;
+      const float* u = w.U.data() + cand[std::size_t(x)] * d;
       int id = 0;
       for (int i = 0; i < r; ++i) {
         double z = 0;
@@ -355,85 +413,98 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
         const bool bit = std::cos(z / sigma + b[std::size_t(i)]) >= 0.0;
         id = (id << 1) | (bit ? 1 : 0);
       }
-      bucket[std::size_t(x)] = id;
+      w.bucket[std::size_t(x)] = id;
     }
+  }
 
-    // 3. PDT chunks over the other valid tokens, in position order.
+  /// 3. Prototypes: the PDT chunks of the other valid tokens in position order first, then the
+  /// non-empty SAT buckets by ascending id; each the normalised sum of its keys.
+  void build_prototypes(Head& w) const {
+    const std::int64_t N = w.N, d = w.d;
     std::vector<std::int64_t> rest;
-    rest.reserve(Nz);
+    rest.reserve(std::size_t(N));
     for (std::int64_t t = 0; t < N; ++t)
-      if (valid[std::size_t(t)] && !is_cand[std::size_t(t)]) rest.push_back(t);
+      if (w.valid[std::size_t(t)] && !w.is_cand[std::size_t(t)]) rest.push_back(t);
     const std::int64_t nr = std::int64_t(rest.size());
     const std::int64_t v = std::min(chunks, nr);
-    std::vector<std::int64_t> cb(std::size_t(v + 1));
-    for (std::int64_t c = 0; c <= v; ++c) cb[std::size_t(c)] = v > 0 ? c * nr / v : 0;
+    w.v = v;
+    w.cb.resize(std::size_t(v + 1));
+    for (std::int64_t c = 0; c <= v; ++c) w.cb[std::size_t(c)] = v > 0 ? c * nr / v : 0;
 
-    // Prototypes: PDT chunks first, then the non-empty SAT buckets by ascending id.
-    std::vector<int> ids(bucket.begin(), bucket.end());
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    const std::int64_t ns = std::int64_t(ids.size()), P = v + ns;
-    std::vector<float> protos(std::size_t(P) * std::size_t(d), 0.f);
+    w.ids.assign(w.bucket.begin(), w.bucket.end());
+    std::sort(w.ids.begin(), w.ids.end());
+    w.ids.erase(std::unique(w.ids.begin(), w.ids.end()), w.ids.end());
+    w.ns = std::int64_t(w.ids.size());
+    w.P = v + w.ns;
+    w.protos.assign(std::size_t(w.P) * std::size_t(d), 0.f);
     std::vector<double> acc(static_cast<std::size_t>(d));
     auto finish = [&](std::int64_t c) {  // normalise acc into prototype c
       double s = 0;
       for (double x : acc) s += x * x;
       const double inv = s > 0 ? 1.0 / std::sqrt(s) : 0.0;
-      for (std::int64_t j = 0; j < d; ++j) protos[std::size_t(c * d + j)] = float(acc[std::size_t(j)] * inv);
+      for (std::int64_t j = 0; j < d; ++j) w.protos[std::size_t(c * d + j)] = float(acc[std::size_t(j)] * inv);
     };
     auto add_key = [&](std::int64_t t) {  // k = ‖k‖·u, in double
-      const float* u = U.data() + t * d;
-      const double nrm = norm[std::size_t(t)];
+      const float* u = w.U.data() + t * d;
+      const double nrm = w.norm[std::size_t(t)];
       for (std::int64_t j = 0; j < d; ++j) acc[std::size_t(j)] += nrm * double(u[j]);
     };
     for (std::int64_t c = 0; c < v; ++c) {
       std::fill(acc.begin(), acc.end(), 0.0);
-      for (std::int64_t k = cb[std::size_t(c)]; k < cb[std::size_t(c + 1)]; ++k) add_key(rest[std::size_t(k)]);
+      for (std::int64_t k = w.cb[std::size_t(c)]; k < w.cb[std::size_t(c + 1)]; ++k) add_key(rest[std::size_t(k)]);
       finish(c);
     }
-    {  // SAT buckets: members summed in position order
-      std::vector<std::pair<int, std::int64_t>> members(static_cast<std::size_t>(p));
-      for (std::int64_t x = 0; x < p; ++x) members[std::size_t(x)] = {bucket[std::size_t(x)], cand[std::size_t(x)]};
-      std::sort(members.begin(), members.end());
-      std::size_t k = 0;
-      for (std::int64_t s = 0; s < ns; ++s) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (; k < members.size() && members[k].first == ids[std::size_t(s)]; ++k) add_key(members[k].second);
-        finish(v + s);
+    // SAT buckets: members summed in position order
+    const std::int64_t p = std::int64_t(w.cand.size());
+    std::vector<std::pair<int, std::int64_t>> members(static_cast<std::size_t>(p));
+    for (std::int64_t x = 0; x < p; ++x) members[std::size_t(x)] = {w.bucket[std::size_t(x)], w.cand[std::size_t(x)]};
+    std::sort(members.begin(), members.end());
+    std::size_t k = 0;
+    for (std::int64_t s = 0; s < w.ns; ++s) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (; k < members.size() && members[k].first == w.ids[std::size_t(s)]; ++k) add_key(members[k].second);
+      finish(v + s);
+    }
+  }
+
+  /// 4. Nearest prototype by cosine: GEMM over blocks of 32 unit rows, first maximum wins.
+  void assign_clusters(Head& w) const {
+    const std::int64_t N = w.N, d = w.d, P = w.P;
+    w.cl.assign(std::size_t(N), -1);
+    if (P == 0) return;
+    const Eigen::Map<const RowMat> M(w.protos.data(), Eigen::Index(P), Eigen::Index(d));
+    BlockMat C(kBlockRows, Eigen::Index(P));
+    for (std::int64_t t0 = 0; t0 < N; t0 += kBlockRows) {
+      const std::int64_t m = std::min<std::int64_t>(kBlockRows, N - t0);
+      const Eigen::Map<const RowMat> A(w.U.data() + t0 * d, Eigen::Index(m), Eigen::Index(d));
+      if (C.rows() != m) C.resize(Eigen::Index(m), Eigen::Index(P));
+      C.noalias() = A * M.transpose();
+      for (std::int64_t i = 0; i < m; ++i) {
+        if (!w.valid[std::size_t(t0 + i)]) continue;
+        std::int32_t best = 0;
+        float bv = C(Eigen::Index(i), 0);
+        for (std::int64_t c = 1; c < P; ++c)
+          if (C(Eigen::Index(i), Eigen::Index(c)) > bv) {
+            bv = C(Eigen::Index(i), Eigen::Index(c));
+            best = std::int32_t(c);
+          }
+        w.cl[std::size_t(t0 + i)] = best;
       }
     }
+  }
 
-    // 4. Nearest prototype by cosine: GEMM over blocks of 32 unit rows, first maximum wins.
-    std::vector<std::int32_t> cl(Nz, -1);
-    if (P > 0) {
-      const Eigen::Map<const RowMat> M(protos.data(), Eigen::Index(P), Eigen::Index(d));
-      BlockMat C(kBlockRows, Eigen::Index(P));
-      for (std::int64_t t0 = 0; t0 < N; t0 += kBlockRows) {
-        const std::int64_t m = std::min<std::int64_t>(kBlockRows, N - t0);
-        const Eigen::Map<const RowMat> A(U.data() + t0 * d, Eigen::Index(m), Eigen::Index(d));
-        if (C.rows() != m) C.resize(Eigen::Index(m), Eigen::Index(P));
-        C.noalias() = A * M.transpose();
-        for (std::int64_t i = 0; i < m; ++i) {
-          if (!valid[std::size_t(t0 + i)]) continue;
-          std::int32_t best = 0;
-          float bv = C(Eigen::Index(i), 0);
-          for (std::int64_t c = 1; c < P; ++c)
-            if (C(Eigen::Index(i), Eigen::Index(c)) > bv) {
-              bv = C(Eigen::Index(i), Eigen::Index(c));
-              best = std::int32_t(c);
-            }
-          cl[std::size_t(t0 + i)] = best;
-        }
-      }
-    }
-
-    // 5. ψ per cluster (fp64 sums in position order), cluster order, token order.
-    std::vector<double> psi_c(std::size_t(P), 0.0);
-    std::vector<std::int64_t> size(std::size_t(P), 0);
+  /// 5. ψ per cluster (fp64 sums in position order) and the cluster order, best first.
+  void score_clusters(const simd::KernelTable& table, Head& w, std::int64_t kv_heads) const {
+    const std::int64_t N = w.N, d = w.d, P = w.P;
+    const std::size_t Nz = std::size_t(N);
+    std::vector<double>& psi_c = w.psi;
+    std::vector<std::int64_t>& size = w.size;
+    psi_c.assign(std::size_t(P), 0.0);
+    size.assign(std::size_t(P), 0);
     for (std::int64_t t = 0; t < N; ++t)
-      if (cl[std::size_t(t)] >= 0) {
-        psi_c[std::size_t(cl[std::size_t(t)])] += double(qk[std::size_t(t)]);
-        ++size[std::size_t(cl[std::size_t(t)])];
+      if (w.cl[std::size_t(t)] >= 0) {
+        psi_c[std::size_t(w.cl[std::size_t(t)])] += double(w.qk[std::size_t(t)]);
+        ++size[std::size_t(w.cl[std::size_t(t)])];
       }
     if (psi == Psi::mean)
       for (std::int64_t c = 0; c < P; ++c)
@@ -441,64 +512,83 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
     if (psi == Psi::attention) {
       // Attention mass per cluster: softmax over the valid keys for each of the group's window
       // queries (logits ‖k‖·(u·q)/√d, fp64 exp and sums), averaged over those queries.
-      const std::int64_t G = q_heads_ / keys.heads(), rows = G * window_;
+      const std::int64_t G = q_heads_ / kv_heads, rows = G * window_;
       const double inv_sqrt_d = 1.0 / std::sqrt(double(d));
       std::vector<double> mass(Nz, 0.0), e(Nz, 0.0);
       std::vector<float> dots(Nz);
       for (std::int64_t r = 0; r < rows; ++r) {
-        const float* q = queries_.data() + (h * rows + r) * d;
-        table.f32.dot(U.data(), N, d, d, q, dots.data());
+        const float* q = queries_.data() + (w.h * rows + r) * d;
+        table.f32.dot(w.U.data(), N, d, d, q, dots.data());
         double mx = -std::numeric_limits<double>::infinity(), sum = 0;
         for (std::size_t t = 0; t < Nz; ++t)
-          if (valid[t]) mx = std::max(mx, double(norm[t]) * double(dots[t]) * inv_sqrt_d);
+          if (w.valid[t]) mx = std::max(mx, double(w.norm[t]) * double(dots[t]) * inv_sqrt_d);
         for (std::size_t t = 0; t < Nz; ++t)
-          if (valid[t]) sum += (e[t] = std::exp(double(norm[t]) * double(dots[t]) * inv_sqrt_d - mx));
+          if (w.valid[t]) sum += (e[t] = std::exp(double(w.norm[t]) * double(dots[t]) * inv_sqrt_d - mx));
         if (!(sum > 0)) continue;
         for (std::size_t t = 0; t < Nz; ++t)
-          if (valid[t]) mass[t] += e[t] / sum;
+          if (w.valid[t]) mass[t] += e[t] / sum;
       }
       std::fill(psi_c.begin(), psi_c.end(), 0.0);
       for (std::size_t t = 0; t < Nz; ++t)
-        if (cl[t] >= 0) psi_c[std::size_t(cl[t])] += mass[t] / double(rows);
+        if (w.cl[t] >= 0) psi_c[std::size_t(w.cl[t])] += mass[t] / double(rows);
     }
-    std::vector<std::int32_t> corder;
     for (std::int64_t c = 0; c < P; ++c)
-      if (size[std::size_t(c)] > 0) corder.push_back(std::int32_t(c));
-    std::sort(corder.begin(), corder.end(), [&](std::int32_t x, std::int32_t y) {
+      if (size[std::size_t(c)] > 0) w.corder.push_back(std::int32_t(c));
+    std::sort(w.corder.begin(), w.corder.end(), [&](std::int32_t x, std::int32_t y) {
       return psi_c[std::size_t(x)] != psi_c[std::size_t(y)] ? psi_c[std::size_t(x)] > psi_c[std::size_t(y)] : x < y;
     });
-    std::vector<std::int64_t> rank(std::size_t(P), 0);
-    for (std::size_t k = 0; k < corder.size(); ++k) rank[std::size_t(corder[k])] = std::int64_t(k);
+  }
 
+  /// The scores: the valid tokens sorted by (cluster rank, q̄·k desc, position) get M, M-1, ..., 1.
+  void rank_tokens(const Head& w, float* out) const {
+    const std::int64_t N = w.N;
+    std::vector<std::int64_t> rank(std::size_t(w.P), 0);
+    for (std::size_t k = 0; k < w.corder.size(); ++k) rank[std::size_t(w.corder[k])] = std::int64_t(k);
     std::vector<std::int64_t> order;
-    order.reserve(Nz);
+    order.reserve(std::size_t(N));
     for (std::int64_t t = 0; t < N; ++t)
-      if (cl[std::size_t(t)] >= 0) order.push_back(t);
+      if (w.cl[std::size_t(t)] >= 0) order.push_back(t);
     std::sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
-      const std::int64_t rx = rank[std::size_t(cl[std::size_t(x)])], ry = rank[std::size_t(cl[std::size_t(y)])];
+      const std::int64_t rx = rank[std::size_t(w.cl[std::size_t(x)])], ry = rank[std::size_t(w.cl[std::size_t(y)])];
       if (rx != ry) return rx < ry;
-      if (qk[std::size_t(x)] != qk[std::size_t(y)]) return qk[std::size_t(x)] > qk[std::size_t(y)];
+      if (w.qk[std::size_t(x)] != w.qk[std::size_t(y)]) return w.qk[std::size_t(x)] > w.qk[std::size_t(y)];
       return x < y;
     });
     const std::int64_t M = std::int64_t(order.size());
     for (std::int64_t t = 0; t < N; ++t) out[t] = kInvalidScore;
     for (std::int64_t o = 0; o < M; ++o) out[order[std::size_t(o)]] = float(M - o);
+  }
 
-    if (a == nullptr) return;
+  /// ProtoKV::analyze's record of a finished head.
+  static ProtoKVHead analysis(Head&& w) {
+    const std::size_t Nz = std::size_t(w.N);
     std::vector<double> dev(Nz, std::numeric_limits<double>::quiet_NaN());
-    for (std::int64_t t : elig) dev[std::size_t(t)] = sd > 0 ? (mean - S[std::size_t(t)]) / sd : 0.0;
+    for (std::int64_t t : w.elig) dev[std::size_t(t)] = w.sd > 0 ? (w.mean - w.S[std::size_t(t)]) / w.sd : 0.0;
     for (std::size_t t = 0; t < Nz; ++t)  // zero keys: Θ from their S too (they are just not eligible)
-      if (valid[t] && norm[t] == 0.f) dev[t] = sd > 0 ? (mean - S[t]) / sd : 0.0;
-    *a = ProtoKVHead{.tokens = N, .head_dim = d, .valid = valid, .similarity = S, .deviation = std::move(dev),
-                     .qk = qk, .candidates = cand, .candidate_bucket = bucket, .bandwidth = sigma,
-                     .pdt_prototypes = std::int64_t(v), .sat_prototypes = std::int64_t(ns), .sat_bucket_id = ids,
-                     .chunk_begin = cb, .prototypes = protos, .cluster = cl, .cluster_size = size, .psi = psi_c,
-                     .cluster_order = corder};
+      if (w.valid[t] && w.norm[t] == 0.f) dev[t] = w.sd > 0 ? (w.mean - w.S[t]) / w.sd : 0.0;
+    return ProtoKVHead{.tokens = w.N, .head_dim = w.d, .valid = std::move(w.valid), .similarity = std::move(w.S),
+                       .deviation = std::move(dev), .qk = std::move(w.qk), .candidates = std::move(w.cand),
+                       .candidate_bucket = std::move(w.bucket), .bandwidth = w.sigma, .pdt_prototypes = w.v,
+                       .sat_prototypes = w.ns, .sat_bucket_id = std::move(w.ids), .chunk_begin = std::move(w.cb),
+                       .prototypes = std::move(w.protos), .cluster = std::move(w.cl),
+                       .cluster_size = std::move(w.size), .psi = std::move(w.psi), .cluster_order = std::move(w.corder)};
   }
 
   std::vector<double> qsum_;  ///< Σ over the window of each query head, [q_heads][head_dim]
   std::vector<float> queries_;  ///< the window queries as given, [q_heads][window][head_dim]
   std::int64_t q_heads_, window_, dim_, group_;
 };
+
+/// "sum", "mean" or "attention".
+inline const char* to_string(ProtoKV::Psi p) noexcept {
+  return p == ProtoKV::Psi::sum ? "sum" : p == ProtoKV::Psi::mean ? "mean" : "attention";
+}
+
+/// "sum" / "mean" / "attention"; anything else throws std::invalid_argument naming it.
+inline ProtoKV::Psi parse_psi(const std::string& s) {
+  for (const ProtoKV::Psi p : {ProtoKV::Psi::sum, ProtoKV::Psi::mean, ProtoKV::Psi::attention})
+    if (s == to_string(p)) return p;
+  detail::throw_invalid("kvscore: psi '" + s + "' must be sum, mean or attention");
+}
 
 }  // namespace kvscore

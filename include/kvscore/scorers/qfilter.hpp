@@ -11,8 +11,8 @@
 // calibrate_qfilters returns it (most queries project positively), stored as .npy. The
 // authors' published files (safetensors, tensor `q_filters` [layers, kv_heads, head_dim], the
 // ones kvpress loads) store f = −v₁⁺ and score −⟨f, k⟩: scoring them as +⟨k, f⟩ reverses the
-// ranking. QFilter::load() reads either; the published convention negates the filters on load,
-// which makes every score exactly −⟨f, k⟩ (negation is exact in floating point).
+// ranking. QFilter::load() (kvscore/io/qfilter_file.hpp) reads either; the published convention negates
+// the filters on load, which makes every score exactly −⟨f, k⟩ (negation is exact in floating point).
 #pragma once
 
 #include <cmath>
@@ -21,8 +21,6 @@
 #include <vector>
 
 #include "kvscore/detail/compiled.hpp"
-#include "kvscore/npy.hpp"
-#include "kvscore/safetensors.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
@@ -55,14 +53,20 @@ class QFilter : public ScorerBase<QFilter> {
                               std::to_string(i) + " is not finite");
   }
 
+  // Filter files (the top of this file): defined in kvscore/io/qfilter_file.hpp, which a caller
+  // that reads files includes; the scorer itself reads no file format.
+
   /// Layer `layer` of a filter file: `.safetensors` (tensor `q_filters`, F32/F16/BF16) or
   /// `.npy` (float32), shape (layers, kv_heads, head_dim), scored in `convention`.
-  static QFilter load(const std::string& path, std::int64_t layer, FilterConvention convention) {
-    QFilter f = is_safetensors(path) ? from_safetensors(path, layer) : from_npy(path, layer);
-    if (convention == FilterConvention::published)
-      for (float& x : f.filters_) x = -x;
-    return f;
-  }
+  static inline QFilter load(const std::string& path, std::int64_t layer, FilterConvention convention);
+  /// The authors' published filters (safetensors `q_filters`, layer `layer`), scored −⟨f, k⟩:
+  /// the ranking of Q-Filters / kvpress's QFilterPress.
+  static inline QFilter from_published(const std::string& path, std::int64_t layer);
+  /// Layer `layer` of a .npy of shape (layers, kv_heads, head_dim), float32, kvscore's convention.
+  static inline QFilter from_npy(const std::string& path, std::int64_t layer);
+  /// Layer `layer` of a safetensors tensor `q_filters` (layers, kv_heads, head_dim) as stored
+  /// (no sign change; load() applies the convention).
+  static inline QFilter from_safetensors(const std::string& path, std::int64_t layer);
 
   /// Whether `path` names a .safetensors file (else .npy).
   static bool is_safetensors(const std::string& path) {
@@ -72,43 +76,6 @@ class QFilter : public ScorerBase<QFilter> {
   /// The convention a file type implies: published for .safetensors, kvscore for .npy.
   static FilterConvention file_convention(const std::string& path) {
     return is_safetensors(path) ? FilterConvention::published : FilterConvention::kvscore;
-  }
-
-  /// The authors' published filters (safetensors `q_filters`, layer `layer`), scored −⟨f, k⟩:
-  /// the ranking of Q-Filters / kvpress's QFilterPress.
-  static QFilter from_published(const std::string& path, std::int64_t layer) {
-    return load(path, layer, FilterConvention::published);
-  }
-
-  /// Layer `layer` of a .npy of shape (layers, kv_heads, head_dim), float32, kvscore's convention.
-  static QFilter from_npy(const std::string& path, std::int64_t layer) {
-    const npy::Array a = npy::load(path);
-    if (a.shape.size() != 3)
-      detail::throw_invalid("kvscore::QFilter::from_npy: " + path + " must have shape (layers, kv_heads, head_dim), got " +
-                            std::to_string(a.shape.size()) + " dimensions");
-    if (layer < 0 || layer >= a.shape[0])
-      detail::throw_invalid("kvscore::QFilter::from_npy: layer " + std::to_string(layer) + " out of range [0, " +
-                            std::to_string(a.shape[0]) + ") in " + path);
-    if (a.descr != npy::descr_of<float>())
-      detail::throw_invalid("kvscore::QFilter::from_npy: " + path + " has dtype '" + a.descr + "', expected '" +
-                            npy::descr_of<float>() + "' (float32)");
-    const float* p = a.as<float>() + layer * a.shape[1] * a.shape[2];
-    return QFilter(std::vector<float>(p, p + a.shape[1] * a.shape[2]), a.shape[1], a.shape[2]);
-  }
-
-  /// Layer `layer` of a safetensors tensor `q_filters` (layers, kv_heads, head_dim) as stored
-  /// (no sign change; load() applies the convention).
-  static QFilter from_safetensors(const std::string& path, std::int64_t layer) {
-    const safetensors::Tensor t = safetensors::load(path, "q_filters");
-    const std::string who = "kvscore::QFilter::from_safetensors: ";
-    if (t.shape.size() != 3)
-      detail::throw_invalid(who + path + ": q_filters must have shape (layers, kv_heads, head_dim), got " +
-                            std::to_string(t.shape.size()) + " dimensions");
-    if (layer < 0 || layer >= t.shape[0])
-      detail::throw_invalid(who + "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(t.shape[0]) +
-                            ") in " + path);
-    const float* p = t.values.data() + layer * t.shape[1] * t.shape[2];
-    return QFilter(std::vector<float>(p, p + t.shape[1] * t.shape[2]), t.shape[1], t.shape[2]);
   }
 
   std::int64_t kv_heads() const noexcept { return kv_heads_; }
@@ -151,18 +118,8 @@ class QFilter : public ScorerBase<QFilter> {
 std::vector<float> calibrate_qfilters(const float* queries, std::int64_t q_heads, std::int64_t n,
                                       std::int64_t head_dim, std::int64_t kv_heads);
 
-/// Writes filters of all layers, [layers][kv_heads][head_dim], as float32 .npy.
-inline void save_qfilters_npy(const std::string& path, const std::vector<float>& filters, std::int64_t layers,
-                              std::int64_t kv_heads, std::int64_t head_dim) {
-  if (layers <= 0 || kv_heads <= 0 || head_dim <= 0 || std::int64_t(filters.size()) != layers * kv_heads * head_dim)
-    detail::throw_invalid("kvscore::save_qfilters_npy: " + std::to_string(filters.size()) +
-                          " values do not make shape (" + std::to_string(layers) + ", " + std::to_string(kv_heads) +
-                          ", " + std::to_string(head_dim) + ")");
-  npy::save<float>(path, {layers, kv_heads, head_dim}, filters.data());
-}
-
 }  // namespace kvscore
 
 #if !defined(KVSCORE_COMPILED)
-#include "kvscore/impl/qfilter_impl.hpp"
+#include "kvscore/scorers/qfilter_impl.hpp"
 #endif

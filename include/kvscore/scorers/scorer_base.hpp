@@ -15,41 +15,13 @@
 #include <string>
 
 #include "kvscore/core/parallel.hpp"
+#include "kvscore/core/scorer_options.hpp"
 #include "kvscore/simd/dispatch.hpp"
 #include "kvscore/core/view.hpp"
 
 namespace kvscore {
 
 inline constexpr float kInvalidScore = -std::numeric_limits<float>::infinity();
-
-/// Where the window queries of a query-aware scorer (SnapKV, ProtoKV, OjaResidual) sit
-/// relative to the keys they score (docs/scorers.md):
-///   in_cache     the queries are those of the cache's last `window` positions (prefill
-///                compression, kvpress's convention): query i of w sits at position N - w + i and
-///                sees t <= N - w + i (causal); the window is protected (`protected_recent()` = w).
-///   after_cache  the queries come after every cached token (a decode step, or a dump's held-out
-///                queries): every query sees every key, nothing is masked, nothing is protected
-///                beyond the caller's own `recent`, and the window may exceed the cache.
-enum class QueryPlacement { in_cache, after_cache };
-
-inline const char* to_string(QueryPlacement p) noexcept {
-  return p == QueryPlacement::in_cache ? "in_cache" : "after_cache";
-}
-
-/// "in-cache" / "after-cache" (the CLI's spelling) or "in_cache" / "after_cache" (C++, Python).
-inline QueryPlacement parse_query_placement(const std::string& s) {
-  if (s == "in-cache" || s == "in_cache") return QueryPlacement::in_cache;
-  if (s == "after-cache" || s == "after_cache") return QueryPlacement::after_cache;
-  throw std::invalid_argument("kvscore: query placement '" + s + "' must be 'in-cache' or 'after-cache'");
-}
-
-/// Execution options common to every scorer.
-struct ScorerOptions {
-  /// Threads over heads; 0 = OpenMP's default, 1 = serial. Results are bit-identical for any value.
-  int num_threads = 0;
-  /// Kernel table; nullptr = simd::active_table().
-  const simd::KernelTable* isa = nullptr;
-};
 
 namespace detail {
 

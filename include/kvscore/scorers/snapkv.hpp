@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "kvscore/methods.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
 namespace kvscore {
@@ -51,9 +52,9 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
   static constexpr const char* name = "snapkv";
   static constexpr int passes = 2;  ///< reads of the keys per score()
   /// Observation window of the paper and of kvpress (queries the caller should capture).
-  static constexpr std::int64_t kDefaultWindow = 64;
+  static constexpr std::int64_t kDefaultWindow = kDefaultSnapKVWindow;
   /// Average-pooling kernel of the paper's code and of kvpress.
-  static constexpr std::int64_t kDefaultKernel = 5;
+  static constexpr std::int64_t kDefaultKernel = kDefaultSnapKVKernel;
 
   /// Pooling kernel over the prefix: odd, >= 1 (1 = no pooling). Default 5.
   std::int64_t kernel_size = kDefaultKernel;

@@ -1,6 +1,6 @@
 // kvscore/scorers/windowed_manifold_l2.hpp — WindowedManifoldKV (manifoldkv.txt Alg. 2):
-// ‖k − μ_w‖₂ with μ_w the centroid of k's window of W tokens (default 4096, the
-// paper's best); selection stays global. Fights centroid dilution at 64K+ tokens.
+// ‖k − μ_w‖₂ with μ_w the centroid of k's window of W tokens (default kDefaultWindow
+// = 4096, the paper's best); selection stays global. Fights centroid dilution at 64K+ tokens.
 //
 // The windows are [0,W), [W,2W), ...; the final partial window [full*W, N) is
 //  * WindowTail::merge (default): merged into the window before it when shorter than W/2.
@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "kvscore/methods.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
 
 namespace kvscore {
@@ -33,10 +34,10 @@ inline WindowTail parse_window_tail(const std::string& s) {
 struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
   static constexpr const char* name = "windowed-l2";
   static constexpr int passes = 2;
-  std::int64_t window = 4096;
+  std::int64_t window = kDefaultWindow;
   WindowTail tail = WindowTail::merge;
 
-  explicit WindowedManifoldL2(std::int64_t w = 4096, WindowTail t = WindowTail::merge) : window(w), tail(t) {
+  explicit WindowedManifoldL2(std::int64_t w = kDefaultWindow, WindowTail t = WindowTail::merge) : window(w), tail(t) {
     check_params();
   }
 

@@ -1,0 +1,430 @@
+// examples/llama_cpp/kvscore_llama.cpp — kvscore inside llama.cpp (docs/integration.md).
+//
+// Prefills a prompt, captures every layer's post-RoPE keys through cb_eval (capture.hpp), scores
+// them with any kvscore scorer, picks ONE set of positions for all heads and layers
+// (kvscore::select_joint: llama.cpp's cells hold every head of every layer, so a token is kept or
+// removed everywhere), removes the others with llama_memory_seq_rm and goes on generating
+// greedily from the smaller cache.
+//
+//   kvscore_llama --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file text.txt \
+//                 --method knorm --keep 0.5 --sinks 4 --recent 64 --n-predict 32
+//
+// --check reads the cache back through the state API (llama_state_seq_get_data) after the
+// eviction and after generation: the cells must hold exactly the kept positions (then those plus
+// the generated ones), and each kept cell's K row, in every layer, must equal the captured key
+// rounded to the cache's fp16. --compare-plain first runs plain llama.cpp (no callback, no
+// eviction) on the same prompt and reports whether the generated tokens are identical; with
+// --keep 1 a difference is an error. Exit codes: 0 ok, 1 a check failed, 2 bad arguments.
+#include <kvscore/joint.hpp>
+#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/select.hpp>
+#include <kvscore/slots.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "capture.hpp"
+#include "util.hpp"
+
+namespace {
+
+using namespace kvscore_llama;
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string model, prompt, prompt_file, method = "knorm", aggregate;
+  std::int64_t max_tokens = 0, n_predict = 32, sinks = 4, recent = 64, window = 64, ubatch = 512;
+  double keep = 0.5;
+  int threads = 0;
+  bool check = false, compare_plain = false, print_text = true, verbose = false;
+};
+
+const char* kUsage =
+    "usage: kvscore_llama --model FILE.gguf (--prompt TEXT | --prompt-file FILE) [options]\n"
+    "  --method NAME      kvscore scorer (knorm, keydiff, manifold_l2, windowed_manifold_l2, qfilter,\n"
+    "                     snapkv, protokv; default knorm); query scorers use the last --window prompt queries\n"
+    "  --keep R           fraction of the prompt's tokens kept, in (0, 1] (default 0.5)\n"
+    "  --sinks N          first positions always kept (default 4)\n"
+    "  --recent N         last positions always kept, >= 1: llama.cpp continues at the last kept position + 1\n"
+    "                     (default 64)\n"
+    "  --aggregate A      joint selection over heads and layers: max, mean or vote (default max)\n"
+    "  --window W         query window of snapkv / protokv / qfilter (default 64)\n"
+    "  --n-predict N      tokens to generate (default 32)\n"
+    "  --max-tokens N     use the prompt's first N tokens (default: all)\n"
+    "  --threads N        CPU threads for llama.cpp and kvscore (default: all hardware threads)\n"
+    "  --ubatch N         llama.cpp's physical batch (default 512)\n"
+    "  --check            read the cache back (state API) and verify it holds exactly the kept positions\n"
+    "  --compare-plain    run plain llama.cpp first; with --keep 1 the tokens must be identical\n"
+    "  --no-text          do not print the generated text\n"
+    "  --verbose          llama.cpp's own log\n";
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  auto value = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw Usage(std::string(argv[i]) + " needs a value");
+    return argv[++i];
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--model") a.model = value(i);
+    else if (f == "--prompt") a.prompt = value(i);
+    else if (f == "--prompt-file") a.prompt_file = value(i);
+    else if (f == "--method") a.method = value(i);
+    else if (f == "--aggregate") a.aggregate = value(i);
+    else if (f == "--keep") a.keep = parse_double(f, value(i));
+    else if (f == "--sinks") a.sinks = parse_int(f, value(i));
+    else if (f == "--recent") a.recent = parse_int(f, value(i));
+    else if (f == "--window") a.window = parse_int(f, value(i));
+    else if (f == "--n-predict") a.n_predict = parse_int(f, value(i));
+    else if (f == "--max-tokens") a.max_tokens = parse_int(f, value(i));
+    else if (f == "--threads") a.threads = int(parse_int(f, value(i)));
+    else if (f == "--ubatch") a.ubatch = parse_int(f, value(i));
+    else if (f == "--check") a.check = true;
+    else if (f == "--compare-plain") a.compare_plain = true;
+    else if (f == "--no-text") a.print_text = false;
+    else if (f == "--verbose") a.verbose = true;
+    else if (f == "--help" || f == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else throw Usage("unknown option '" + f + "'");
+  }
+  if (a.model.empty()) throw Usage("--model is required");
+  if (a.prompt.empty() == a.prompt_file.empty()) throw Usage("give exactly one of --prompt and --prompt-file");
+  if (!(a.keep > 0.0 && a.keep <= 1.0)) throw Usage("--keep must be in (0, 1] (got " + num(a.keep) + ")");
+  if (a.sinks < 0) throw Usage("--sinks must be >= 0 (got " + std::to_string(a.sinks) + ")");
+  if (a.recent < 1)
+    throw Usage("--recent must be >= 1 (got " + std::to_string(a.recent) +
+                "): llama.cpp decodes the next token at the sequence's last cached position + 1, so the last "
+                "prompt position must stay");
+  if (a.window < 1) throw Usage("--window must be >= 1 (got " + std::to_string(a.window) + ")");
+  if (a.n_predict < 1) throw Usage("--n-predict must be >= 1 (got " + std::to_string(a.n_predict) + ")");
+  if (a.max_tokens < 0) throw Usage("--max-tokens must be >= 0 (got " + std::to_string(a.max_tokens) + ")");
+  if (a.threads < 0) throw Usage("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
+  if (a.ubatch < 1) throw Usage("--ubatch must be >= 1 (got " + std::to_string(a.ubatch) + ")");
+  if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
+  const kvscore::MethodInfo& info = kvscore::method_info(a.method);       // unknown name: the same
+  if (!kvscore::is_scorer(info))
+    throw Usage("--method '" + a.method + "' is a " + std::string(kvscore::kind_name(info.kind)) +
+                ", not a scorer (scorers: " + kvscore::method_list(kvscore::is_scorer) + ")");
+  return a;
+}
+
+llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_prompt, Capture* cap) {
+  llama_context_params p = llama_context_default_params();
+  p.n_ctx = std::uint32_t(n_prompt + a.n_predict + 16);
+  p.n_batch = std::uint32_t(n_prompt);  // the prompt in one llama_decode call
+  p.n_ubatch = std::uint32_t(std::min<std::int64_t>(a.ubatch, n_prompt));
+  p.n_seq_max = 1;
+  p.n_threads = a.threads;
+  p.n_threads_batch = a.threads;
+  p.no_perf = true;
+  if (cap) {
+    p.cb_eval = &Capture::callback;
+    p.cb_eval_user_data = cap;
+  }
+  llama_context* ctx = llama_init_from_model(model, p);
+  if (!ctx) throw std::runtime_error("llama_init_from_model failed");
+  return ctx;
+}
+
+/// Greedy continuation after the prompt's logits: n tokens (stops early at end of generation).
+std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, std::int64_t n) {
+  std::vector<llama_token> out;
+  llama_token t = argmax(ctx, vocab);
+  out.push_back(t);
+  while (std::int64_t(out.size()) < n && !llama_vocab_is_eog(vocab, t)) {
+    llama_batch b = llama_batch_get_one(&t, 1);
+    if (llama_decode(ctx, b) != 0) throw std::runtime_error("llama_decode failed during generation");
+    t = argmax(ctx, vocab);
+    out.push_back(t);
+  }
+  return out;
+}
+
+/// Sequence 0 of the cache, as llama_state_seq_get_data writes it (llama-kv-cache.cpp
+/// state_write: n_stream, then per stream the cell count, each cell's position and sequence ids,
+/// then per layer the K type, the K row size and the K rows of those cells; V follows).
+struct CacheState {
+  std::vector<std::int32_t> pos;                   ///< position of each cell, in cell order
+  std::vector<std::vector<std::uint16_t>> k;       ///< [layer] fp16 K rows of those cells
+  std::int32_t k_type = -1;
+  std::string error;
+};
+
+CacheState read_cache(llama_context* ctx) {
+  CacheState s;
+  std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx, 0));
+  const std::size_t n = llama_state_seq_get_data(ctx, buf.data(), buf.size(), 0);
+  std::size_t o = 0;
+  auto get = [&](void* dst, std::size_t bytes) {
+    if (o + bytes > n) throw std::runtime_error("state of sequence 0 ends early (format not understood)");
+    std::memcpy(dst, buf.data() + o, bytes);
+    o += bytes;
+  };
+  std::uint32_t magic = 0, n_stream = 0, cells = 0;
+  std::int32_t seq = 0;
+  get(&magic, 4);
+  get(&seq, 4);
+  get(&n_stream, 4);
+  if (n_stream != 1) {
+    s.error = "expected 1 stream, state has " + std::to_string(n_stream);
+    return s;
+  }
+  get(&cells, 4);
+  for (std::uint32_t c = 0; c < cells; ++c) {
+    std::int32_t p = 0, id = 0;
+    std::uint32_t n_seq = 0;
+    get(&p, 4);
+    get(&n_seq, 4);
+    for (std::uint32_t j = 0; j < n_seq; ++j) get(&id, 4);
+    if (n_seq != 1 || id != 0) s.error = "cell " + std::to_string(c) + " is not (only) in sequence 0";
+    s.pos.push_back(p);
+  }
+  if (cells == 0) return s;
+  std::uint32_t v_trans = 0, n_layer = 0;
+  get(&v_trans, 4);
+  get(&n_layer, 4);
+  for (std::uint32_t l = 0; l < n_layer; ++l) {
+    std::uint64_t row = 0;
+    get(&s.k_type, 4);
+    get(&row, 8);
+    std::vector<std::uint16_t> k(std::size_t(cells) * row / 2);
+    get(k.data(), std::size_t(cells) * row);
+    s.k.push_back(std::move(k));
+  }
+  return s;
+}
+
+/// The cache holds exactly `expect` (positions, ascending) and, when `keys` is given, each cell's
+/// K row equals fp16 of the captured key of its position in every layer. Prints what it found.
+bool check_cache(llama_context* ctx, const std::vector<std::int64_t>& expect, const Capture* keys, const char* when) {
+  const CacheState s = read_cache(ctx);
+  if (!s.error.empty()) {
+    std::printf("check (%s): FAILED: %s\n", when, s.error.c_str());
+    return false;
+  }
+  std::vector<std::int64_t> got(s.pos.begin(), s.pos.end());
+  std::sort(got.begin(), got.end());
+  if (got != expect) {
+    std::printf("check (%s): FAILED: the cache holds %zu positions, expected %zu\n", when, got.size(), expect.size());
+    return false;
+  }
+  // llama_memory_seq_pos_min/max agree with the state
+  llama_memory_t mem = llama_get_memory(ctx);
+  if (llama_memory_seq_pos_min(mem, 0) != expect.front() || llama_memory_seq_pos_max(mem, 0) != expect.back()) {
+    std::printf("check (%s): FAILED: seq_pos_min/max %d/%d, expected %lld/%lld\n", when,
+                llama_memory_seq_pos_min(mem, 0), llama_memory_seq_pos_max(mem, 0), (long long)expect.front(),
+                (long long)expect.back());
+    return false;
+  }
+  std::int64_t rows = 0, mismatched = 0;
+  if (keys) {
+    if (s.k_type != GGML_TYPE_F16 || std::int64_t(s.k.size()) != keys->n_layer) {
+      std::printf("check (%s): FAILED: K cache type %d with %zu layers (expected f16, %lld)\n", when, s.k_type,
+                  s.k.size(), (long long)keys->n_layer);
+      return false;
+    }
+    const std::int64_t w = keys->kv_heads * keys->head_dim;
+    for (std::int64_t l = 0; l < keys->n_layer; ++l)
+      for (std::size_t c = 0; c < s.pos.size(); ++c) {
+        const std::int64_t p = s.pos[c];
+        if (p >= keys->n_tokens) continue;  // generated after the capture
+        const float* src = keys->keys[std::size_t(l)].data() + p * w;
+        const std::uint16_t* row = s.k[std::size_t(l)].data() + std::int64_t(c) * w;
+        for (std::int64_t i = 0; i < w; ++i) mismatched += kvscore::from_float<kvscore::half>(src[i]).bits != row[i];
+        ++rows;
+      }
+    if (mismatched) {
+      std::printf("check (%s): FAILED: %lld of %lld K values differ from fp16(captured key)\n", when,
+                  (long long)mismatched, (long long)(rows * w));
+      return false;
+    }
+  }
+  std::printf("check (%s): the cache holds exactly the %zu expected positions", when, expect.size());
+  if (keys) std::printf("; their K rows in all %lld layers equal the captured post-RoPE keys (fp16)", (long long)keys->n_layer);
+  std::printf("\n");
+  return true;
+}
+
+int run(const Args& a) {
+  quiet_logs(a.verbose);
+  llama_backend_init();
+  llama_model_params mp = llama_model_default_params();
+  mp.n_gpu_layers = 0;
+  llama_model* model = llama_model_load_from_file(a.model.c_str(), mp);
+  if (!model) throw Usage("cannot load model '" + a.model + "'");
+  const llama_vocab* vocab = llama_model_get_vocab(model);
+  const std::vector<llama_token> prompt =
+      tokenize(vocab, a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file), a.max_tokens);
+  const auto N = std::int64_t(prompt.size());
+  const std::int64_t L = llama_model_n_layer(model), Hq = llama_model_n_head(model),
+                     Hkv = llama_model_n_head_kv(model), D = llama_model_n_embd(model) / Hq;
+
+  // The scorer (query scorers get the last `window` prompt queries of each layer, so one per layer).
+  const kvscore::MethodInfo& info = kvscore::method_info(a.method);  // checked in parse()
+  const bool needs_queries = info.kind == kvscore::MethodKind::query_scorer || info.name == "qfilter";
+  const std::int64_t window = needs_queries ? std::min(a.window, N) : 0;
+  const std::int64_t budget = kvscore::budget_from_ratio(N, a.keep);
+  kvscore::JointOptions jo;
+  jo.sinks = a.sinks;
+  jo.recent = a.recent;
+  jo.num_threads = a.threads;
+  if (!a.aggregate.empty()) jo.aggregate = kvscore::parse_joint_aggregate(a.aggregate);
+  if (info.kind == kvscore::MethodKind::query_scorer) jo.recent = std::max(jo.recent, window);  // the window stays
+  const std::int64_t protect = std::min(N, std::min(jo.sinks, N) + std::min(jo.recent, N));
+  if (budget < protect)
+    throw Usage("--keep " + num(a.keep) + " keeps " + std::to_string(budget) + " of " + std::to_string(N) +
+                " tokens, fewer than the " + std::to_string(protect) + " protected by --sinks " +
+                std::to_string(jo.sinks) + " and --recent " + std::to_string(jo.recent));
+
+  std::printf("prompt: %lld tokens; model: %lld layers, %lld KV heads, head_dim %lld; method %s, keep %lld of %lld, "
+              "sinks %lld, recent %lld, aggregate %s, %d threads\n",
+              (long long)N, (long long)L, (long long)Hkv, (long long)D, std::string(info.name).c_str(),
+              (long long)budget, (long long)N, (long long)jo.sinks, (long long)jo.recent,
+              std::string(kvscore::joint_aggregate_name(jo.aggregate)).c_str(), a.threads);
+
+  int rc = 0;
+  std::vector<llama_token> plain;
+  double plain_prefill = 0;
+  if (a.compare_plain) {  // plain llama.cpp: no callback, no eviction
+    llama_context* ctx = make_context(model, a, N, nullptr);
+    auto t0 = Clock::now();
+    std::vector<llama_token> p = prompt;
+    if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
+      throw std::runtime_error("llama_decode failed on the prompt");
+    plain_prefill = ms_since(t0);
+    plain = generate(ctx, vocab, a.n_predict);
+    llama_free(ctx);
+  }
+
+  Capture cap;
+  llama_context* ctx = make_context(model, a, N, &cap);
+  cap.start(L, Hkv, Hq, D, N, window);
+  auto t0 = Clock::now();
+  std::vector<llama_token> p = prompt;
+  if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
+    throw std::runtime_error("llama_decode failed on the prompt");
+  const double t_prefill = ms_since(t0);
+  cap.active = false;
+  if (!cap.complete())
+    throw std::runtime_error("the cb_eval capture is incomplete (" +
+                             (cap.error.empty() ? std::string("a layer's Kcur ROPE tensor was not seen") : cap.error) +
+                             ")");
+
+  // One scorer per layer (query scorers hold that layer's last `window` prompt queries). Building
+  // one is separate from scoring: for qfilter it is the calibration (an SVD per query head), which
+  // a deployment does once per model, offline; it is timed on its own.
+  t0 = Clock::now();
+  std::vector<kvscore::AnyScorer> scorers;
+  scorers.reserve(std::size_t(L));
+  for (std::int64_t l = 0; l < L; ++l) {
+    kvscore::ScorerArgs sa;
+    sa.threads = a.threads;
+    sa.kv_heads = Hkv;
+    if (window > 0) {
+      sa.queries = cap.queries[std::size_t(l)].data();
+      sa.q_heads = Hq;
+      sa.n_queries = window;
+      sa.head_dim = D;
+    }
+    scorers.push_back(kvscore::make_scorer(info.name, sa));
+  }
+  const double t_setup = ms_since(t0);
+
+  // Score every layer: keys [tokens][kv_heads][head_dim] fp32, read in place.
+  t0 = Clock::now();
+  std::vector<kvscore::Scores> scores;
+  scores.reserve(std::size_t(L));
+  for (std::int64_t l = 0; l < L; ++l)
+    scores.push_back(
+        scorers[std::size_t(l)].score(kvscore::KeysView<float>::token_major(cap.keys[std::size_t(l)].data(), N, Hkv, D)));
+  const double t_score = ms_since(t0);
+  t0 = Clock::now();
+  const std::vector<std::int64_t> kept = kvscore::select_joint(scores, budget, jo);
+  const double t_select = ms_since(t0);
+  t0 = Clock::now();
+  llama_memory_t mem = llama_get_memory(ctx);
+  const std::vector<kvscore::PositionRange> evict = kvscore::evicted_ranges(kept, N);
+  for (const kvscore::PositionRange& r : evict)
+    if (!llama_memory_seq_rm(mem, 0, llama_pos(r.begin), llama_pos(r.end)))
+      throw std::runtime_error("llama_memory_seq_rm refused [" + std::to_string(r.begin) + ", " +
+                               std::to_string(r.end) + ")");
+  const double t_evict = ms_since(t0);
+
+  if (a.check && !check_cache(ctx, kept, &cap, "after eviction")) rc = 1;
+
+  t0 = Clock::now();
+  const std::vector<llama_token> out = generate(ctx, vocab, a.n_predict);
+  const double t_decode = ms_since(t0);
+
+  if (a.check) {  // the generated tokens were appended after the kept ones (the last is not decoded)
+    std::vector<std::int64_t> expect = kept;
+    for (std::int64_t i = 0; i + 1 < std::int64_t(out.size()); ++i) expect.push_back(N + i);
+    if (!check_cache(ctx, expect, nullptr, "after generation")) rc = 1;
+  }
+
+  const double t_kv = t_score + t_select + t_evict;
+  std::printf("timing: prefill %.1f ms (%lld tokens), score+select+evict %.2f ms = %.2f %% of prefill "
+              "(score %.2f, select %.2f, evict %.2f in %zu seq_rm calls), decode %.1f ms (%zu tokens, %.1f tok/s); "
+              "scorer set-up %.2f ms%s\n",
+              t_prefill, (long long)N, t_kv, 100.0 * t_kv / t_prefill, t_score, t_select, t_evict, evict.size(),
+              t_decode, out.size(), out.size() > 1 ? 1000.0 * double(out.size() - 1) / t_decode : 0.0, t_setup,
+              info.name == "qfilter" ? " (Q-Filters calibration on the window queries: offline, once per model, in a deployment)" : "");
+  std::printf("tokens:");
+  for (llama_token t : out) std::printf(" %d", t);
+  std::printf("\n");
+  if (a.compare_plain) {
+    std::size_t same = 0;
+    while (same < out.size() && same < plain.size() && out[same] == plain[same]) ++same;
+    const bool identical = out == plain;
+    std::printf("plain llama.cpp: prefill %.1f ms (this run's prefill with the capture: %+.1f %%); generated tokens "
+                "%s (%zu of %zu equal before the first difference)\n",
+                plain_prefill, 100.0 * (t_prefill - plain_prefill) / plain_prefill,
+                identical ? "identical" : "differ", same, plain.size());
+    if (!identical && budget == N) {
+      std::printf("FAILED: with every token kept the tokens must be plain llama.cpp's\n");
+      rc = 1;
+    }
+  }
+  if (a.print_text) {
+    std::string text;
+    for (llama_token t : out) text += piece(vocab, t);
+    std::printf("text: %s\n", text.c_str());
+  }
+  llama_free(ctx);
+  llama_model_free(model);
+  llama_backend_free();
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const Usage& e) {
+    std::fprintf(stderr, "kvscore_llama: %s (--help lists the options)\n", e.what());
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "kvscore_llama: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvscore_llama: error: %s\n", e.what());
+    return 1;
+  }
+}

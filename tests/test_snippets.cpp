@@ -1,0 +1,456 @@
+// The code the documentation shows, compiled and run (CUB's habit): every C++ example of README.md,
+// docs/*.md and the header comments is a region of this file,
+//   // [snippet NAME]
+//   ...
+//   // [snippet end]
+// and tests/test_tree.cpp checks that each copy (`<!-- snippet NAME -->` before a ```cpp block in
+// a doc page; `// [snippet NAME]` before the `//   ` example lines of a header) equals its region
+// line for line. So an example that no longer compiles, or that drifted from its region, fails
+// the build or the tests. Each test case sets up the names its region uses, then checks what it
+// computed.
+#include <catch2/catch.hpp>
+
+#include <kvscore/compact.hpp>
+#include <kvscore/kvscore.hpp>
+#include <kvscore/ojakv/ojakv.hpp>
+#include <kvscore/paged.hpp>
+#include <kvscore/select.hpp>
+#include <kvscore/synth.hpp>
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using test_support::convert_to;
+using test_support::randn;
+
+/// Keys [kv_heads][tokens][head_dim] with some structure (a shared direction), as T.
+template <class T>
+std::vector<T> layer(std::int64_t kv_heads, std::int64_t tokens, std::int64_t head_dim, std::uint32_t seed) {
+  std::vector<float> v = randn(std::size_t(kv_heads * tokens * head_dim), seed);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] += 0.5f * float(i % std::size_t(head_dim) < 4);
+  return convert_to<T>(v);
+}
+
+}  // namespace
+
+TEST_CASE("snippet quickstart (README): score an HF layer, select 512 per head", "[snippets]") {
+  const std::int64_t batch = 2, kv_heads = 4, seq = 1000, head_dim = 64;
+  const std::vector<kvscore::half> cache = layer<kvscore::half>(batch * kv_heads, seq, head_dim, 1);
+  const kvscore::half* layer_ptr = cache.data();
+  // [snippet quickstart]
+  // one layer of an HF cache: kvscore::half keys[batch][kv_heads][seq][head_dim]
+  auto keys = kvscore::KeysView<kvscore::half>::hf(layer_ptr, /*batch_index*/ 0, batch, kv_heads, seq, head_dim);
+
+  kvscore::ManifoldL2 scorer;                    // or KNorm, KeyDiff, WindowedManifoldL2{4096}, QFilter
+  kvscore::Scores s = scorer.score(keys);        // fp32 [kv_heads][seq], higher = keep
+
+  // keep 512 tokens per head, the first 4 and last 64 always; kept positions ascend per head
+  kvscore::SelectOptions opt;
+  opt.sinks = 4;
+  opt.recent = 64;
+  kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(512), opt);
+
+  // then gather the kept rows of K and V in place (docs/compaction.md)
+  // [snippet end]
+  REQUIRE(sel.heads == kv_heads);
+  for (std::int64_t h = 0; h < kv_heads; ++h) {
+    const auto p = sel.head(h);
+    REQUIRE(p.size() == 512);
+    CHECK(p[0] == 0);
+    CHECK(p[3] == 3);
+    CHECK(p.back() == seq - 1);
+  }
+}
+
+TEST_CASE("snippet select (docs/select.md, select.hpp): per-head and AdaKV budgets", "[snippets]") {
+  const std::vector<float> k = layer<float>(4, 300, 32, 2);
+  const kvscore::KeysView<float> keys(k.data(), 4, 300, 32, 300 * 32, 32);
+  // [snippet select]
+  kvscore::Scores s = kvscore::KNorm{}.score(keys);                    // [H][N]
+  std::int64_t n = kvscore::budget_from_ratio(s.tokens(), 0.25);      // keep 25 % per head
+
+  kvscore::Selection a = kvscore::select(s, kvscore::Budget::per_head(n));   // top-n per head
+
+  kvscore::SelectOptions o;
+  o.sinks = 4;                      // always keep the first 4 tokens ...
+  o.recent = 64;                    // ... and the last 64 (inside the budget)
+  o.alloc = kvscore::Alloc::adakv;  // ragged heads: safeguard + one global top-k
+  o.normalize = true;               // z-normalise each head before the global step
+  kvscore::Selection b = kvscore::select(s, kvscore::Budget::per_head(n), o);   // layer keeps n*H
+  std::int64_t kept = 0;
+  for (std::int64_t h = 0; h < b.heads; ++h)
+    for (std::int64_t t : b.head(h)) kept += t >= 0;  // keep token t of head h
+  // [snippet end]
+  CHECK(n == 75);
+  CHECK(a.total() == 4 * 75);
+  CHECK(kept == 4 * 75);
+
+  const kvscore::Scores& scores = s;
+  // [snippet select-header]
+  kvscore::Selection top = kvscore::select(scores, kvscore::Budget::per_head(n));   // top-n per head
+  kvscore::SelectOptions p;
+  p.sinks = 4, p.recent = 64, p.alloc = kvscore::Alloc::adakv;                      // AdaKV, protected
+  kvscore::Selection ragged = kvscore::select(scores, kvscore::Budget::per_head(n), p);  // ragged heads
+  // [snippet end]
+  CHECK(top.positions == a.positions);
+  CHECK(ragged.total() == 4 * 75);
+}
+
+TEST_CASE("snippet scorers-by-name (docs/scorers.md, make_scorer.hpp): a scorer from the registry", "[snippets]") {
+  const std::vector<float> k = layer<float>(8, 600, 128, 3);
+  const kvscore::KeysView<float> keys(k.data(), 8, 600, 128, 600 * 128, 128);
+  const std::vector<float> queries = randn(std::size_t(32 * 64 * 128), 4);
+  const float* q = queries.data();
+  // [snippet scorers-by-name]
+  kvscore::ScorerArgs a;                       // each scorer reads its fields, ignores the rest
+  a.queries = q; a.q_heads = 32; a.n_queries = 64; a.head_dim = 128;  // snapkv, protokv
+  const kvscore::AnyScorer s = kvscore::make_scorer("snapkv", a);
+  kvscore::SelectOptions so;
+  so.recent = s.protected_recent();
+  const kvscore::Selection kept = kvscore::select(s.score(keys), kvscore::Budget::per_head(512), so);
+  // [snippet end]
+  CHECK(kept.total() == 8 * 512);
+  CHECK(kept.head(0).back() == 599);  // the window is protected
+
+  const kvscore::Budget budget = kvscore::Budget::per_head(100);
+  using namespace kvscore;
+  // [snippet make-scorer-header]
+  ScorerArgs args;  args.queries = q;  args.q_heads = 32;  args.n_queries = 64;  args.head_dim = 128;
+  const AnyScorer snap = make_scorer("snapkv", args);      // any spelling kMethods accepts
+  Scores scores = snap.score(keys);                         // fp32, fp16 or bf16 keys
+  Selection top = select(scores, budget, {.recent = snap.protected_recent()});
+  // [snippet end]
+  CHECK(top.total() == 8 * 100);
+}
+
+TEST_CASE("snippet compaction (docs/compaction.md): select, then gather K and V in place", "[snippets]") {
+  const std::int64_t batch = 2, kv_heads = 2, seq = 100, head_dim = 16, capacity = 128, b = 1, n = 40;
+  std::vector<kvscore::half> k_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 5);
+  std::vector<kvscore::half> v_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 6);
+  const std::vector<kvscore::half> v_before = v_buf;
+  kvscore::half* k_layer = k_buf.data();
+  kvscore::half* v_layer = v_buf.data();
+  // [snippet compaction]
+  // writable views of one layer's K and V (same constructors and checks as KeysView)
+  auto k = kvscore::MutKeysView<kvscore::half>::hf(k_layer, b, batch, kv_heads, seq, head_dim, capacity);
+  auto v = kvscore::MutKeysView<kvscore::half>::hf(v_layer, b, batch, kv_heads, seq, head_dim, capacity);
+
+  kvscore::Scores s = kvscore::ManifoldL2{}.score(k.view());          // k.view(): the read-only KeysView
+  kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(n));
+  std::vector<std::int64_t> len = kvscore::compact(k, v, sel);         // len[h] = sel.kept(h)
+  // [snippet end]
+  REQUIRE(len == std::vector<std::int64_t>{n, n});
+  for (std::int64_t h = 0; h < kv_heads; ++h)  // row i of head h now holds the i-th kept row
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t t = sel.head(h)[std::size_t(i)];
+      const std::size_t at = std::size_t(((b * kv_heads + h) * capacity) * head_dim);
+      CHECK(v_buf[at + std::size_t(i * head_dim)].bits == v_before[at + std::size_t(t * head_dim)].bits);
+    }
+}
+
+TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, compact it", "[snippets]") {
+  const std::int64_t kv_heads = 2, head_dim = 16, block_size = 16, num_blocks = 12, seq_len = 70, n = 32, h = 1;
+  std::vector<kvscore::half> k_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 7);
+  std::vector<kvscore::half> v_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 8);
+  kvscore::half* k_pool = k_buf.data();
+  kvscore::half* v_pool = v_buf.data();
+  const std::vector<std::int32_t> block_table_row = {7, 2, 9, 0, 5};
+  // [snippet paged-view]
+  // vLLM: pool [num_blocks, block_size, kv_heads, head_dim] (NHD), int32 block table row
+  kvscore::BlockTable bt(block_table_row, block_size, num_blocks, seq_len);
+  auto keys = kvscore::PagedKeysView<kvscore::half>::nhd(k_pool, kv_heads, head_dim, bt);
+  kvscore::Scores s = kvscore::ManifoldL2{}.score(keys);   // every scorer reads paged views
+  // [snippet end]
+  CHECK(s.tokens() == seq_len);
+  const kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(n));
+  // [snippet paged-slots]
+  kvscore::PhysicalSlots ps = kvscore::physical_slots(keys, sel);  // or physical_slots(table, sel)
+  for (kvscore::PhysicalSlot s : ps.head(h)) { /* s.block, s.offset */ CHECK(s.offset < block_size); }
+  std::vector<std::int64_t> m = ps.slot_mapping(h);                 // vLLM flat slots: block*block_size + offset
+  // [snippet end]
+  const std::int64_t t0 = sel.head(h)[0];
+  CHECK(m[0] == block_table_row[std::size_t(t0 / block_size)] * block_size + t0 % block_size);
+  // [snippet paged-compact]
+  auto k = kvscore::MutPagedKeysView<kvscore::half>::nhd(k_pool, kv_heads, head_dim, bt);
+  auto v = kvscore::MutPagedKeysView<kvscore::half>::nhd(v_pool, kv_heads, head_dim, bt);
+  kvscore::Selection kept = kvscore::select(kvscore::ManifoldL2{}.score(k.view()), kvscore::Budget::per_head(n));
+  kvscore::CompactOptions o;
+  o.require_equal_lengths = true;                       // vLLM: one length per sequence
+  auto len = kvscore::compact(k, v, kept, o);           // logical rows [0, n) now hold the kept rows
+  std::int64_t keep_blocks = kvscore::blocks_for(n, block_size);
+  // engine: free block_table[keep_blocks .. old count), set the sequence length to n
+  // [snippet end]
+  CHECK(len == std::vector<std::int64_t>{n, n});
+  CHECK(keep_blocks == 2);
+  CHECK(kept.positions == sel.positions);
+}
+
+TEST_CASE("snippet pariskv (docs/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
+  const std::int64_t head_dim = 64, n_prefill = 600, row_stride = head_dim, N = 900, n = 128, max_tokens = 1000;
+  const std::vector<kvscore::half> k_all = layer<kvscore::half>(1, max_tokens, head_dim, 9);
+  const std::vector<kvscore::half> v_all = layer<kvscore::half>(1, max_tokens, head_dim, 10);
+  const std::vector<float> query = randn(std::size_t(head_dim), 11);
+  const kvscore::half* keys_of_head = k_all.data();
+  const float* q = query.data();
+  // [snippet pariskv-index]
+  kvscore::ParisKV index(head_dim);                       // m = 8, fixed seed, converged codebook
+  index.append(keys_of_head, n_prefill, row_stride);      // fp32 / fp16 / bf16 rows, or append(view, h)
+  // ... decoding: index.append(new_keys, n_new, row_stride) with any number of keys at a time
+  kvscore::ParisKV::Workspace ws;                         // one per thread, reused (no hot-path allocation)
+  kvscore::ParisKVResult r;
+  kvscore::ParisKVSearch opt;                             // k = 100, length-adaptive beta/rho
+  index.search(q, opt, ws, r);                            // the paper's pipeline
+  opt.rerank_exact = 300;                                 // keys resident: rescore the best 3k exactly
+  index.search(q, opt, keys_of_head, row_stride, ws, r);
+  // r.positions: ascending; r.scores[i]: estimated (or, with rerank_exact, exact) <k, q>
+  // [snippet end]
+  REQUIRE(r.positions.size() == 100);
+  CHECK(std::is_sorted(r.positions.begin(), r.positions.end()));
+  {
+    const std::int64_t n = n_prefill;
+    // [snippet pariskv-header]
+    kvscore::ParisKV index(head_dim);              // m = 8, fixed seed, converged Lloyd–Max codebook
+    index.append(keys_of_head, n, row_stride);     // prefill, then any number of decoded keys at a time
+    kvscore::ParisKVResult r = index.search(q);    // top-100 positions (ascending) + estimated scores
+    // [snippet end]
+    CHECK(r.positions.size() == 100);
+  }
+
+  const kvscore::half* keys = k_all.data();
+  const kvscore::half* values = v_all.data();
+  {
+    // [snippet pariskv-retriever]
+    kvscore::RetrieverArgs a;
+    a.budget = n;  // positions per query: exactly min(n, N), never dense
+    kvscore::ParisKVCache<kvscore::half> r = kvscore::make_retriever<kvscore::half>("pariskv", head_dim, a);
+    r.append(keys, values, N);  // U = 1: every token beyond the local window is indexed now
+    const std::vector<std::int64_t> pos = r.select(q);
+    // [snippet end]
+    CHECK(std::int64_t(pos.size()) == n);
+  }
+
+  const kvscore::half* prompt_k = keys;
+  const kvscore::half* prompt_v = values;
+  const std::int64_t prompt_len = 800, steps = max_tokens - prompt_len;
+  std::vector<float> out(static_cast<std::size_t>(head_dim));
+  kvscore::ParisKVCache<kvscore::half>::Workspace cws;
+  std::int64_t step = 0;
+  // [snippet pariskv-cache]
+  kvscore::ParisKVCache<kvscore::half> cache(head_dim);  // the defaults below
+  cache.reserve(max_tokens);                             // appends never move the cache
+  cache.append(prompt_k, prompt_v, prompt_len);          // prefill: indexes [S, N − L) at once
+  for (; step < steps; ++step) {                         // one decode step
+    const kvscore::half *k = keys + (prompt_len + step) * head_dim, *v = values + (prompt_len + step) * head_dim;
+    cache.append(k, v);                                  // every U steps: U tokens leave local
+    cache.attend(q, out.data(), cws);                    // softmax(q·k/√d)·v over select(q)
+  }
+  // [snippet end]
+  CHECK(cache.size() == max_tokens);
+  CHECK(std::isfinite(out[0]));
+  {
+    const kvscore::half *k = keys + prompt_len * head_dim, *v = values + prompt_len * head_dim;
+    // [snippet pariskv-cache-header]
+    kvscore::ParisKVCache<kvscore::half> cache(head_dim);   // S = 4, L = 256, U = 128, k = 100
+    cache.append(prompt_k, prompt_v, prompt_len);           // prefill
+    cache.append(k, v); cache.attend(q, out.data(), cws);   // one decode step
+    // [snippet end]
+    CHECK(cache.size() == prompt_len + 1);
+  }
+}
+
+TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
+  const std::int64_t kv_heads = 2, head_dim = 16, n = 1500, h = 1;
+  const std::vector<kvscore::half> prompt_k = layer<kvscore::half>(kv_heads, n, head_dim, 12);
+  const std::vector<kvscore::half> prompt_v = layer<kvscore::half>(kv_heads, n, head_dim, 13);
+  const kvscore::half* k = prompt_k.data();
+  const kvscore::half* v = prompt_v.data();
+  // [snippet decoding]
+  kvscore::DecodingOptions o;
+  o.target = 1024;      // tokens per KV head after a compression (kvpress target_size)
+  o.interval = 256;     // appended tokens between compressions (kvpress compression_interval)
+  o.select.sinks = 4;   // protected like a prefill compression: sinks, recent
+  kvscore::DecodingCompressor<kvscore::half, kvscore::KNorm> dc(kv_heads, head_dim, kvscore::KNorm{}, o);
+  dc.append(k, v, n);   // [kv_heads][n][head_dim] keys and values: a prefill, or one decode step
+  auto held = dc.key_view();        // the held keys (KeysView), dc.value_view() the values
+  auto original = dc.positions(h);  // the original position of each held row of head h, ascending
+  // [snippet end]
+  CHECK(held.tokens() == 1244);  // 1280 reached: compressed to 1024, then the last 220 appended
+  CHECK(std::is_sorted(original.begin(), original.end()));
+
+  const std::vector<kvscore::half> step = layer<kvscore::half>(kv_heads, 1, head_dim, 14);
+  k = step.data(), v = step.data();
+  // [snippet decoding-header]
+  kvscore::DecodingCompressor<kvscore::half, kvscore::KNorm> gen(kv_heads, head_dim, kvscore::KNorm{},
+                                                                 {.target = 1024, .interval = 256});
+  gen.append(k, v, 1);                        // per decode step: [kv_heads][1][head_dim] keys and values
+  auto kept = gen.key_view(); auto pos = gen.positions(h);  // the kept cache, each row's original position
+  // [snippet end]
+  CHECK(kept.tokens() == 1);
+  CHECK(pos.size() == 1);
+}
+
+TEST_CASE("snippet ojakv (docs/ojakv.md): projectors, anchors, the hybrid store, generation", "[snippets]") {
+  const int kv_heads = 2;
+  const std::int64_t d = 128, q_heads = 4, tokens = 300, h = 1;
+  const std::vector<float> kbuf = layer<float>(kv_heads, tokens, d, 15), vbuf = layer<float>(kv_heads, tokens, d, 16);
+  const kvscore::KeysView<float> keys(kbuf.data(), kv_heads, tokens, d, tokens * d, d);
+  const kvscore::KeysView<float> values(vbuf.data(), kv_heads, tokens, d, tokens * d, d);
+  const std::vector<float> window = randn(std::size_t(q_heads * 32 * d), 17), qv = randn(std::size_t(q_heads * d), 18);
+  const float* window_queries = window.data();
+  const float* q = qv.data();
+  const std::vector<float> new_k = randn(std::size_t(kv_heads * d), 19), new_v = randn(std::size_t(kv_heads * d), 20);
+  const float *k_new = new_k.data(), *v_new = new_v.data(), *q_new = qv.data();
+  // [snippet ojakv]
+  // One projector per KV head: a seeded random start, or calibration (OjaProjector::calibrate).
+  std::vector<kvscore::OjaProjector> proj;
+  for (int h = 0; h < kv_heads; ++h) proj.push_back(kvscore::OjaProjector::random(d, /*r_k*/ 64, /*r_v*/ 64, /*seed*/ h));
+
+  // Prefill: pool, run Oja's batch rule, QR (keys/values: KeysView<float|half|bfloat16>, any layout).
+  for (int h = 0; h < kv_heads; ++h) proj[h].prefill(keys, values, h);
+
+  // Full-rank anchors: residual score e_t, then the generic selector (budgets, sinks, recent, AdaKV).
+  std::vector<Eigen::MatrixXd> uk;
+  for (auto& p : proj) uk.push_back(p.key().basis());
+  kvscore::OjaResidual residual(window_queries, q_heads, /*w*/ 32, d, uk);
+  kvscore::SelectOptions o;  o.sinks = 4;
+  kvscore::Selection full = kvscore::select(residual.score(keys), kvscore::Budget::per_head(256), o);
+
+  // The hybrid store: codes for most tokens, full rows for `full`.
+  auto cache = kvscore::OjaHybridCache::build(proj, keys, values, full);
+  auto khat = cache.reconstruct_keys(h);               // K̂ = K̃ U_kᵀ, anchors exact
+  cache.rebase(h, proj[h]);                            // after a decode update: codes in the new bases
+  std::vector<double> out = cache.attention(h, q);     // softmax(q K̂ᵀ/√d) V̂, reference path
+  kvscore::OjaMemory m = cache.memory(h, /*bytes per scalar*/ 2);
+
+  // Generation: one call per decoded token (k, v: [kv_heads][d]; q: the step's [q_heads][d]).
+  // Every T tokens: Oja update + QR, rebase of every code, the residual rule on the block.
+  cache.append(proj, k_new, v_new, q_new, q_heads);    // OjaDecodeOptions: full_rank_fraction, adapt
+  cache.commit(proj);                                  // close a partial block (end of generation)
+  // [snippet end]
+  CHECK(khat.rows() == tokens);
+  CHECK(out.size() == std::size_t(d));
+  CHECK(m.full_bytes == tokens * 2 * d * 2);  // keys and values at 2 bytes per scalar
+  CHECK(cache.tokens() == tokens + 1);
+}
+
+TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-aware scores", "[snippets]") {
+  const std::int64_t kv_heads = 2, q_heads = 4, head_dim = 32, tokens = 1500;
+  const std::vector<float> kbuf = layer<float>(kv_heads, tokens, head_dim, 21);
+  const kvscore::KeysView<float> keys(kbuf.data(), kv_heads, tokens, head_dim, tokens * head_dim, head_dim);
+  const std::vector<float> q = randn(std::size_t(q_heads * 64 * head_dim), 22);
+  const float* queries = q.data();
+  {
+    // [snippet protokv]
+    // queries: post-RoPE queries of the last w prompt positions, fp32 [q_heads][w][head_dim]
+    kvscore::ProtoKV pk(queries, q_heads, /*window*/ 64, head_dim /*, group = q_heads / kv_heads */);
+    pk.seed = 1;                                       // RFF-LSH seed (reproducible on every platform)
+    kvscore::Scores s = pk.score(keys);                // any KeysView / paged view, fp32/fp16/bf16
+    kvscore::SelectOptions o;
+    o.sinks = 4;
+    o.recent = pk.protected_recent();                  // = w: the window is kept, by a mask
+    kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_head(1024), o);
+    // or o.alloc = kvscore::Alloc::adakv; then compaction (docs/compaction.md) as for any scorer
+    // [snippet end]
+    CHECK(kept.total() == kv_heads * 1024);
+    CHECK(kept.head(0).back() == tokens - 1);
+  }
+  // [snippet snapkv]
+  // queries: the post-RoPE queries of the last w prompt positions, fp32 [q_heads][w][head_dim]
+  kvscore::SnapKV snap(queries, q_heads, /*window*/ 64, head_dim /*, group = q_heads / kv_heads */);
+  kvscore::Scores s = snap.score(keys);               // keys: KeysView<float|half|bfloat16>, any layout
+  kvscore::SelectOptions o;
+  o.recent = snap.protected_recent();                 // = w: the window is kept, by a mask
+  kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_head(1024), o);
+  // [snippet end]
+  CHECK(kept.total() == kv_heads * 1024);
+  CHECK(kept.head(1).back() == tokens - 1);
+}
+
+TEST_CASE("snippet manifoldkv and integration (docs/manifoldkv.md, docs/integration.md)", "[snippets]") {
+  const std::int64_t N = 400;
+  const std::vector<float> kbuf = layer<float>(2, N, 32, 23);
+  const kvscore::KeysView<float> view(kbuf.data(), 2, N, 32, N * 32, 32);
+  {
+    const auto& keys = view;
+    // [snippet manifoldkv]
+    kvscore::SelectOptions o;  o.alloc = kvscore::Alloc::adakv;  o.alpha = 0.2;   // no sinks, no recent
+    const auto n = kvscore::budget_from_ratio(N, 1 - 0.2, kvscore::BudgetRounding::floor);
+    auto sel = kvscore::select(kvscore::ManifoldL2{}.score(keys), kvscore::Budget::per_head(n), o);
+    // [snippet end]
+    CHECK(n == 320);
+    CHECK(sel.total() == 2 * 320);
+  }
+  // [snippet integration]
+  auto keys = view;                                   // one of the views above
+  kvscore::ManifoldL2 scorer;                         // or the method kvscore eval picked
+  kvscore::Scores s = scorer.score(keys);             // fp32 [kv_heads][tokens], higher = keep
+  kvscore::SelectOptions opt;
+  opt.sinks = 4;                                      // the protection you evaluated with
+  opt.recent = 32;
+  kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(kvscore::budget_from_ratio(s.tokens(), 0.25)), opt);
+  // sel.head(h): kept positions of head h, ascending
+  // [snippet end]
+  CHECK(sel.total() == 2 * 100);
+}
+
+TEST_CASE("snippet streaming-llm and synth (streaming_llm.hpp, synth.hpp)", "[snippets]") {
+  const std::int64_t heads = 2, tokens = 100, n = 20;
+  using namespace kvscore;
+  // [snippet streaming-llm-header]
+  Selection a = kvscore::streaming_llm(heads, tokens, Budget::per_head(n));              // 4 sinks
+  Selection b = kvscore::StreamingLLM{/*sinks*/ 8}.select(heads, tokens, Budget::per_head(n));
+  // [snippet end]
+  CHECK(a.head(0)[3] == 3);
+  CHECK(a.head(0)[4] == tokens - (n - 4));
+  CHECK(b.head(1)[8] == tokens - (n - 8));
+
+  // [snippet synth-header]
+  kvscore::synth::Spec spec;                 // kind mixed, 1 layer, 4 KV heads, G = 2, 2048 tokens, d = 64
+  spec.kind = kvscore::synth::Kind::drift;
+  kvscore::synth::Data data = kvscore::synth::generate(spec);
+  // data.keys / data.values [layers][kv_heads][tokens][d], data.queries [layers][q_heads][queries][d]
+  // data.planted: positions of the planted tokens per (layer, kv head)
+  // [snippet end]
+  CHECK(data.keys.size() == std::size_t(4 * 2048 * 64));
+}
+
+TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
+  const int n_layer = 3;
+  const std::int64_t kv_heads = 2, tokens = 300, head_dim = 32, budget = 120;
+  std::vector<std::vector<float>> cache;
+  for (int l = 0; l < n_layer; ++l) cache.push_back(layer<float>(kv_heads, tokens, head_dim, 40u + std::uint32_t(l)));
+  auto keys_of_layer = [&](int l) {
+    return kvscore::KeysView<float>(cache[std::size_t(l)].data(), kv_heads, tokens, head_dim, tokens * head_dim, head_dim);
+  };
+  kvscore::KNorm scorer;
+  std::vector<std::pair<std::int64_t, std::int64_t>> removed;  // what an engine would remove
+  auto remove_positions = [&](std::int64_t begin, std::int64_t end) { removed.emplace_back(begin, end); };
+  // [snippet joint]
+  std::vector<kvscore::Scores> per_layer;                  // [kv_heads][tokens] each, any scorer
+  for (int l = 0; l < n_layer; ++l) per_layer.push_back(scorer.score(keys_of_layer(l)));
+
+  kvscore::JointOptions o;
+  o.sinks = 4;                                             // always kept, inside the budget
+  o.recent = 64;
+  // o.aggregate = kvscore::JointAggregate::max;           // the default (measured below)
+  std::vector<std::int64_t> keep = kvscore::select_joint(per_layer, budget, o);   // ascending
+  for (auto r : kvscore::evicted_ranges(keep, tokens))     // llama.cpp: llama_memory_seq_rm(mem, seq, r.begin, r.end)
+    remove_positions(r.begin, r.end);
+  // [snippet end]
+  REQUIRE(std::int64_t(keep.size()) == budget);
+  CHECK(keep.front() == 0);
+  CHECK(keep.back() == tokens - 1);
+  std::int64_t gone = 0;
+  for (const auto& [b, e] : removed) gone += e - b;
+  CHECK(gone == tokens - budget);
+  // [snippet joint-header]
+  kvscore::JointOptions opt;  opt.sinks = 4;  opt.recent = 64;   // aggregate: max by default
+  std::vector<std::int64_t> kept = kvscore::select_joint(per_layer, 100, opt);   // ascending
+  // [snippet end]
+  CHECK(kept.size() == 100);
+}

@@ -13,7 +13,7 @@
 //   joint_mass --model M.gguf --prompt-file a.txt --prompt-file b.txt [--tokens 2048] [--queries 64]
 //              [--methods knorm,keydiff,manifold_l2,snapkv] [--keep 0.1,0.25,0.5] [--sinks 4] [--recent 64]
 #include <kvscore/joint.hpp>
-#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/make_scorer.hpp>
 #include <kvscore/select.hpp>
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 // eviction) on the same prompt and reports whether the generated tokens are identical; with
 // --keep 1 a difference is an error. Exit codes: 0 ok, 1 a check failed, 2 bad arguments.
 #include <kvscore/joint.hpp>
-#include <kvscore/scorers/make_scorer.hpp>
+#include <kvscore/make_scorer.hpp>
 #include <kvscore/select.hpp>
 #include <kvscore/slots.hpp>
 

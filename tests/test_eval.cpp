@@ -336,3 +336,212 @@ TEST_CASE("eval: pariskv keeps its zones, pariskv-flat retrieves the whole budge
     }
   }
 }
+
+namespace {
+
+/// A layer where the evaluation queries and the cache's window queries want different tokens:
+/// keys in two clusters (first half along +e0, second half along +e1, small noise); the
+/// evaluation queries point at cluster A (e0), the window queries at cluster B (e1), the
+/// calibration queries along e1 too. A method that sees the evaluation queries keeps A; one that
+/// sees only the window keeps B.
+struct LeakFixture {
+  std::int64_t H = 2, G = 2, N = 128, d = 16, nq = 4, nw = 8, nc = 6;
+  std::vector<float> K, V, Q, W, C;
+  eval::LayerInput in;
+  LeakFixture() {
+    K.resize(std::size_t(H * N * d));
+    V.resize(K.size());
+    std::uint64_t s = 12345;
+    auto u = [&] {  // deterministic noise in [-0.05, 0.05)
+      s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+      return float(double(s >> 11) / double(1ULL << 53) - 0.5) * 0.1f;
+    };
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < N; ++t)
+        for (std::int64_t j = 0; j < d; ++j) {
+          const std::size_t i = std::size_t((h * N + t) * d + j);
+          K[i] = u() + (j == (t < N / 2 ? 0 : 1) ? 1.0f : 0.0f);
+          V[i] = u() + (j == 2 ? float(t % 5) : 0.0f);
+        }
+    auto queries = [&](std::int64_t n, std::int64_t axis) {
+      std::vector<float> q(std::size_t(H * G * n * d));
+      for (std::size_t i = 0; i < q.size(); ++i) q[i] = u() + (std::int64_t(i) % d == axis ? 6.0f : 0.0f);
+      return q;
+    };
+    Q = queries(nq, 0);
+    W = queries(nw, 1);
+    C = queries(nc, 1);
+    in.keys = K.data();
+    in.values = V.data();
+    in.queries = Q.data();
+    in.kv_heads = H;
+    in.tokens = N;
+    in.head_dim = d;
+    in.value_dim = d;
+    in.q_heads = H * G;
+    in.n_queries = nq;
+    in.window_queries = W.data();
+    in.n_window = nw;
+    in.calib_queries = C.data();
+    in.n_calib = nc;
+  }
+  /// Share of head h's kept tokens in cluster A (the first half).
+  double share_a(const kvscore::Selection& s, std::int64_t h) const {
+    const auto k = s.head(h);
+    return double(std::count_if(k.begin(), k.end(), [&](std::int64_t t) { return t < N / 2; })) / double(k.size());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("eval: leak-free protocol - snapkv, protokv and ojakv see only the window queries, in the cache", "[eval][leakfree]") {
+  const LeakFixture F;
+  const std::int64_t n = 32;
+  eval::MethodOptions shared, leak;
+  leak.protocol = eval::Protocol::leak_free;
+  // the same selection as SnapKV built on the window queries, in the cache, the window protected
+  kvscore::SnapKV snap(F.W.data(), F.in.q_heads, F.nw, F.d);
+  snap.placement = kvscore::QueryPlacement::in_cache;
+  kvscore::SelectOptions protect;
+  protect.recent = F.nw;
+  const kvscore::Selection expect = kvscore::select(snap.score(F.in.key_view()), kvscore::Budget::per_head(n), protect);
+  const eval::Compressed lf = eval::find_method("snapkv").run(F.in, n, leak);
+  CHECK(lf.kept.positions == expect.positions);
+  // shared: snapkv saw the evaluation queries and keeps cluster A; leak-free: the window's cluster B
+  const eval::Compressed sh = eval::find_method("snapkv").run(F.in, n, shared);
+  for (std::int64_t h = 0; h < F.H; ++h) {
+    CHECK(F.share_a(sh.kept, h) == 1.0);
+    CHECK(F.share_a(lf.kept, h) < 0.2);
+    CHECK(F.share_a(eval::find_method("protokv").run(F.in, n, shared).kept, h) > 0.8);
+    CHECK(F.share_a(eval::find_method("protokv").run(F.in, n, leak).kept, h) < 0.5);
+  }
+  // query-agnostic methods do not depend on the protocol
+  for (const char* m : {"knorm", "l2", "streaming_llm"})
+    CHECK(eval::find_method(m).run(F.in, n, shared).kept.positions == eval::find_method(m).run(F.in, n, leak).kept.positions);
+  // the report: the evaluation queries measure both, so recall drops from the leaky to the fair run
+  std::vector<eval::LayerInput> layers{F.in};
+  auto opt = eval_opts("snapkv,protokv,ojakv,knorm,oracle", {0.25});
+  const eval::Report a = eval::evaluate(layers, opt);
+  opt.method.protocol = eval::Protocol::leak_free;
+  const eval::Report b = eval::evaluate(layers, opt);
+  REQUIRE(a.results.size() == 5);
+  REQUIRE(b.results.size() == 5);
+  CHECK(b.results[0].attention_mass_recall < a.results[0].attention_mass_recall - 0.3);  // snapkv
+  CHECK(b.results[1].attention_mass_recall < a.results[1].attention_mass_recall - 0.2);  // protokv
+  CHECK(b.results[3].attention_mass_recall == a.results[3].attention_mass_recall);       // knorm
+  CHECK(b.results[4].attention_mass_recall == a.results[4].attention_mass_recall);       // oracle: the ceiling
+  const std::string js = eval::to_json(b);
+  CHECK_THAT(js, Contains("\"protocol\": \"leak-free\""));
+  CHECK_THAT(js, Contains("\"window_queries\": 8, \"calib_queries\": 6"));
+  CHECK_THAT(js, Contains("\"query_placement\": \"in-cache\""));  // where the window sits
+  CHECK_THAT(eval::to_table(b), Contains("protocol leak-free, 8 window queries, 6 calibration queries"));
+}
+
+TEST_CASE("eval: leak-free protocol - qfilter is calibrated on the calibration queries, skipped without them", "[eval][leakfree]") {
+  LeakFixture F;
+  const std::int64_t n = 32;
+  eval::MethodOptions leak;
+  leak.protocol = eval::Protocol::leak_free;
+  const std::vector<float> f = kvscore::calibrate_qfilters(F.C.data(), F.in.q_heads, F.nc, F.d, F.H);
+  const kvscore::QFilter qf(f, F.H, F.d);
+  const kvscore::Selection expect = kvscore::select(qf.score(F.in.key_view()), kvscore::Budget::per_head(n));
+  CHECK(eval::find_method("qfilter").run(F.in, n, leak).kept.positions == expect.positions);
+  for (std::int64_t h = 0; h < F.H; ++h) {
+    CHECK(F.share_a(eval::find_method("qfilter").run(F.in, n, eval::MethodOptions{}).kept, h) == 1.0);  // shared: Q
+    CHECK(F.share_a(expect, h) == 0.0);  // calibrated on e1: cluster B
+  }
+  F.in.calib_queries = nullptr;
+  F.in.n_calib = 0;
+  std::vector<eval::LayerInput> layers{F.in};
+  auto opt = eval_opts("qfilter,knorm", {0.25});
+  opt.method.protocol = eval::Protocol::leak_free;
+  const eval::Report r = eval::evaluate(layers, opt);
+  REQUIRE(r.results.size() == 1);
+  REQUIRE(r.skipped.size() == 1);
+  CHECK(r.skipped[0].method == "qfilter");
+  CHECK_THAT(r.skipped[0].reason, Contains("calibrates Q-Filters on other text") && Contains("--calib-queries"));
+}
+
+TEST_CASE("eval: leak-free protocol - bad window and calibration queries are rejected", "[eval][leakfree]") {
+  LeakFixture F;
+  auto opt = eval_opts("knorm", {0.25});
+  opt.method.protocol = eval::Protocol::leak_free;
+  auto run = [&](eval::LayerInput in) { return eval::evaluate(std::vector<eval::LayerInput>{in}, opt); };
+  eval::LayerInput no_window = F.in;
+  no_window.window_queries = nullptr;
+  CHECK_THROWS_WITH(run(no_window), Contains("leak-free protocol needs the cache's last-window queries"));
+  eval::LayerInput too_many = F.in;
+  too_many.n_window = F.N + 1;
+  CHECK_THROWS_WITH(run(too_many), Contains("the 129 window queries are the cache's last positions"));
+  eval::LayerInput zero = F.in;
+  zero.n_calib = 0;
+  CHECK_THROWS_WITH(run(zero), Contains("n_calib must be >= 1"));
+  F.W[17] = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_WITH(run(F.in), Contains("window queries: value inf at flat index 17 is not finite"));
+  F.W[17] = 0;
+  F.C[3] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH(run(F.in), Contains("calibration queries: value nan at flat index 3"));
+  F.C[3] = 0;
+  eval::LayerInput other = F.in;
+  other.n_window = 4;
+  CHECK_THROWS_WITH(eval::evaluate(std::vector<eval::LayerInput>{F.in, other}, opt),
+                    Contains("layer 1 has other window or calibration queries than layer 0"));
+  // the shared protocol ignores them
+  opt.method.protocol = eval::Protocol::shared;
+  CHECK(run(no_window).results.size() == 1);
+}
+
+TEST_CASE("eval: per_layer_best picks the best press-able method per layer at each keep", "[eval][mix]") {
+  eval::Report r;
+  r.layers = 2;
+  r.kv_heads = 2;
+  auto result = [](const std::string& m, double keep, std::vector<double> recall, std::vector<double> err) {
+    eval::Result x;
+    x.method = m;
+    x.keep = keep;
+    for (std::int64_t l = 0; l < 2; ++l)
+      for (std::int64_t h = 0; h < 2; ++h) {
+        eval::HeadResult hr;
+        hr.layer = l;
+        hr.head = h;
+        hr.attention_mass_recall = recall[std::size_t(l * 2 + h)];
+        hr.output_rel_error = err[std::size_t(l * 2 + h)];
+        x.per_head.push_back(hr);
+      }
+    return x;
+  };
+  // layer 0: snapkv best by recall (0.8 vs 0.7); layer 1: l2 (0.65 vs 0.55). knorm ties snapkv in
+  // layer 0 at keep 0.5 and comes later, so snapkv keeps it. oracle, pariskv and ojakv are never
+  // chosen. By error (lower is better), layer 0 goes to l2.
+  r.results = {result("snapkv", 0.25, {0.9, 0.7, 0.5, 0.6}, {0.3, 0.3, 0.5, 0.5}),
+               result("l2", 0.25, {0.7, 0.7, 0.6, 0.7}, {0.2, 0.2, 0.6, 0.6}),
+               result("oracle", 0.25, {1, 1, 1, 1}, {0, 0, 0, 0}),
+               result("pariskv", 0.25, {1, 1, 1, 1}, {0, 0, 0, 0}),
+               result("ojakv", 0.25, {1, 1, 1, 1}, {0, 0, 0, 0}),
+               result("snapkv", 0.5, {0.9, 0.9, 0.9, 0.9}, {0, 0, 0, 0}),
+               result("knorm", 0.5, {0.9, 0.9, 0.95, 0.9}, {0, 0, 0, 0})};
+  const auto best = eval::per_layer_best(r);
+  REQUIRE(best.size() == 2);
+  CHECK(best[0].keep == 0.25);
+  CHECK(best[0].methods == std::vector<std::string>{"snapkv", "l2"});
+  CHECK(best[0].values[0] == Approx(0.8));
+  CHECK(best[0].values[1] == Approx(0.65));
+  CHECK(best[1].methods == std::vector<std::string>{"snapkv", "knorm"});
+  const auto by_err = eval::per_layer_best(r, eval::MixMetric::output_error);
+  CHECK(by_err[0].methods == std::vector<std::string>{"l2", "snapkv"});
+  CHECK(by_err[0].values[0] == Approx(0.2));
+  CHECK(eval::mixable("streaming_llm"));
+  CHECK(eval::mixable("manifoldkv"));
+  CHECK(!eval::mixable("oracle"));
+  CHECK(!eval::mixable("pariskv-flat"));
+  CHECK(!eval::mixable("ojakv"));
+  CHECK(!eval::mixable("mine"));
+  const std::string js = eval::to_json(r);
+  CHECK_THAT(js, Contains("\"per_layer_best\": [\n    {\"keep\": 0.25, \"metric\": \"attention_mass_recall\", "
+                          "\"methods\": [\"snapkv\", \"l2\"], \"values\": [0.80000000000000004, 0.6499999999999999"));
+  r.results.resize(5);  // no entry for keep 0.5 then; and none at all without a mixable method
+  CHECK(eval::per_layer_best(r).size() == 1);
+  r.results.erase(r.results.begin(), r.results.begin() + 2);
+  CHECK(eval::per_layer_best(r).empty());
+  CHECK_THAT(eval::to_json(r), Contains("\"per_layer_best\": []\n}"));
+}

@@ -22,6 +22,7 @@ namespace kvscore::cli {
 
 const char* const kEvalUsage =
     "usage: kvscore eval --keys K.npy --values V.npy --queries Q.npy --out report.json [options]\n"
+    "       kvscore eval --dump DIR --out report.json [options]    (a tools/dump_kv.py dump)\n"
     "\n"
     "Runs every method at every keep fraction and measures, against full attention of the\n"
     "queries Q (the queries that attend after compression; no causal mask):\n"
@@ -35,6 +36,18 @@ const char* const kEvalUsage =
     "                      or '<u2' (bfloat16 bits); post-RoPE\n"
     "  --values V.npy      [.., kv_heads, tokens, dv], same layers/heads/tokens as K\n"
     "  --queries Q.npy     [q_heads, n_q, d] (or [layers, q_heads, n_q, d] with 4-D keys)\n"
+    "  --dump DIR          DIR/K.npy, V.npy, Q.npy, and DIR/Qwin.npy, Qcal.npy where they exist\n"
+    "                      (dump_kv.py --following writes them); instead of --keys ... --calib-queries\n"
+    "  --window-queries W.npy  [.., q_heads, n_w, d]: queries of the cache's own last n_w tokens\n"
+    "                      (what an engine's SnapKV sees when it compresses); makes leak-free the default\n"
+    "  --calib-queries C.npy   [.., q_heads, n_c, d]: queries of other text (%CALIBRATED%'s calibration\n"
+    "                      under the leak-free protocol; without it %CALIBRATED% is skipped there)\n"
+    "  --protocol P        leak-free (the default when window queries are given: %PLACED_ALL%\n"
+    "                      see only the window queries, in the cache, the window protected;\n"
+    "                      %CALIBRATED% is calibrated on --calib-queries; Q only measures) | shared (every\n"
+    "                      method sees Q, the upper bound; the default without window queries)\n"
+    "  --mix-metric M      recall (default) | error | overlap: what the JSON's per_layer_best (the best\n"
+    "                      press-able method per layer, at each keep) maximises (error: minimises)\n"
     "  --out report.json   the report (results, per-head values, skipped budgets)\n"
     "  --svg report.svg    quality vs budget plot, one line per method (open in a browser)\n"
     "  --group G           GQA group size; must equal q_heads / kv_heads (default: that)\n"
@@ -49,7 +62,7 @@ const char* const kEvalUsage =
     "  --window W          %WINDOWED% window in tokens (default %WINDOW%)\n"
     "  --window-tail T     %WINDOWED%: merge (default: a tail < W/2 joins the window before it) |\n"
     "                      own (the paper's Alg. 2: the tail is its own window)\n"
-    "  --query-placement P after-cache (default: Q follows the cache; %PLACED%\n"
+    "  --query-placement P (shared protocol) after-cache (default: Q follows the cache; %PLACED%\n"
     "                      see every key, no causal mask, nothing protected beyond --recent) |\n"
     "                      in-cache (Q are the cache's last n_q positions: causal mask, the\n"
     "                      last n_q tokens protected; prefill compression as kvpress runs it)\n"
@@ -61,7 +74,8 @@ const std::vector<FlagSpec> kEvalFlags = {
     {"--keys", true},   {"--values", true}, {"--queries", true}, {"--out", true},   {"--svg", true},
     {"--group", true},  {"--methods", true}, {"--keep", true},   {"--sinks", true}, {"--recent", true},
     {"--alloc", true},  {"--window", true}, {"--window-tail", true}, {"--threads", true},
-    {"--budget-rounding", true}, {"--query-placement", true},
+    {"--budget-rounding", true}, {"--query-placement", true}, {"--dump", true}, {"--window-queries", true},
+    {"--calib-queries", true}, {"--protocol", true}, {"--mix-metric", true},
 };
 
 namespace {
@@ -127,10 +141,39 @@ void eval_write_atomic(const std::string& path, const std::string& text) {
   }
 }
 
+bool eval_file_exists(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return false;
+  std::fclose(f);
+  return true;
+}
+
+/// Window or calibration queries: the rank of the keys, the layers, query heads and head_dim of Q.
+Tensor eval_load_queries_like(const std::string& path, const char* what, const Tensor& Q, const std::string& qp) {
+  Tensor t = eval_load(path, what);
+  const std::size_t rank = Q.shape.size(), o = rank - 3;
+  if (t.shape.size() != rank || (rank == 4 && t.shape[0] != Q.shape[0]) || t.shape[o] != Q.shape[o] ||
+      t.shape[o + 2] != Q.shape[o + 2] || t.shape[o + 1] < 1)
+    throw std::invalid_argument(path + ": " + what + " " + eval_shape(t.shape) + " do not match queries " +
+                                eval_shape(Q.shape) + " of " + qp + " (same layers, q_heads and head_dim; n >= 1)");
+  return t;
+}
+
 }  // namespace
 
 int cmd_eval(const Args& args) {
-  const std::string kp = args.required("--keys"), vp = args.required("--values"), qp = args.required("--queries");
+  std::string kp, vp, qp, wp, cp;
+  if (args.has("--dump")) {
+    for (const char* f : {"--keys", "--values", "--queries", "--window-queries", "--calib-queries"})
+      if (args.has(f)) throw UsageError(std::string("eval: --dump DIR reads DIR's files; drop ") + f);
+    const std::string dir = args.required("--dump");
+    kp = dir + "/K.npy", vp = dir + "/V.npy", qp = dir + "/Q.npy";
+    if (eval_file_exists(dir + "/Qwin.npy")) wp = dir + "/Qwin.npy";
+    if (eval_file_exists(dir + "/Qcal.npy")) cp = dir + "/Qcal.npy";
+  } else {
+    kp = args.required("--keys"), vp = args.required("--values"), qp = args.required("--queries");
+    wp = args.get("--window-queries", ""), cp = args.get("--calib-queries", "");
+  }
   const std::string out = args.required("--out");
   eval::EvalOptions opt;
   try {
@@ -153,7 +196,23 @@ int cmd_eval(const Args& args) {
   const std::string tail = args.get("--window-tail", "merge");
   if (tail != "own" && tail != "merge") throw UsageError("eval: --window-tail: '" + tail + "' (expected own or merge)");
   opt.method.window_tail = parse_window_tail(tail);
-  opt.method.placement = get_query_placement(args, "eval", QueryPlacement::after_cache);
+  const std::string protocol = args.get("--protocol", wp.empty() ? "shared" : "leak-free");
+  if (protocol != "leak-free" && protocol != "shared")
+    throw UsageError("eval: --protocol: '" + protocol + "' (expected leak-free or shared)");
+  if (protocol == "leak-free" && wp.empty())
+    throw UsageError("eval: --protocol leak-free needs the cache's last-window queries (--window-queries, or a "
+                     "--dump made by dump_kv.py --following)");
+  if (protocol == "leak-free" && args.has("--query-placement"))
+    throw UsageError("eval: --query-placement is for --protocol shared (leak-free places the window in the cache)");
+  opt.method.protocol = protocol == "leak-free" ? eval::Protocol::leak_free : eval::Protocol::shared;
+  opt.method.placement = protocol == "leak-free" ? QueryPlacement::in_cache
+                                                 : get_query_placement(args, "eval", QueryPlacement::after_cache);
+  const std::string mix = args.get("--mix-metric", "recall");
+  if (mix != "recall" && mix != "error" && mix != "overlap")
+    throw UsageError("eval: --mix-metric: '" + mix + "' (expected recall, error or overlap)");
+  opt.mix_metric = mix == "recall" ? eval::MixMetric::recall
+                   : mix == "error" ? eval::MixMetric::output_error
+                                    : eval::MixMetric::overlap;
   const int threads = int(args.get_int("--threads", 1, 0, kMaxThreads));
   opt.threads = threads;
   opt.method.threads = threads;
@@ -190,6 +249,14 @@ int cmd_eval(const Args& args) {
     throw std::invalid_argument("eval: --group " + std::to_string(group) + " does not match q_heads / kv_heads = " +
                                 std::to_string(Hq) + " / " + std::to_string(H) + " = " + std::to_string(Hq / H));
 
+  // shared protocol: the window and calibration queries are not read (nothing would see them)
+  const bool leak_free = opt.method.protocol == eval::Protocol::leak_free;
+  const Tensor W = leak_free ? eval_load_queries_like(wp, "window queries", Q, qp) : Tensor{};
+  const Tensor C = leak_free && !cp.empty() ? eval_load_queries_like(cp, "calibration queries", Q, qp) : Tensor{};
+  const std::int64_t nw = W.shape.empty() ? 0 : W.shape[o + 1], nc = C.shape.empty() ? 0 : C.shape[o + 1];
+  if (nw > N)
+    throw std::invalid_argument(wp + ": " + std::to_string(nw) + " window queries, but they are the cache's last "
+                                "positions and the cache has " + std::to_string(N) + " tokens");
   std::vector<eval::LayerInput> layers;
   for (std::int64_t l = 0; l < L; ++l) {
     eval::LayerInput in;
@@ -202,6 +269,8 @@ int cmd_eval(const Args& args) {
     in.value_dim = dv;
     in.q_heads = Hq;
     in.n_queries = nq;
+    if (nw > 0) in.window_queries = W.data.data() + l * Hq * nw * d, in.n_window = nw;
+    if (nc > 0) in.calib_queries = C.data.data() + l * Hq * nc * d, in.n_calib = nc;
     layers.push_back(in);
   }
   const eval::Report rep = eval::evaluate(layers, opt);
@@ -234,6 +303,12 @@ const char* eval_usage_text() {
         {"%WINDOWED%", method_list(reading("window", true))},
         {"%WINDOW%", std::to_string(eval::MethodOptions{}.window)},
         {"%PLACED%", method_alternatives(reading("placement"))},
+        {"%PLACED_ALL%", [&] {  // "a, b and c"
+           const std::string l = method_list(reading("placement"));
+           const std::size_t last = l.rfind(", ");
+           return last == std::string::npos ? l : l.substr(0, last) + " and " + l.substr(last + 2);
+         }()},
+        {"%CALIBRATED%", method_list(reading("filters"))},
     };
     for (const auto& [key, value] : fill)
       for (std::size_t i; (i = s.find(key)) != std::string::npos;) s.replace(i, key.size(), value);

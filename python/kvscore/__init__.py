@@ -632,7 +632,8 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
              recent: int = _SEL["recent"], alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
              window: int = _METHOD_OPTS["window"], window_tail: str = _METHOD_OPTS["window_tail"],
              budget_rounding: str = _EVAL["rounding"], query_placement: str = _METHOD_OPTS["placement"],
-             threads: int = 1) -> dict:
+             threads: int = 1, window_queries=None, calib_queries=None, protocol: str | None = None,
+             mix_metric: str = _EVAL["mix_metric"]) -> dict:
     """``kvscore eval`` as a function: the same report, as a dict.
 
     Parameters
@@ -641,7 +642,8 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
         ``[layers, kv_heads, tokens, d]`` (3-D: one layer); converted to fp32 (the evaluator's
         precision).
     Q : array_like
-        ``[layers, q_heads, n_q, d]``.
+        ``[layers, q_heads, n_q, d]``: the queries after the cache, which measure every method
+        (and, under the shared protocol, are also what the query-aware methods see).
     methods : str or list of str, optional
         Registry names or aliases, or 'all'.
     keep : sequence of float, optional
@@ -653,21 +655,47 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
     budget_rounding : {'nearest', 'floor'}, optional
         'floor' gives the papers' n = floor(keep * N).
     query_placement : {'after_cache', 'in_cache'}, optional
-        Q follows the cache ('after_cache': snapkv, protokv and ojakv see every key, nothing
-        protected beyond ``recent``) or is the cache's last n_q positions ('in_cache').
+        Shared protocol only: Q follows the cache ('after_cache': snapkv, protokv and ojakv see
+        every key, nothing protected beyond ``recent``) or is the cache's last n_q positions
+        ('in_cache').
     threads : int, optional
         Threads (0 = OpenMP's default).
+    window_queries : array_like, optional
+        ``[layers, q_heads, n_w, d]``: the queries of the cache's own last n_w tokens, what
+        snapkv, protokv and ojakv see under the leak-free protocol (in the cache, the window
+        protected). Given, the leak-free protocol is the default.
+    calib_queries : array_like, optional
+        ``[layers, q_heads, n_c, d]``: queries of other text, Q-Filters' calibration under the
+        leak-free protocol (qfilter is skipped without them).
+    protocol : {'leak_free', 'shared'}, optional
+        Which queries the methods see (docs/evaluate.md "Protocols"): 'leak_free' (as in an
+        engine; needs window_queries) or 'shared' (every method sees Q: an upper bound). Default:
+        'leak_free' when window_queries is given, else 'shared'.
+    mix_metric : {'recall', 'error', 'overlap'}, optional
+        What the report's per_layer_best optimises (error: minimises).
 
     Returns
     -------
     dict
-        Attention-mass recall, output error, top-k overlap and time per method and keep fraction.
+        Attention-mass recall, output error, top-k overlap and time per method and keep fraction,
+        and per_layer_best (the best press-able method per layer at each keep).
     """
     if not isinstance(methods, str):
         methods = ",".join(methods)
+    if protocol is None:
+        protocol = "leak_free" if window_queries is not None else _METHOD_OPTS["protocol"]
+    protocol = protocol.replace("-", "_")
+    if protocol not in ("leak_free", "shared"):
+        raise ValueError(f"protocol '{protocol}' must be 'leak_free' or 'shared'")
+    if protocol == "leak_free" and window_queries is None:
+        raise ValueError("protocol 'leak_free' needs window_queries (the queries of the cache's last tokens)")
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")
+    Wf = _f32_4d(window_queries, "window_queries") if protocol == "leak_free" else None
+    Cf = _f32_4d(calib_queries, "calib_queries") if protocol == "leak_free" and calib_queries is not None else None
     return _json.loads(_k.evaluate_json(Kf, Vf, Qf, methods, [float(f) for f in keep], sinks, recent, alloc, alpha,
-                                        window, window_tail, budget_rounding, query_placement, threads))
+                                        window, window_tail, budget_rounding, query_placement, threads,
+                                        window_queries=Wf, calib_queries=Cf, protocol=protocol,
+                                        mix_metric=mix_metric))
 
 
 _SYNTH = _DEF["synth.Spec"]

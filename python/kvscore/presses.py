@@ -18,7 +18,10 @@ StreamingLLM, by any spelling of kvscore.ALIASES); the method's options as keywo
 convention or filters_path= a published .safetensors file, SnapKV's and ProtoKV's window=
 (the prompt's last `window` queries, recomputed like kvpress's SnapKVPress, window kept),
 kernel= and ProtoKV's options, StreamingLLM's n_sink=). `sinks=` / `recent=` protect tokens for
-any method. Every default is the registry's (include/kvscore/methods.hpp).
+any method. `alloc="adakv"` (`alpha=`, SelectOptions' default): kvscore's AdaKV allocation across
+the heads of a layer, applied by masking as kvpress's AdaKVPress does. PerLayerPress: one
+method per layer (PerLayerPress.from_report: a leak-free `kvscore eval` report's choice).
+Every default is the registry's (include/kvscore/methods.hpp) or the option structs'.
 kvpress is optional for kvscore; this module needs it.
 """
 
@@ -44,6 +47,8 @@ _KIND = {m["name"]: m["kind"] for m in _kv.REGISTRY}
 _OPTIONS = {m["name"]: m["options"] for m in _kv.REGISTRY}
 #: Scorers built from the prompt's window queries: the registry's query scorers.
 _QUERY_METHODS = tuple(n for n, k in _KIND.items() if k == "query_scorer")
+# kvscore::SelectOptions' defaults (alloc, alpha).
+_SEL = _k.struct_defaults["SelectOptions"]
 # kvpress's DecodingPress defaults, for the decoding variant's signature.
 _DECODING = {f: DecodingPress.__dataclass_fields__[f].default
              for f in ("compression_interval", "target_size", "hidden_states_buffer_size")}
@@ -81,27 +86,41 @@ class KvscorePress(ScorerPress):
         registry's kDefaultSinks or ``n_sink=``).
     threads : int, optional
         kvscore's threads over heads (0 = OpenMP's default).
+    alloc : {'per_head', 'adakv'}, optional
+        'per_head': every head keeps ``compute_n_kept`` tokens (removed from the cache).
+        'adakv': kvscore's AdaKV allocation across the layer's heads (select(alloc='adakv')),
+        applied by masking as kvpress's AdaKVPress does; needs sdpa attention.
+    alpha : float, optional
+        AdaKV's safeguard share in [0, 1] (SelectOptions' default).
     **method_options
         The method's options (see the module doc).
 
     Raises
     ------
     ValueError
-        An unknown method, a ratio outside [0, 1), negative protection, missing Q-Filters; when
-        compressing, StreamingLLM's sinks above the kept count (kvscore::StreamingLLM's rule;
-        kvpress's StreamingLLMPress keeps part of its sinks there).
+        An unknown method, a ratio outside [0, 1), negative protection, an unknown alloc or an
+        alpha outside [0, 1], missing Q-Filters; when compressing, StreamingLLM's sinks above the
+        kept count (kvscore::StreamingLLM's rule; kvpress's StreamingLLMPress keeps part of its
+        sinks there).
     """
 
     def __init__(self, method: str = _kv.ManifoldL2.name, compression_ratio: float = 0.0, *, sinks: int = 0,
-                 recent: int = 0, threads: int = 0, **method_options):
+                 recent: int = 0, threads: int = 0, alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
+                 **method_options):
         self.method = _kv.method_name(method)
         self.compression_ratio = compression_ratio
         self.sinks = _int(sinks, "sinks")
         self.recent = _int(recent, "recent")
         self.threads = _int(threads, "threads")
+        self.alloc = str(alloc).replace("-", "_")
+        self.alpha = float(alpha)
         self.method_options = dict(method_options)
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks {sinks} and recent {recent} must be >= 0")
+        if self.alloc not in ("per_head", "adakv"):
+            raise ValueError(f"alloc '{alloc}' must be 'per_head' or 'adakv'")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha {alpha} must be in [0, 1]")
         if not 0 <= compression_ratio < 1:
             raise ValueError(f"compression_ratio {compression_ratio} must be in [0, 1)")
         kind = _KIND[self.method]
@@ -128,8 +147,9 @@ class KvscorePress(ScorerPress):
         self.__post_init__()
 
     def __repr__(self) -> str:
+        alloc = f", alloc='adakv', alpha={self.alpha}" if self.alloc == "adakv" else ""
         return (f"KvscorePress(method={self.method!r}, compression_ratio={self.compression_ratio}, "
-                f"sinks={self.sinks}, recent={self.recent}, **{self.method_options!r})")
+                f"sinks={self.sinks}, recent={self.recent}{alloc}, **{self.method_options!r})")
 
     # --- scoring
     def _scorer_for(self, module, hidden_states, kwargs, b: int):
@@ -173,6 +193,8 @@ class KvscorePress(ScorerPress):
             return keys, values
         bsz, heads, k_len, d = keys.shape
         n_kept = compute_n_kept(k_len, self.compression_ratio)
+        if self.alloc == "adakv":
+            return self._compress_adakv(module, hidden_states, keys, values, kwargs, n_kept)
         kept_k, kept_v = [], []
         for b in range(bsz):
             if self._rule is not None:
@@ -184,6 +206,40 @@ class KvscorePress(ScorerPress):
             kept_k.append(keys[b].gather(1, idx))
             kept_v.append(values[b].gather(1, idx.expand(-1, -1, values.shape[-1])))
         return torch.stack(kept_k).contiguous(), torch.stack(kept_v).contiguous()
+
+    def _compress_adakv(self, module, hidden_states, keys, values, kwargs, n_kept):
+        """AdaKV allocation (kvscore.select(alloc="adakv"): per-head safeguard of ⌊alpha·n⌋
+        tokens, the rest of the layer's n·kv_heads by one global top-k; sinks / recent protected).
+        Heads keep different numbers of tokens, which a rectangular cache cannot hold, so, like
+        kvpress's AdaKVPress, the evicted keys are masked (module.masked_key_indices, applied by
+        kvpress's attention patch) instead of removed. A selection rule (StreamingLLM) masks the
+        same way (its sinks + recent in every head), so that every layer of a PerLayerPress keeps
+        the cache's length: transformers builds one causal mask for all layers."""
+        if getattr(module.config, "_attn_implementation", None) == "eager":
+            raise ValueError("alloc='adakv' masks through kvpress's attention patch, which eager attention "
+                             "does not use: load the model with attn_implementation='sdpa'")
+        bsz, heads, k_len, _ = keys.shape
+        bi, hi, si = [], [], []
+        for b in range(bsz):
+            keep = torch.zeros(heads, k_len, dtype=torch.bool)
+            if self._rule is not None:
+                # kvscore::StreamingLLM's tokens in every head, masked too: every layer of a mix
+                # keeps its length
+                idx = torch.from_numpy(self._rule.select(heads, k_len, n_kept))
+                keep.scatter_(1, idx, True)
+            else:
+                sc = self._scorer_for(module, hidden_states, kwargs, b)
+                sel = _kv.select(sc.score(keys[b]), n_kept, sinks=self.sinks, recent=self._protected(sc),
+                                 alloc="adakv", alpha=self.alpha)
+                for h, idx in enumerate(sel):
+                    keep[h, idx] = True
+            h_idx, s_idx = (~keep).nonzero(as_tuple=True)
+            bi.append(torch.full_like(h_idx, b))
+            hi.append(h_idx)
+            si.append(s_idx)
+        dev = keys.device
+        module.masked_key_indices = (torch.cat(bi).to(dev), torch.cat(hi).to(dev), torch.cat(si).to(dev))
+        return keys, values
 
 
 class ManifoldKVPress(KvscorePress):
@@ -217,3 +273,100 @@ class KvscoreDecodingPress(DecodingPress):
                  hidden_states_buffer_size: int = _DECODING["hidden_states_buffer_size"], **options):
         super().__init__(base_press=KvscorePress(method, 0.0, **options), compression_interval=compression_interval,
                          target_size=target_size, hidden_states_buffer_size=hidden_states_buffer_size)
+
+
+class PerLayerPress(KvscorePress):
+    """A per-layer mix of kvscore methods: layer l is compressed by `methods[l]` (a list, one
+    method per layer), or, with a dict {keep fraction: [method per layer]}, by the list whose
+    keep is nearest to 1 - compression_ratio (ties: the larger keep). Each method runs as a
+    KvscorePress with the shared options (sinks, recent, alloc, alpha, filters= for Q-Filters,
+    window= for the query scorers, SnapKV and ProtoKV). PerLayerPress.from_report() builds it
+    from a leak-free `kvscore eval` report (its per_layer_best: the best press-able method per
+    layer at each keep)."""
+
+    def __init__(self, methods, compression_ratio: float = 0.0, *, sinks: int = 0, recent: int = 0,
+                 threads: int = 0, window: int = _k.kDefaultSnapKVWindow, filters=None, **options):
+        if isinstance(methods, dict):
+            plans = {float(k): list(v) for k, v in methods.items()}
+        else:
+            plans = {None: list(methods)}
+        if not plans or any(not v for v in plans.values()):
+            raise ValueError("PerLayerPress: methods must be a non-empty list (one method per layer) or a dict "
+                             "{keep: [method per layer]}")
+        n = {len(v) for v in plans.values()}
+        if len(n) != 1:
+            raise ValueError(f"PerLayerPress: every plan must cover the same layers (got lengths {sorted(n)})")
+        canon = {m: _kv.method_name(m) for v in plans.values() for m in v}  # ValueError for an unknown name
+        calibrated = sorted({c for c in canon.values() if "filters" in _OPTIONS[c]})
+        if calibrated and filters is None:
+            raise ValueError(f"PerLayerPress: a layer uses {', '.join(calibrated)}: give filters=[layers, kv_heads, "
+                             "head_dim]")
+        self.plans = {k: [canon[m] for m in v] for k, v in plans.items()}
+        self._shared = dict(sinks=sinks, recent=recent, threads=threads, **options)
+        self._window, self._filters_all = _int(window, "window"), filters
+        self._subs = {}
+        # the parent's options stay neutral: compress() hands each layer to its method's press
+        super().__init__(_kv.KNorm.name, compression_ratio, sinks=sinks, recent=recent, threads=threads)
+
+    def __repr__(self) -> str:
+        return f"PerLayerPress(plans={self.plans!r}, compression_ratio={self.compression_ratio})"
+
+    @classmethod
+    def from_report(cls, report, compression_ratio: float = 0.0, *, allow_shared: bool = False, **options):
+        """From a `kvscore eval` report (a dict, or the path of its JSON) made under the
+        leak-free protocol: {keep: methods} of its per_layer_best, and by default the report's
+        own selection options (sinks, recent, alloc: the choice was made with them). A
+        shared-protocol report is a ValueError unless allow_shared (there the query-aware
+        methods saw the evaluation queries and win the choice for that reason)."""
+        if not isinstance(report, dict):
+            import json
+            import pathlib
+
+            report = json.loads(pathlib.Path(report).read_text())
+        ropt = report.get("options", {})
+        options.setdefault("sinks", int(ropt.get("sinks", 0)))
+        options.setdefault("recent", int(ropt.get("recent", 0)))
+        options.setdefault("alloc", str(ropt.get("alloc", _SEL["alloc"])).replace("-", "_"))
+        protocol = ropt.get("protocol", "shared")
+        if protocol != "leak-free" and not allow_shared:
+            raise ValueError(f"PerLayerPress.from_report: the report's protocol is '{protocol}'; choose per layer on a "
+                             "leak-free report (kvscore eval --dump DIR of a dump_kv.py --following dump)")
+        best = report.get("per_layer_best") or []
+        if not best:
+            raise ValueError("PerLayerPress.from_report: the report has no per_layer_best (no press-able method ran)")
+        return cls({b["keep"]: b["methods"] for b in best}, compression_ratio, **options)
+
+    def plan(self):
+        """The methods per layer used at this compression ratio."""
+        if None in self.plans:
+            return self.plans[None]
+        keep = 1.0 - self.compression_ratio
+        k = min(self.plans, key=lambda x: (abs(x - keep), -x))
+        return self.plans[k]
+
+    def _sub(self, method: str) -> KvscorePress:
+        p = self._subs.get(method)
+        if p is None:
+            opts = dict(self._shared)
+            if "filters" in _OPTIONS[method]:
+                opts["filters"] = self._filters_all
+            elif method in _QUERY_METHODS:
+                opts["window"] = self._window
+            p = self._subs[method] = KvscorePress(method, 0.0, **opts)
+        p.compression_ratio = self.compression_ratio
+        return p
+
+    def _layer_press(self, module) -> KvscorePress:
+        plan = self.plan()
+        layer = int(module.layer_idx)
+        if not 0 <= layer < len(plan):
+            raise ValueError(f"PerLayerPress: layer {layer} has no method (the plan covers {len(plan)} layers)")
+        return self._sub(plan[layer])
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return self._layer_press(module).score(module, hidden_states, keys, values, attentions, kwargs)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        return self._layer_press(module).compress(module, hidden_states, keys, values, attentions, kwargs)

@@ -14,6 +14,7 @@
 // python/tests/test_tree.py checks that this file and python/kvscore write none of their own.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -21,7 +22,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -304,6 +307,26 @@ kvscore::BudgetRounding parse_rounding(const std::string& who, const std::string
   bad(who + ": rounding '" + r + "' must be 'nearest' or 'floor'");
 }
 
+// The evaluator's protocol and per-layer metric, in Python's spelling (kvscore eval's --protocol
+// leak-free is 'leak_free' here, as alloc's per-head is 'per_head').
+const char* protocol_name(kvscore::eval::Protocol p) {
+  return p == kvscore::eval::Protocol::leak_free ? "leak_free" : "shared";
+}
+kvscore::eval::Protocol parse_protocol(const std::string& p) {
+  if (p == "leak_free" || p == "leak-free") return kvscore::eval::Protocol::leak_free;
+  if (p == "shared") return kvscore::eval::Protocol::shared;
+  bad("evaluate: protocol '" + p + "' must be 'leak_free' or 'shared'");
+}
+const char* mix_metric_name(kvscore::eval::MixMetric m) {
+  return m == kvscore::eval::MixMetric::recall ? "recall" : m == kvscore::eval::MixMetric::output_error ? "error" : "overlap";
+}
+kvscore::eval::MixMetric parse_mix_metric(const std::string& m) {
+  if (m == "recall") return kvscore::eval::MixMetric::recall;
+  if (m == "error") return kvscore::eval::MixMetric::output_error;
+  if (m == "overlap") return kvscore::eval::MixMetric::overlap;
+  bad("evaluate: mix_metric '" + m + "' must be 'recall', 'error' or 'overlap'");
+}
+
 /// A dict of (name, value) pairs.
 template <class... V>
 nb::dict fields(std::pair<const char*, V>... kv) {
@@ -323,11 +346,12 @@ nb::dict struct_defaults() {
   const kvscore::CompactOptions co;
   d["CompactOptions"] = fields(f("tail", co.tail == kvscore::CompactTail::zero ? "zero" : "keep"));
   const kvscore::eval::EvalOptions ev;
-  d["EvalOptions"] = fields(f("keep", ev.keep), f("rounding", to_string(ev.rounding)));
+  d["EvalOptions"] = fields(f("keep", ev.keep), f("rounding", to_string(ev.rounding)),
+                            f("mix_metric", mix_metric_name(ev.mix_metric)));
   const kvscore::eval::MethodOptions mo;
   d["MethodOptions"] = fields(f("window", mo.window), f("window_tail", to_string(mo.window_tail)),
                               f("placement", kvscore::to_string(mo.placement)),
-                              f("streaming_sinks", mo.streaming_sinks));
+                              f("streaming_sinks", mo.streaming_sinks), f("protocol", protocol_name(mo.protocol)));
   const kvscore::synth::Spec sp;
   d["synth.Spec"] = fields(f("kind", kvscore::synth::kind_name(sp.kind)), f("layers", sp.layers),
                            f("kv_heads", sp.kv_heads), f("group", sp.group), f("tokens", sp.tokens),
@@ -666,7 +690,9 @@ void bind_evaluator(nb::module_& m) {
       "evaluate_json",
       [](const Any& K, const Any& V, const Any& Q, const std::string& methods, const std::vector<double>& keep,
          std::int64_t sinks, std::int64_t recent, const std::string& alloc, double alpha, std::int64_t window,
-         const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads) {
+         const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads,
+         const std::optional<Any>& W, const std::optional<Any>& C, const std::string& protocol,
+         const std::string& mix_metric) {
         const float* k = c_f32_4d(K, "K");
         const float* v = c_f32_4d(V, "V");
         const float* q = c_f32_4d(Q, "Q");
@@ -678,8 +704,22 @@ void bind_evaluator(nb::module_& m) {
         std::vector<kvscore::eval::LayerInput> layers(static_cast<std::size_t>(L));
         const std::int64_t H = K.shape(1), N = K.shape(2), D = K.shape(3), DV = V.shape(3), HQ = Q.shape(1),
                            NQ = Q.shape(2);
-        for (std::int64_t l = 0; l < L; ++l)
+        // leak-free protocol: the cache's last-window queries and other text's (both like Q)
+        auto like_q = [&](const std::optional<Any>& a, const char* what) -> std::int64_t {
+          if (!a) return 0;
+          c_f32_4d(*a, what);
+          if (std::int64_t(a->shape(0)) != L || a->shape(1) != Q.shape(1) || a->shape(3) != Q.shape(3))
+            bad(std::string("evaluate: ") + what + " must have Q's layers, q_heads and head_dim");
+          return std::int64_t(a->shape(2));
+        };
+        const std::int64_t NW = like_q(W, "window_queries"), NC = like_q(C, "calib_queries");
+        for (std::int64_t l = 0; l < L; ++l) {
           layers[std::size_t(l)] = {k + l * H * N * D, v + l * H * N * DV, q + l * HQ * NQ * D, H, N, D, DV, HQ, NQ};
+          if (W) layers[std::size_t(l)].window_queries = static_cast<const float*>(W->data()) + l * HQ * NW * D;
+          if (C) layers[std::size_t(l)].calib_queries = static_cast<const float*>(C->data()) + l * HQ * NC * D;
+          layers[std::size_t(l)].n_window = NW;
+          layers[std::size_t(l)].n_calib = NC;
+        }
         kvscore::eval::EvalOptions o;
         o.methods = kvscore::eval::resolve_methods(methods);
         o.keep = keep;
@@ -693,6 +733,8 @@ void bind_evaluator(nb::module_& m) {
         o.rounding = parse_rounding("evaluate: budget_rounding", rounding);
         o.method.threads = threads;
         o.threads = threads;
+        o.method.protocol = parse_protocol(protocol);
+        o.mix_metric = parse_mix_metric(mix_metric);
         std::string json;
         {
           nb::gil_scoped_release unlocked;
@@ -701,8 +743,11 @@ void bind_evaluator(nb::module_& m) {
         return json;
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
-      "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a,
-      "kvscore::eval::evaluate's report as JSON (`kvscore eval`).");
+      "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a, "window_queries"_a = nb::none(),
+      "calib_queries"_a = nb::none(), "protocol"_a = protocol_name(kvscore::eval::MethodOptions{}.protocol),
+      "mix_metric"_a = mix_metric_name(kvscore::eval::EvalOptions{}.mix_metric),
+      "kvscore::eval::evaluate's report as JSON (`kvscore eval`; window_queries / calib_queries: the leak-free\n"
+      "protocol's inputs).");
 
   // The C++ cost of ManifoldL2 score + per-head select, timed inside C++ (seconds per call, best
   // of `reps`): the baseline python/bench/bench_python.py compares the Python call with.

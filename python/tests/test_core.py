@@ -294,6 +294,49 @@ def test_evaluate_oracle_recall_and_metric_against_numpy():
     assert res[("knorm", 0.25)]["budget"] == n
 
 
+def test_evaluate_leak_free_protocol_against_numpy():
+    """Leak-free: snapkv scores with the window queries (the cache's last 16 positions, causal,
+    the window protected), qfilter is calibrated on other queries, and Q only measures: the
+    recall of those selections recomputed in numpy."""
+    d = kvscore.synth("mixed", tokens=512, queries=8, seed=1)
+    w = kvscore.synth("mixed", tokens=512, queries=16, seed=2)["Q"]  # the "window" queries
+    c = kvscore.synth("mixed", tokens=512, queries=12, seed=3)["Q"]  # other text's
+    r = kvscore.evaluate(d["K"], d["V"], d["Q"], methods="snapkv,qfilter,knorm", keep=[0.25], window_queries=w,
+                         calib_queries=c)
+    assert r["options"]["protocol"] == "leak-free" and r["input"]["window_queries"] == 16
+    assert r["input"]["calib_queries"] == 12 and not r["skipped"]
+    assert [b["keep"] for b in r["per_layer_best"]] == [0.25]
+    K, Q = d["K"][0].astype(np.float64), d["Q"][0].astype(np.float64)
+    n = kvscore.budget_from_ratio(512, 0.25)
+    snap = kvscore.SnapKV(w[0], window=16, placement="in_cache")
+    sels = {"snapkv": kvscore.select(snap.score(d["K"][0]), n, recent=16),
+            "qfilter": kvscore.select(kvscore.QFilter(kvscore.calibrate_qfilters(c[0], 4)).score(d["K"][0]), n)}
+    res = {x["method"]: x for x in r["results"]}
+    for m, sel in sels.items():
+        rec = []
+        for hq in range(Q.shape[0]):
+            lg = Q[hq] @ K[hq // 2].T / np.sqrt(K.shape[-1])
+            p = np.exp(lg - lg.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            rec.extend(p[:, sel[hq // 2]].sum(1))
+        assert res[m]["attention_mass_recall"] == pytest.approx(np.mean(rec), rel=1e-6), m
+    shared = kvscore.evaluate(d["K"], d["V"], d["Q"], methods="snapkv,knorm", keep=[0.25], window_queries=w,
+                              protocol="shared")
+    assert shared["options"]["protocol"] == "shared" and shared["input"]["window_queries"] == 0
+    assert shared["results"][1]["attention_mass_recall"] == res["knorm"]["attention_mass_recall"]
+    assert shared["results"][0]["attention_mass_recall"] != res["snapkv"]["attention_mass_recall"]
+    no_cal = kvscore.evaluate(d["K"], d["V"], d["Q"], methods="qfilter,knorm", keep=[0.25], window_queries=w)
+    assert [s["method"] for s in no_cal["skipped"]] == ["qfilter"]
+    with pytest.raises(ValueError, match="needs window_queries"):
+        kvscore.evaluate(d["K"], d["V"], d["Q"], protocol="leak_free")
+    with pytest.raises(ValueError, match="'fair'"):
+        kvscore.evaluate(d["K"], d["V"], d["Q"], protocol="fair")
+    with pytest.raises(ValueError, match="window_queries must have Q's layers, q_heads and head_dim"):
+        kvscore.evaluate(d["K"], d["V"], d["Q"], window_queries=w[:, :2])
+    with pytest.raises(ValueError, match="mix_metric 'best'"):
+        kvscore.evaluate(d["K"], d["V"], d["Q"], window_queries=w, mix_metric="best")
+
+
 def test_evaluate_equals_the_cli_report(tmp_path):
     cli = os.environ.get("KVSCORE_CLI")
     if not cli or not os.path.exists(cli):

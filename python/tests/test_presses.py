@@ -215,3 +215,41 @@ class _ByteTokenizer(transformers.PreTrainedTokenizer):
 
     def apply_chat_template(self, *a, **k):
         raise ValueError("no chat template")
+
+
+@pytest.mark.parametrize("method,peer", [("knorm", lambda r: kvpress.KnormPress(compression_ratio=r)),
+                                         ("keydiff", lambda r: kvpress.KeyDiffPress(compression_ratio=r))])
+def test_adakv_alloc_masks_what_kvpress_adakv_masks(method, peer):
+    """KvscorePress(alloc="adakv") against kvpress's AdaKVPress around the same scorer: the same
+    masked (head, position) pairs in every layer (safeguard ⌊0.2·n⌋ per head, then one global
+    top-k), the cache left at full length, and generation reads the masked cache."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
+
+    def masked(press):
+        cache = transformers.DynamicCache()
+        with torch.no_grad(), press(model):
+            model(input_ids=ids, past_key_values=cache)
+        out = []
+        for layer in model.model.layers:
+            b, h, s = layer.self_attn.masked_key_indices
+            out.append(set(zip(h.tolist(), s.tolist())))
+        return out, cache
+
+    ours, cache = masked(KvscorePress(method, 0.6, alloc="adakv"))
+    theirs, _ = masked(kvpress.AdaKVPress(peer(0.6)))
+    n_kept = int(200 * 0.4)
+    for layer in range(2):
+        assert len(ours[layer]) == 2 * (200 - n_kept)
+        assert ours[layer] == theirs[layer], f"layer {layer}"
+        assert cache.layers[layer].keys.shape[2] == 200
+        per_head = [sum(1 for h, _ in ours[layer] if h == x) for x in range(2)]
+        assert min(200 - m for m in per_head) >= int(0.2 * n_kept)  # the safeguard
+    with torch.no_grad():  # decoding attends through kvpress's patch (the masked keys get no weight)
+        out = model(input_ids=ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[200]]))
+    assert torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match="alloc 'greedy'"):
+        KvscorePress("knorm", 0.5, alloc="greedy")

@@ -216,3 +216,65 @@ TEST_CASE("cli eval: bad input", "[cli][eval]") {
   CHECK(!std::filesystem::exists(rep));
   cli_test::check_no_temporaries(eval_dir());
 }
+
+TEST_CASE("cli eval: a leak-free dump (--dump DIR with Qwin.npy, Qcal.npy) - protocols and per_layer_best", "[cli][eval]") {
+  // a dump_kv.py --following layout from synth data: K, V, Q as they are, Qwin = the queries
+  // of another synth seed (the "window"), Qcal = a third set
+  const std::string d = eval_data("one", ""), w = eval_data("win", "--seed 7"), dump = eval_dir().file("dump");
+  std::filesystem::create_directories(dump);
+  for (const char* f : {"K.npy", "V.npy", "Q.npy"})
+    std::filesystem::copy_file(d + "/" + f, dump + "/" + f, std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(w + "/Q.npy", dump + "/Qwin.npy", std::filesystem::copy_options::overwrite_existing);
+  const std::string lf = eval_dir().file("lf.json"), sh = eval_dir().file("sh.json"), ex = eval_dir().file("ex.json");
+  // without Qcal.npy: leak-free by default, qfilter skipped with the reason
+  cli_test::Result r = eval_cli("eval --dump " + dump + " --methods snapkv,qfilter,l2,oracle --keep 0.25 --out " + lf);
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  std::string a = cli_test::slurp(lf);
+  CHECK(a.find("\"protocol\": \"leak-free\"") != std::string::npos);
+  CHECK(a.find("\"window_queries\": 4, \"calib_queries\": 0") != std::string::npos);
+  CHECK(a.find("calibrates Q-Filters on other text") != std::string::npos);
+  CHECK(r.out.find("protocol leak-free, 4 window queries") != std::string::npos);
+  CHECK(a.find("\"per_layer_best\": [\n    {\"keep\": 0.25, \"metric\": \"attention_mass_recall\", \"methods\": [") !=
+        std::string::npos);
+  // with Qcal.npy qfilter runs; the same files given one by one give the same report
+  std::filesystem::copy_file(w + "/Q.npy", dump + "/Qcal.npy", std::filesystem::copy_options::overwrite_existing);
+  REQUIRE(eval_cli("eval --dump " + dump + " --methods snapkv,qfilter,l2,oracle --keep 0.25 --out " + lf).rc == 0);
+  REQUIRE(eval_cli("eval " + eval_inputs(d) + " --window-queries " + dump + "/Qwin.npy --calib-queries " + dump +
+                   "/Qcal.npy --methods snapkv,qfilter,l2,oracle --keep 0.25 --out " + ex).rc == 0);
+  a = cli_test::slurp(lf);
+  CHECK(a.find("\"skipped\": []") != std::string::npos);
+  auto strip_time = [](std::string s) {  // time_ms differs from run to run
+    for (std::size_t p = s.find("\"time_ms\": "); p != std::string::npos; p = s.find("\"time_ms\": ", p + 1))
+      s.erase(p + 11, s.find(',', p) - p - 11);
+    return s;
+  };
+  CHECK(strip_time(a) == strip_time(cli_test::slurp(ex)));
+  // --protocol shared: every method sees Q; the library's numbers
+  REQUIRE(eval_cli("eval --dump " + dump + " --methods snapkv,qfilter,l2,oracle --keep 0.25 --protocol shared --out " +
+                   sh).rc == 0);
+  const std::string b = cli_test::slurp(sh);
+  CHECK(b.find("\"protocol\": \"shared\"") != std::string::npos);
+  CHECK(b.find("\"window_queries\": 0, \"calib_queries\": 0") != std::string::npos);
+  auto recall_of = [](const std::string& json, const std::string& m) {
+    const std::size_t p = json.find("{\"method\": \"" + m + "\"");
+    return eval_field(json, p, "attention_mass_recall");
+  };
+  CHECK(recall_of(a, "snapkv") != recall_of(b, "snapkv"));
+  CHECK(recall_of(a, "l2") == recall_of(b, "l2"));
+  CHECK(recall_of(a, "oracle") == recall_of(b, "oracle"));
+  // usage errors
+  const std::string ok = " --out " + eval_dir().file("bad.json");
+  cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --protocol leak-free" + ok),
+                        "--protocol leak-free needs the cache's last-window queries");
+  cli_test::check_error(eval_cli("eval --dump " + dump + " --query-placement in-cache" + ok),
+                        "--query-placement is for --protocol shared");
+  cli_test::check_error(eval_cli("eval --dump " + dump + " --keys " + d + "/K.npy" + ok), "drop --keys");
+  cli_test::check_error(eval_cli("eval --dump " + dump + " --protocol fair" + ok), "--protocol: 'fair'");
+  cli_test::check_error(eval_cli("eval --dump " + dump + " --mix-metric best" + ok), "--mix-metric: 'best'");
+  const std::vector<float> q(2 * 4 * 16, 0.f);
+  npy::save<float>(eval_dir().file("qwin16.npy"), {4, 4, 16}, q.data());
+  cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --window-queries " + eval_dir().file("qwin16.npy") + ok),
+                        "window queries [4, 4, 16] do not match queries [4, 4, 32]");
+  CHECK(!std::filesystem::exists(eval_dir().file("bad.json")));
+}

@@ -16,6 +16,7 @@
 // with the reason, and the others still run.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -28,12 +29,20 @@
 
 namespace kvscore::eval {
 
+/// The metric a per-layer choice maximises (output error: minimises).
+enum class MixMetric { recall, output_error, overlap };
+
+inline const char* to_string(MixMetric m) noexcept {
+  return m == MixMetric::recall ? "attention_mass_recall" : m == MixMetric::output_error ? "output_rel_error" : "topk_overlap";
+}
+
 struct EvalOptions {
   std::vector<std::string> methods;      ///< registry names (resolve_methods)
   std::vector<double> keep = {0.1, 0.25, 0.5};  ///< fractions of the tokens kept, each in (0, 1]
   MethodOptions method;                  ///< protection, allocation, window, threads
   BudgetRounding rounding = BudgetRounding::nearest;  ///< n from keep: nearest, or floor (the papers')
   int threads = 0;                       ///< threads over heads for the metrics (0 = OpenMP default)
+  MixMetric mix_metric = MixMetric::recall;  ///< what the report's per_layer_best maximises
 };
 
 struct HeadResult {
@@ -62,6 +71,7 @@ struct Report {
   EvalOptions options;
   std::vector<Result> results;
   std::vector<Skipped> skipped;
+  std::int64_t n_window = 0, n_calib = 0;  ///< leak-free inputs: window and calibration queries per head
 };
 
 namespace detail {
@@ -98,7 +108,24 @@ inline void validate(const std::vector<LayerInput>& layers, const EvalOptions& o
     check_finite(b.keys, b.kv_heads * b.tokens * b.head_dim, who + L + " keys");
     check_finite(b.values, b.kv_heads * b.tokens * b.value_dim, who + L + " values");
     check_finite(b.queries, b.q_heads * b.n_queries * b.head_dim, who + L + " queries");
+    if (b.n_window != a.n_window || b.n_calib != a.n_calib || (b.window_queries == nullptr) != (a.window_queries == nullptr) ||
+        (b.calib_queries == nullptr) != (a.calib_queries == nullptr))
+      invalid(who + "layer " + std::to_string(l) + " has other window or calibration queries than layer 0");
+    if (b.window_queries != nullptr) {
+      if (b.n_window < 1) invalid(who + L + ": n_window must be >= 1 (got " + std::to_string(b.n_window) + ")");
+      if (b.n_window > b.tokens)
+        invalid(who + L + ": the " + std::to_string(b.n_window) + " window queries are the cache's last positions, " +
+                "so at most its " + std::to_string(b.tokens) + " tokens");
+      check_finite(b.window_queries, b.q_heads * b.n_window * b.head_dim, who + L + " window queries");
+    }
+    if (b.calib_queries != nullptr) {
+      if (b.n_calib < 1) invalid(who + L + ": n_calib must be >= 1 (got " + std::to_string(b.n_calib) + ")");
+      check_finite(b.calib_queries, b.q_heads * b.n_calib * b.head_dim, who + L + " calibration queries");
+    }
   }
+  if (opt.method.protocol == Protocol::leak_free && a.window_queries == nullptr)
+    invalid(who + "the leak-free protocol needs the cache's last-window queries (LayerInput::window_queries; "
+                  "kvscore eval --window-queries, dump_kv.py --following)");
   if (opt.methods.empty()) invalid(who + "no methods");
   for (const std::string& m : opt.methods) find_method(m);
   if (opt.keep.empty()) invalid(who + "no keep fractions");
@@ -127,6 +154,67 @@ inline void check_compressed(const Compressed& c, const LayerInput& in, const st
 }  // namespace detail
 
 Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions& opt);
+
+/// Best method per layer at one keep fraction (per_layer_best).
+struct LayerChoice {
+  double keep = 0;
+  MixMetric metric = MixMetric::recall;
+  std::vector<std::string> methods;  ///< [layer]: the chosen method's report name
+  std::vector<double> values;        ///< [layer]: its metric, mean over the layer's KV heads
+};
+
+/// Whether a method can be one layer's choice in a per-layer mix: a selection method a press
+/// can run during prefill (scorers, query scorers, StreamingLLM). Retrieval (ParisKV) and
+/// hybrid (OjaKV) methods keep other things than a per-head token set, and the oracle sees the
+/// evaluation queries.
+inline bool mixable(const std::string& name) {
+  const MethodInfo* info = find_method_info(name);
+  return info != nullptr && (info->kind == MethodKind::scorer || info->kind == MethodKind::query_scorer ||
+                             info->kind == MethodKind::selection_rule);
+}
+
+/// Per keep fraction of the report, the mixable method (mixable()) with the best metric in
+/// each layer, averaged over the layer's KV heads; ties go to the method listed first. Run it on
+/// a leak-free report: under the shared protocol the query-aware methods saw the evaluation
+/// queries and win for that reason. A keep with no mixable result gives no entry.
+inline std::vector<LayerChoice> per_layer_best(const Report& r, MixMetric metric = MixMetric::recall) {
+  std::vector<LayerChoice> out;
+  std::vector<double> keeps;
+  for (const Result& res : r.results)
+    if (std::find(keeps.begin(), keeps.end(), res.keep) == keeps.end()) keeps.push_back(res.keep);
+  const double sign = metric == MixMetric::output_error ? -1.0 : 1.0;
+  for (const double keep : keeps) {
+    LayerChoice c;
+    c.keep = keep;
+    c.metric = metric;
+    c.methods.assign(std::size_t(r.layers), "");
+    c.values.assign(std::size_t(r.layers), 0.0);
+    std::vector<double> best(std::size_t(r.layers), -INFINITY);
+    for (const Result& res : r.results) {
+      if (res.keep != keep || !mixable(res.method)) continue;
+      std::vector<double> sum(std::size_t(r.layers), 0.0);
+      std::vector<std::int64_t> count(std::size_t(r.layers), 0);
+      for (const HeadResult& h : res.per_head) {
+        const double v = metric == MixMetric::recall         ? h.attention_mass_recall
+                         : metric == MixMetric::output_error ? h.output_rel_error
+                                                             : h.topk_overlap;
+        sum[std::size_t(h.layer)] += v;
+        ++count[std::size_t(h.layer)];
+      }
+      for (std::size_t l = 0; l < sum.size(); ++l) {
+        if (count[l] == 0) continue;
+        const double mean = sum[l] / double(count[l]);
+        if (sign * mean > best[l]) {  // strict: the first listed keeps a tie
+          best[l] = sign * mean;
+          c.methods[l] = res.method;
+          c.values[l] = mean;
+        }
+      }
+    }
+    if (std::find(c.methods.begin(), c.methods.end(), std::string()) == c.methods.end()) out.push_back(std::move(c));
+  }
+  return out;
+}
 
 }  // namespace kvscore::eval
 

@@ -28,7 +28,8 @@ KVSCORE_IMPL_INLINE Report evaluate(const std::vector<LayerInput>& layers, const
   const LayerInput& a = layers[0];
   Report rep{.layers = std::int64_t(layers.size()), .kv_heads = a.kv_heads, .q_heads = a.q_heads, .tokens = a.tokens,
              .head_dim = a.head_dim, .value_dim = a.value_dim, .n_queries = a.n_queries, .options = opt,
-             .results = {}, .skipped = {}};
+             .results = {}, .skipped = {}, .n_window = a.window_queries ? a.n_window : 0,
+             .n_calib = a.calib_queries ? a.n_calib : 0};
   const std::int64_t H = a.kv_heads, G = a.group(), nq = a.n_queries, rows = G * nq;
 
   struct Job {

@@ -37,11 +37,19 @@ namespace kvscore::eval {
 /// One layer of the evaluator's input, fp32, C order:
 /// keys [kv_heads][tokens][head_dim], values [kv_heads][tokens][value_dim],
 /// queries [q_heads][n_queries][head_dim]; query head hq belongs to KV head hq / group().
+/// The leak-free protocol (Protocol::leak_free) adds the queries an engine has when it
+/// compresses: window_queries [q_heads][n_window][head_dim], the cache's own last n_window
+/// positions, and calib_queries [q_heads][n_calib][head_dim] from other text (Q-Filters'
+/// calibration; optional). `queries` then only measure (they follow the cache).
 struct LayerInput {
   const float* keys = nullptr;
   const float* values = nullptr;
   const float* queries = nullptr;
   std::int64_t kv_heads = 0, tokens = 0, head_dim = 0, value_dim = 0, q_heads = 0, n_queries = 0;
+  const float* window_queries = nullptr;
+  std::int64_t n_window = 0;
+  const float* calib_queries = nullptr;
+  std::int64_t n_calib = 0;
 
   std::int64_t group() const noexcept { return kv_heads > 0 ? q_heads / kv_heads : 0; }
   KeysView<float> key_view() const { return KeysView<float>(keys, kv_heads, tokens, head_dim, tokens * head_dim, head_dim); }
@@ -49,6 +57,18 @@ struct LayerInput {
     return queries + (hq * n_queries + i) * head_dim;
   }
 };
+
+/// Which queries a method may see (docs/evaluate.md "Protocols").
+///  * shared: every method sees the evaluation queries (query-aware methods are scored on the
+///    very queries that measure them; Q-Filters are calibrated on them): an upper bound.
+///  * leak_free: as in an engine. snapkv, protokv and ojakv see only the cache's last-window
+///    queries (LayerInput::window_queries, in the cache: causal mask, window protected), qfilter
+///    is calibrated on LayerInput::calib_queries (other text; skipped without them), and the
+///    evaluation queries only measure. pariskv retrieves per decode query (it sees the query
+///    it answers, as at decode time); the oracle stays the ceiling on the evaluation queries.
+enum class Protocol { shared, leak_free };
+
+inline const char* to_string(Protocol p) noexcept { return p == Protocol::leak_free ? "leak-free" : "shared"; }
 
 /// Options shared by every method (from the command line).
 struct MethodOptions {
@@ -60,6 +80,7 @@ struct MethodOptions {
   /// queries follow its cache (tools/dump_kv.py, kvscore synth), hence after_cache: no causal
   /// mask, no protection beyond --recent. in_cache treats them as the cache's last n_q positions.
   QueryPlacement placement = QueryPlacement::after_cache;
+  Protocol protocol = Protocol::shared;  ///< which queries the methods see (leak_free: the window's, in-cache)
   int threads = 0;             ///< scorer threads (0 = OpenMP default)
 };
 

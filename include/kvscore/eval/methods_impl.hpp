@@ -46,10 +46,11 @@ KVSCORE_IMPL_INLINE Compressed hybrid_method(std::string_view spelling, const La
   HybridArgs a;
   a.budget = n;
   a.rank = ojakv_eval_rank(d);
-  a.queries = in.queries;
+  const bool leak_free = o.protocol == Protocol::leak_free;
+  a.queries = leak_free ? in.window_queries : in.queries;  // leak-free: the residual rule's window is the cache's own
   a.q_heads = in.q_heads;
-  a.n_queries = in.n_queries;
-  a.placement = o.placement;
+  a.n_queries = leak_free ? in.n_window : in.n_queries;
+  a.placement = leak_free ? QueryPlacement::in_cache : o.placement;
   a.threads = o.threads;
   a.select = o.select;
   const KeysView<float> values(in.values, H, N, d, N * d, d);
@@ -94,9 +95,14 @@ KVSCORE_IMPL_INLINE MethodFn builtin_run(std::string_view name) {
   switch (info->kind) {
     case MethodKind::scorer:
     case MethodKind::query_scorer:
-      // the evaluation queries as the window (and as Q-Filters' calibration set), the command
-      // line's window, placement and threads; a query scorer's in-cache window is protected
-      return [spelling = std::string(name)](const LayerInput& in, std::int64_t n, const MethodOptions& o) {
+      // shared protocol: the evaluation queries as the window (and as Q-Filters' calibration
+      // set), the command line's placement; leak-free: the cache's last-window queries (in the
+      // cache) and the calibration queries of other text (for a scorer whose registry options
+      // name filters: Q-Filters calibrate on queries). A query scorer's in-cache window is
+      // protected.
+      return [spelling = std::string(name), kind = info->kind, calibrated = reads_option(*info, "filters"),
+              title = std::string(info->summary.substr(0, info->summary.find(':')))](
+                 const LayerInput& in, std::int64_t n, const MethodOptions& o) {
         ScorerArgs a;
         a.threads = o.threads;
         a.window = o.window;
@@ -107,6 +113,20 @@ KVSCORE_IMPL_INLINE MethodFn builtin_run(std::string_view name) {
         a.n_queries = in.n_queries;
         a.head_dim = in.head_dim;
         a.placement = o.placement;
+        if (o.protocol == Protocol::leak_free) {
+          a.placement = QueryPlacement::in_cache;
+          if (kind == MethodKind::query_scorer) {
+            a.queries = in.window_queries;
+            a.n_queries = in.n_window;
+          } else {
+            if (calibrated && in.calib_queries == nullptr)
+              throw std::invalid_argument(spelling + ": the leak-free protocol calibrates " + title + " on other text; "
+                                          "give calibration queries (kvscore eval --calib-queries, dump_kv.py "
+                                          "--calib-text)");
+            a.queries = in.calib_queries;
+            a.n_queries = in.n_calib;
+          }
+        }
         const AnyScorer s = make_scorer(spelling, a);
         return select_scores(s.score(in.key_view()), n, o, s.protected_recent());
       };

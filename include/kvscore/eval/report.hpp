@@ -4,7 +4,8 @@
 // JSON: {"kvscore_eval": 1, "input": {...}, "options": {...},
 //        "results": [{"method", "keep", "budget", "attention_mass_recall", "output_rel_error",
 //                     "topk_overlap", "time_ms", "per_head": [{"layer", "head", "kept", ...}]}],
-//        "skipped": [{"method", "keep", "reason"}]}
+//        "skipped": [{"method", "keep", "reason"}],
+//        "per_layer_best": [{"keep", "metric", "methods": [per layer], "values": [per layer]}]}
 // Numbers are printed with 17 significant digits (round-trip), never NaN/Inf (the metrics
 // are finite by construction; time is finite).
 // SVG: three panels (attention-mass recall ↑, output relative error ↓, top-k overlap ↑)
@@ -71,14 +72,17 @@ inline std::string to_json(const Report& r) {
        ", \"q_heads\": " + std::to_string(r.q_heads) + ", \"group\": " +
        std::to_string(r.kv_heads > 0 ? r.q_heads / r.kv_heads : 0) + ", \"tokens\": " + std::to_string(r.tokens) +
        ", \"head_dim\": " + std::to_string(r.head_dim) + ", \"value_dim\": " + std::to_string(r.value_dim) +
-       ", \"queries\": " + std::to_string(r.n_queries) + "},\n";
+       ", \"queries\": " + std::to_string(r.n_queries) + ", \"window_queries\": " + std::to_string(r.n_window) +
+       ", \"calib_queries\": " + std::to_string(r.n_calib) + "},\n";
   const MethodOptions& m = r.options.method;
   o += "  \"options\": {\"sinks\": " + std::to_string(m.select.sinks) + ", \"recent\": " +
        std::to_string(m.select.recent) + ", \"alloc\": " + json_str(detail::alloc_name(m.select.alloc)) +
        ", \"window\": " + std::to_string(m.window) +
        ", \"window_tail\": " + json_str(m.window_tail == WindowTail::merge ? "merge" : "own") +
        ", \"budget_rounding\": " + json_str(r.options.rounding == BudgetRounding::floor ? "floor" : "nearest") +
-       ", \"query_placement\": " + json_str(m.placement == QueryPlacement::in_cache ? "in-cache" : "after-cache") +
+       ", \"query_placement\": " +  // leak-free: the window queries, always in the cache
+       json_str(m.placement == QueryPlacement::in_cache || m.protocol == Protocol::leak_free ? "in-cache" : "after-cache") +
+       ", \"protocol\": " + json_str(to_string(m.protocol)) + ", \"mix_metric\": " + json_str(to_string(r.options.mix_metric)) +
        ", \"keep\": [";
   for (std::size_t i = 0; i < r.options.keep.size(); ++i) o += (i ? ", " : "") + json_num(r.options.keep[i]);
   o += "], \"methods\": [";
@@ -104,7 +108,17 @@ inline std::string to_json(const Report& r) {
   for (std::size_t i = 0; i < r.skipped.size(); ++i)
     o += std::string(i ? ", " : "") + "{\"method\": " + json_str(r.skipped[i].method) + ", \"keep\": " +
          json_num(r.skipped[i].keep) + ", \"reason\": " + json_str(r.skipped[i].reason) + "}";
-  o += "]\n}\n";
+  o += "],\n  \"per_layer_best\": [";
+  const std::vector<LayerChoice> best = per_layer_best(r, r.options.mix_metric);
+  for (std::size_t i = 0; i < best.size(); ++i) {
+    o += std::string(i ? "," : "") + "\n    {\"keep\": " + json_num(best[i].keep) + ", \"metric\": " +
+         json_str(to_string(best[i].metric)) + ", \"methods\": [";
+    for (std::size_t l = 0; l < best[i].methods.size(); ++l) o += (l ? ", " : "") + json_str(best[i].methods[l]);
+    o += "], \"values\": [";
+    for (std::size_t l = 0; l < best[i].values.size(); ++l) o += (l ? ", " : "") + json_num(best[i].values[l]);
+    o += "]}";
+  }
+  o += best.empty() ? "]\n}\n" : "\n  ]\n}\n";
   return o;
 }
 
@@ -113,7 +127,9 @@ inline std::string to_table(const Report& r) {
   std::string o = "kvscore eval: " + std::to_string(r.layers) + " layer(s), " + std::to_string(r.kv_heads) +
                   " KV heads x " + std::to_string(r.tokens) + " tokens, " + std::to_string(r.q_heads) +
                   " query heads x " + std::to_string(r.n_queries) + " queries, head_dim " +
-                  std::to_string(r.head_dim) + "\n";
+                  std::to_string(r.head_dim) + ", protocol " + to_string(r.options.method.protocol) +
+                  (r.n_window ? ", " + std::to_string(r.n_window) + " window queries" : std::string()) +
+                  (r.n_calib ? ", " + std::to_string(r.n_calib) + " calibration queries" : std::string()) + "\n";
   char line[256];
   std::snprintf(line, sizeof line, "%-16s %6s %8s %8s %9s %8s %10s\n", "method", "keep", "budget", "recall",
                 "rel_err", "top-k", "time_ms");

@@ -426,31 +426,15 @@ def _verify_encoder(model, input_ids, window, full, Q, out: pathlib.Path, layers
     return diff
 
 
-@contextlib.contextmanager
 def _quiet_transformers():
-    """No progress bars or load reports (the bundled MiniLM has a harmless unused position_ids)."""
-    from transformers.utils import logging as hf_logging
-
-    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if gguf_utils is None:
-        try:
-            import transformers.modeling_gguf_pytorch_utils as gguf_utils
-        except ImportError:
-            gguf_utils = None
-    bar_fn = getattr(gguf_utils, "tqdm", None)
-    if bar_fn is not None:  # the GGUF loader's own tqdm bar (TQDM_DISABLE is read once, at import)
-        gguf_utils.tqdm = lambda it, *a, **k: it
+    """No progress bars or load reports (the bundled MiniLM has a harmless unused position_ids):
+    kvscore.quality's quiet loader where the kvscore package is installed (README command 2's venv);
+    without it the dump is the same, only louder."""
     try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bar:
-            hf_logging.enable_progress_bar()
-        if bar_fn is not None:
-            gguf_utils.tqdm = bar_fn
+        from kvscore.quality import quiet_transformers
+    except ImportError:
+        return contextlib.nullcontext()
+    return quiet_transformers()
 
 
 def minilm_path() -> pathlib.Path:

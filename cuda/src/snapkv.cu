@@ -243,6 +243,17 @@ struct TcSmem {
   static constexpr std::size_t bytes = 3 * tile * sizeof(__half) + std::size_t(kTcT) * ldl * sizeof(float);
 };
 
+/// The four tiles of a block's dynamic shared memory: Q_hi, Q_lo, K (fp16) and the logits (fp32).
+struct TcTiles {
+  __half *Qh, *Ql, *Ks;
+  float* L;
+  template <int DIM>
+  __device__ static TcTiles carve(unsigned char* sm) {
+    __half* q = reinterpret_cast<__half*>(sm);
+    return {q, q + TcSmem<DIM>::tile, q + 2 * TcSmem<DIM>::tile, reinterpret_cast<float*>(q + 3 * TcSmem<DIM>::tile)};
+  }
+};
+
 template <int DIM>
 __device__ void tc_load_keys(const std::uint16_t* keys, const Shape& s, long long h, long long t0, int m, bool vec16,
                              __half* Ks) {
@@ -337,10 +348,9 @@ template <int DIM>
 __global__ void __launch_bounds__(kThreads) stats_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
   extern __shared__ __align__(128) unsigned char tc_sm[];
   using SM = TcSmem<DIM>;
-  __half* Qh = reinterpret_cast<__half*>(tc_sm);
-  __half* Ql = Qh + SM::tile;
-  __half* Ks = Ql + SM::tile;
-  float* L = reinterpret_cast<float*>(Ks + SM::tile);
+  const TcTiles t_ = TcTiles::carve<DIM>(tc_sm);
+  __half *Qh = t_.Qh, *Ql = t_.Ql, *Ks = t_.Ks;
+  float* L = t_.L;
   const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
   const long long h = blockIdx.y, kb = blockIdx.x, q0 = (long long)blockIdx.z * kTcT;
   const int nqr = int(s.nq - q0 < kTcT ? s.nq - q0 : kTcT);
@@ -393,10 +403,9 @@ template <int DIM>
 __global__ void __launch_bounds__(kThreads) accumulate_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
   extern __shared__ __align__(128) unsigned char tc_sm[];
   using SM = TcSmem<DIM>;
-  __half* Qh = reinterpret_cast<__half*>(tc_sm);
-  __half* Ql = Qh + SM::tile;
-  __half* Ks = Ql + SM::tile;
-  float* L = reinterpret_cast<float*>(Ks + SM::tile);
+  const TcTiles t_ = TcTiles::carve<DIM>(tc_sm);
+  __half *Qh = t_.Qh, *Ql = t_.Ql, *Ks = t_.Ks;
+  float* L = t_.L;
   const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
   const long long h = blockIdx.y, t0 = (long long)blockIdx.x * kTcT;
   const int m = int(s.N - t0 < kTcT ? s.N - t0 : kTcT);

@@ -92,24 +92,29 @@ struct MaskOut {  // AdaKV global step: keep[i] = 1
 /// row pass latency-bound (1.7 TB/s on an H200, issue 30).
 constexpr int kLoads = 8;
 
-template <class Src>
-__device__ void block_hist(const Src& src, long long r, long long b, long long e, std::uint32_t prefix,
-                           std::uint32_t mask, int level, unsigned* hist) {
-  const int shift = level_shift(level);
-  const std::uint32_t dmask = std::uint32_t(level_bins(level) - 1);
+/// f(key) for this thread's keys of row r in [b, e) (i = b + threadIdx.x + j·kBlock), kLoads loads
+/// issued before their f calls.
+template <class Src, class F>
+__device__ __forceinline__ void for_each_key(const Src& src, long long r, long long b, long long e, F&& f) {
   long long i0 = b + threadIdx.x;
   for (; i0 + (kLoads - 1) * kBlock < e; i0 += kLoads * kBlock) {
     std::uint32_t k[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) k[u] = src.key(r, i0 + u * kBlock);
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u)
-      if ((k[u] & mask) == prefix) atomicAdd(&hist[(k[u] >> shift) & dmask], 1u);
+    for (int u = 0; u < kLoads; ++u) f(k[u]);
   }
-  for (long long i = i0; i < e; i += kBlock) {
-    const std::uint32_t k = src.key(r, i);
+  for (long long i = i0; i < e; i += kBlock) f(src.key(r, i));
+}
+
+template <class Src>
+__device__ void block_hist(const Src& src, long long r, long long b, long long e, std::uint32_t prefix,
+                           std::uint32_t mask, int level, unsigned* hist) {
+  const int shift = level_shift(level);
+  const std::uint32_t dmask = std::uint32_t(level_bins(level) - 1);
+  for_each_key(src, r, b, e, [&](std::uint32_t k) {
     if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & dmask], 1u);
-  }
+  });
 }
 
 /// The bin (from the top) where the m-th largest key falls; every thread gets it (smem).
@@ -263,22 +268,10 @@ __global__ void __launch_bounds__(kBlock) mc_count(Src src, long long n, long lo
   const long long r = blockIdx.y, b = blockIdx.x * chunk, e = b + chunk < n ? b + chunk : n;
   const Th t = th[r];
   long long g = 0, q = 0;
-  long long i0 = b + threadIdx.x;
-  for (; i0 + (kLoads - 1) * kBlock < e; i0 += kLoads * kBlock) {
-    std::uint32_t k[kLoads];
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) k[u] = src.key(r, i0 + u * kBlock);
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      g += k[u] > t.key;
-      q += k[u] == t.key;
-    }
-  }
-  for (long long i = i0; i < e; i += kBlock) {
-    const std::uint32_t k = src.key(r, i);
+  for_each_key(src, r, b, e, [&](std::uint32_t k) {
     g += k > t.key;
     q += k == t.key;
-  }
+  });
   const long long G = cub::BlockReduce<long long, kBlock>(tmp).Sum(g);
   __syncthreads();
   const long long Q = cub::BlockReduce<long long, kBlock>(tmp).Sum(q);

@@ -129,8 +129,9 @@ def find_model(path=None) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """No transformers warnings or progress bars while loading (the GGUF loader's tqdm too)."""
+def quiet_transformers():
+    """No transformers warnings or progress bars while loading (the GGUF loader's tqdm too); also
+    tools/dump_kv.py's."""
     from transformers.utils import logging as hf_logging
 
     level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -163,7 +164,7 @@ def load_model(path=None):
 
     p = find_model(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with _quiet():
+    with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True,
                                                      dtype=torch.float32)
@@ -762,7 +763,7 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
 
         p = find_model(a.model)
-        with _quiet():
+        with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
         n = int(a.lengths.split(",")[0]) if a.lengths else 2048
         ctx, fol = workload_texts(tok, n)

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
+from kept_rows import kept_positions  # noqa: E402
 from kvscore.presses import (KvscoreDecodingPress, KvscorePress, ManifoldKVPress,  # noqa: E402
                              ProtoKVPress, WindowedManifoldKVPress)
 
@@ -35,16 +36,6 @@ def prefill_cache(model, press, ids):
             with press(model):
                 model(input_ids=ids, past_key_values=cache)
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-
-
-def kept_positions(full_keys, kept_keys):
-    """Positions of the kept key rows in the uncompressed cache, per head (as sets)."""
-    out = []
-    for h in range(full_keys.shape[1]):
-        rows = {full_keys[0, h, t].float().numpy().tobytes(): t for t in range(full_keys.shape[2])}
-        assert len(rows) == full_keys.shape[2], "rows must be distinct to identify them"
-        out.append(sorted(rows[kept_keys[0, h, i].float().numpy().tobytes()] for i in range(kept_keys.shape[2])))
-    return out
 
 
 PAIRS = [

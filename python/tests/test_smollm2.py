@@ -33,6 +33,7 @@ pytest.importorskip("gguf")
 
 import kvscore  # noqa: E402
 from kvscore import quality  # noqa: E402
+from kept_rows import kept_positions  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 from kvscore.presses import KvscorePress, PerLayerPress  # noqa: E402
 
@@ -68,16 +69,6 @@ def ctx(smol):
     return c, quality.SharedPrefill(pipe.model, ids)
 
 
-def _rows(full, kept):
-    """Positions of the kept key rows in the full cache, per head (kept order)."""
-    out = []
-    for h in range(full.shape[1]):
-        index = {full[0, h, t].numpy().tobytes(): t for t in range(full.shape[2])}
-        assert len(index) == full.shape[2], "key rows must be distinct to identify them"
-        out.append([index[kept[0, h, i].numpy().tobytes()] for i in range(kept.shape[2])])
-    return out
-
-
 PAIRS = [
     ("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
     ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
@@ -102,7 +93,7 @@ def test_kvscore_press_keeps_kvpress_positions_on_smollm2(smol, ctx, method, opt
         k_full = full.layers[layer].keys
         a, b = ours.layers[layer].keys, theirs.layers[layer].keys
         assert a.shape == b.shape == (1, 3, compute_n_kept(n, 0.6), 64)
-        pa, pb = _rows(k_full, a), _rows(k_full, b)
+        pa, pb = kept_positions(k_full, a, ordered=True), kept_positions(k_full, b, ordered=True)
         scores = None
         for h in range(3):
             assert pa[h] == sorted(pa[h]), "kvscore keeps positions in ascending order"

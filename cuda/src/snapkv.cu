@@ -243,15 +243,14 @@ struct TcSmem {
   static constexpr std::size_t bytes = 3 * tile * sizeof(__half) + std::size_t(kTcT) * ldl * sizeof(float);
 };
 
-/// The four tiles of a block's dynamic shared memory: Q_hi, Q_lo, K (fp16) and the logits (fp32).
+/// The four tiles of a block's dynamic shared memory (Q_hi, Q_lo, K in fp16, the logits in fp32)
+/// and the queries' unscale 2^−e.
 struct TcTiles {
   __half *Qh, *Ql, *Ks;
   float* L;
+  float unscale;
   template <int DIM>
-  __device__ static TcTiles carve(unsigned char* sm) {
-    __half* q = reinterpret_cast<__half*>(sm);
-    return {q, q + TcSmem<DIM>::tile, q + 2 * TcSmem<DIM>::tile, reinterpret_cast<float*>(q + 3 * TcSmem<DIM>::tile)};
-  }
+  __device__ static TcTiles carve(unsigned char* sm, const unsigned* qmax);
 };
 
 template <int DIM>
@@ -333,6 +332,13 @@ __device__ __forceinline__ int tc_exponent(unsigned qmax_bits) {
   return e < -100 ? -100 : (e > 100 ? 100 : e);
 }
 
+template <int DIM>
+__device__ TcTiles TcTiles::carve(unsigned char* sm, const unsigned* qmax) {
+  __half* q = reinterpret_cast<__half*>(sm);
+  return {q, q + TcSmem<DIM>::tile, q + 2 * TcSmem<DIM>::tile, reinterpret_cast<float*>(q + 3 * TcSmem<DIM>::tile),
+          ldexpf(1.f, -tc_exponent(*qmax))};
+}
+
 /// q·2^e into fp16 hi + lo (x − hi is exact in fp32; lo keeps the next 11 bits).
 __global__ void split_queries(const float* q, long long n, const unsigned* qmax, __half* hi, __half* lo) {
   const int e = tc_exponent(*qmax);
@@ -348,14 +354,11 @@ template <int DIM>
 __global__ void __launch_bounds__(kThreads) stats_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
   extern __shared__ __align__(128) unsigned char tc_sm[];
   using SM = TcSmem<DIM>;
-  const TcTiles t_ = TcTiles::carve<DIM>(tc_sm);
-  __half *Qh = t_.Qh, *Ql = t_.Ql, *Ks = t_.Ks;
-  float* L = t_.L;
-  const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
+  const TcTiles tl = TcTiles::carve<DIM>(tc_sm, k.qmax);
   const long long h = blockIdx.y, kb = blockIdx.x, q0 = (long long)blockIdx.z * kTcT;
   const int nqr = int(s.nq - q0 < kTcT ? s.nq - q0 : kTcT);
-  tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, Qh);
-  tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, Ql);
+  tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, tl.Qh);
+  tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, tl.Ql);
   const int row = threadIdx.x >> 2, part = threadIdx.x & 3;  // 4 lanes per query row, 16 keys each
   const long long q = q0 + row;
   float mx = kNegInf;
@@ -364,9 +367,9 @@ __global__ void __launch_bounds__(kThreads) stats_tc(const std::uint16_t* keys, 
   for (long long t0 = b; t0 < e; t0 += kTcT) {
     const int m = int(e - t0 < kTcT ? e - t0 : kTcT);
     __syncthreads();
-    tc_load_keys<DIM>(keys, s, h, t0, m, vec16, Ks);
+    tc_load_keys<DIM>(keys, s, h, t0, m, vec16, tl.Ks);
     __syncthreads();
-    tc_logits<DIM>(Qh, Ql, Ks, L, unscale);
+    tc_logits<DIM>(tl.Qh, tl.Ql, tl.Ks, tl.L, tl.unscale);
     __syncthreads();
     float x[16];
     float cm = kNegInf;
@@ -375,7 +378,7 @@ __global__ void __launch_bounds__(kThreads) stats_tc(const std::uint16_t* keys, 
       const int r = part * 16 + c;
       const long long t = t0 + r;
       const bool vis = row < nqr && r < m && t <= s.P + q % s.w && k.valid[h * s.N + t];
-      x[c] = tc_masked(L[row * SM::ldl + r], vis);
+      x[c] = tc_masked(tl.L[row * SM::ldl + r], vis);
       cm = fmaxf(cm, x[c]);
     }
     cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
@@ -403,13 +406,10 @@ template <int DIM>
 __global__ void __launch_bounds__(kThreads) accumulate_tc(const std::uint16_t* keys, Shape s, Work k, bool vec16) {
   extern __shared__ __align__(128) unsigned char tc_sm[];
   using SM = TcSmem<DIM>;
-  const TcTiles t_ = TcTiles::carve<DIM>(tc_sm);
-  __half *Qh = t_.Qh, *Ql = t_.Ql, *Ks = t_.Ks;
-  float* L = t_.L;
-  const float unscale = ldexpf(1.f, -tc_exponent(*k.qmax));
+  const TcTiles tl = TcTiles::carve<DIM>(tc_sm, k.qmax);
   const long long h = blockIdx.y, t0 = (long long)blockIdx.x * kTcT;
   const int m = int(s.N - t0 < kTcT ? s.N - t0 : kTcT);
-  tc_load_keys<DIM>(keys, s, h, t0, m, vec16, Ks);
+  tc_load_keys<DIM>(keys, s, h, t0, m, vec16, tl.Ks);
   __shared__ float sM[kTcT];
   __shared__ double sInv[kTcT];
   const int col = threadIdx.x >> 2, part = threadIdx.x & 3;  // 4 lanes per key, 16 queries each
@@ -419,15 +419,15 @@ __global__ void __launch_bounds__(kThreads) accumulate_tc(const std::uint16_t* k
   for (long long q0 = 0; q0 < s.nq; q0 += kTcT) {
     const int nqr = int(s.nq - q0 < kTcT ? s.nq - q0 : kTcT);
     __syncthreads();
-    tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, Qh);
-    tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, Ql);
+    tc_load_q<DIM>(k.qhi + (h * s.nq + q0) * DIM, nqr, tl.Qh);
+    tc_load_q<DIM>(k.qlo + (h * s.nq + q0) * DIM, nqr, tl.Ql);
     if (threadIdx.x < nqr) {  // the same 1/S the FMA path divides by, once per query
       const double S = k.S[h * s.nq + q0 + threadIdx.x];
       sM[threadIdx.x] = k.M[h * s.nq + q0 + threadIdx.x];
       sInv[threadIdx.x] = S > 0.0 ? 1.0 / S : 0.0;
     }
     __syncthreads();
-    tc_logits<DIM>(Qh, Ql, Ks, L, unscale);
+    tc_logits<DIM>(tl.Qh, tl.Ql, tl.Ks, tl.L, tl.unscale);
     __syncthreads();
     if (kv)
 #pragma unroll 4
@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) accumulate_tc(const std::uint16_t* k
         const int i = part * 16 + c;
         const long long q = q0 + i;
         if (i >= nqr || t > s.P + q % s.w) continue;
-        const float l = tc_masked(L[i * SM::ldl + col], true);
+        const float l = tc_masked(tl.L[i * SM::ldl + col], true);
         if (sInv[i] > 0.0 && l != kNegInf) acc += double(expf(l - sM[i])) * sInv[i];
       }
   }

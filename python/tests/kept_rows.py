@@ -1,4 +1,5 @@
-"""Which rows of the uncompressed cache a compressed cache kept (the press tests' shared helper)."""
+"""What the press tests share: which rows of the uncompressed cache a compressed cache kept, and the
+kvscore presses paired with kvpress's own."""
 
 
 def kept_positions(full_keys, kept_keys, ordered=False):
@@ -11,3 +12,13 @@ def kept_positions(full_keys, kept_keys, ordered=False):
         pos = [rows[kept_keys[0, h, i].float().numpy().tobytes()] for i in range(kept_keys.shape[2])]
         out.append(pos if ordered else sorted(pos))
     return out
+
+
+def kvpress_pairs(kvpress, window):
+    """(kvscore method, its press options, kvpress's press for a ratio) for the methods both have."""
+    return [
+        ("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
+        ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
+        ("snapkv", {"window": window}, lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=window)),
+        ("streaming_llm", {"sinks": 4}, lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4)),
+    ]

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
-from kept_rows import kept_positions  # noqa: E402
+from kept_rows import kept_positions, kvpress_pairs  # noqa: E402
 from kvscore.presses import (KvscoreDecodingPress, KvscorePress, ManifoldKVPress,  # noqa: E402
                              ProtoKVPress, WindowedManifoldKVPress)
 
@@ -38,12 +38,7 @@ def prefill_cache(model, press, ids):
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
-PAIRS = [
-    ("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
-    ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
-    ("snapkv", {"window": 16}, lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=16)),
-    ("streaming_llm", {"n_sink": 4}, lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4)),
-]
+PAIRS = kvpress_pairs(kvpress, window=16)
 
 
 @pytest.mark.parametrize("method,opts,peer", PAIRS, ids=[p[0] for p in PAIRS])

@@ -33,7 +33,7 @@ pytest.importorskip("gguf")
 
 import kvscore  # noqa: E402
 from kvscore import quality  # noqa: E402
-from kept_rows import kept_positions  # noqa: E402
+from kept_rows import kept_positions, kvpress_pairs  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 from kvscore.presses import KvscorePress, PerLayerPress  # noqa: E402
 
@@ -69,12 +69,7 @@ def ctx(smol):
     return c, quality.SharedPrefill(pipe.model, ids)
 
 
-PAIRS = [
-    ("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
-    ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
-    ("snapkv", {"window": 64}, lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=64)),
-    ("streaming_llm", {"sinks": 4}, lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4)),
-]
+PAIRS = kvpress_pairs(kvpress, window=64)
 
 
 @pytest.mark.parametrize("method,opts,peer", PAIRS, ids=[p[0] for p in PAIRS])

@@ -476,7 +476,7 @@ TEST_CASE("ojakv: after_cache residual - every query sees every token, a window 
   }
 }
 
-TEST_CASE("ojakv: a full-rank basis scores every valid key exactly 0; the selector keeps the lowest positions",
+TEST_CASE("ojakv: a full-rank basis scores every valid key exactly 0, and the selector keeps the lowest positions",
           "[ojakv]") {
   // r = d: k - UU^T k is 0, and the product would rank rounding noise (CPU and GPU disagreed on
   // it, issue 30). Head 0 full rank, head 1 rank d - 1 (a real one-dimensional residual).

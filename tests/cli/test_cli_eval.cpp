@@ -272,7 +272,7 @@ TEST_CASE("cli eval: a leak-free dump (--dump DIR with Qwin.npy, Qcal.npy) - pro
   cli_test::check_error(eval_cli("eval --dump " + dump + " --keys " + d + "/K.npy" + ok), "drop --keys");
   cli_test::check_error(eval_cli("eval --dump " + dump + " --protocol fair" + ok), "--protocol: 'fair'");
   cli_test::check_error(eval_cli("eval --dump " + dump + " --mix-metric best" + ok), "--mix-metric: 'best'");
-  const std::vector<float> q(2 * 4 * 16, 0.f);
+  const std::vector<float> q(4 * 4 * 16, 0.f);
   npy::save<float>(eval_dir().file("qwin16.npy"), {4, 4, 16}, q.data());
   cli_test::check_error(eval_cli("eval " + eval_inputs(d) + " --window-queries " + eval_dir().file("qwin16.npy") + ok),
                         "window queries [4, 4, 16] do not match queries [4, 4, 32]");

@@ -64,36 +64,6 @@ __device__ __forceinline__ float widen(typename Storage<D>::type v) {
   else return __uint_as_float(std::uint32_t(v) << 16);                              // exact
 }
 
-/// Loads N contiguous elements at p (aligned to N * sizeof) and widens them.
-template <dtype D, int N>
-__device__ __forceinline__ void load_vec(const typename Storage<D>::type* p, float (&out)[N]) {
-  using S = typename Storage<D>::type;
-  constexpr int bytes = N * int(sizeof(S));
-  if constexpr (bytes % 16 == 0) {
-    constexpr int V = bytes / 16;
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + v);
-      const S* s = reinterpret_cast<const S*>(&u);
-#pragma unroll
-      for (int i = 0; i < int(16 / sizeof(S)); ++i) out[v * int(16 / sizeof(S)) + i] = widen<D>(s[i]);
-    }
-  } else if constexpr (bytes == 8) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    const S* s = reinterpret_cast<const S*>(&u);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = widen<D>(s[i]);
-  } else if constexpr (bytes == 4) {
-    const unsigned u = __ldg(reinterpret_cast<const unsigned*>(p));
-    const S* s = reinterpret_cast<const S*>(&u);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = widen<D>(s[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = widen<D>(p[i]);
-  }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -19,8 +19,6 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cmath>
-#include <vector>
 
 namespace kvscore::cuda::detail {
 namespace {

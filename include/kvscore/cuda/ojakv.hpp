@@ -201,12 +201,12 @@ class OjaResidual : public kvscore::OjaResidual {
       const Eigen::MatrixXd& u = bases[std::size_t(h)];
       for (std::int64_t j = 0; j < d; ++j)
         for (std::int64_t i = 0; i < u.cols(); ++i) u_[std::size_t((h * d + j) * rank_ + i)] = u(j, i);
+      if (u.cols() == d) continue;  // full rank: residual 0 by definition (kvscore::OjaResidual); zero rows give 0
       for (std::int64_t row = h * G * window; row < (h + 1) * G * window; ++row) {
         Eigen::VectorXd q(d);
         for (std::int64_t j = 0; j < d; ++j) q(j) = double(queries[row * d + j]);
         const Eigen::VectorXd p = u.transpose() * q;  // Uᵀq: the part of q the codes can see
         double* a = aug_.data() + row * L;
-        if (u.cols() == d) continue;  // full rank: residual 0 by definition (kvscore::OjaResidual); zero rows give 0
         for (std::int64_t j = 0; j < d; ++j) a[j] = q(j);
         for (std::int64_t i = 0; i < p.size(); ++i) a[d + i] = p(i);
       }

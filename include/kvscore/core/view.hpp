@@ -291,4 +291,11 @@ class MutKeysView : public detail::WritableShell<KeysView<T>> {
   explicit MutKeysView(const KeysView<T>& v) : Shell(v, const_cast<T*>(v.data())) {}
 };
 
+/// Element strides of one layer's [batch][heads][tokens][head_dim] tensor (head_dim contiguous;
+/// a torch tensor's strides): what the layer-level decode caches (ParisKVLayerCache,
+/// OjaLayerCache) read their rows and queries with, and write their outputs with.
+struct LayerStrides {
+  std::int64_t batch = 0, head = 0, token = 0;
+};
+
 }  // namespace kvscore

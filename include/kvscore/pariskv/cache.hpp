@@ -20,6 +20,9 @@
 // Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,
 // top-k 100 (2048 for Qwen3-8B). Inputs are post-RoPE keys and queries, as an engine holds them.
+// ParisKVRetrieval::exact keeps the zones but retrieves the exact top k of the retrieval zone
+// (every q·k, no index): the ceiling the index approximates. crop(n) drops the tokens from n on
+// (a question and its answer), the index with them.
 // Errors: std::invalid_argument naming the value (bad configuration, a key or value with a
 // NaN/Inf element, a key whose squared norm overflows fp32); a rejected append leaves the cache
 // unchanged.
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,6 +42,12 @@
 #include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore {
+
+/// How the retrieval zone is searched.
+enum class ParisKVRetrieval {
+  index,  ///< ParisKV's index (collision votes + RSQ-IP, ParisKVSearch's options)
+  exact,  ///< the exact top k by q·k over every key of the zone (the SIMD dot kernel; no index)
+};
 
 struct ParisKVCacheConfig {
   std::int64_t sinks = kDefaultSinks;         ///< S: first tokens always attended
@@ -49,6 +59,8 @@ struct ParisKVCacheConfig {
   bool dense_fallback = true;
   ParisKVConfig index{};               ///< the retrieval index (m, seed, centring)
   ParisKVSearch search{};              ///< k = 100 retrieved tokens per query, β, ρ, exact rerank
+  ParisKVRetrieval retrieval = ParisKVRetrieval::index;  ///< exact: search.k by exact q·k, no index
+  double scale = 0;                    ///< attend()'s softmax scale on q·k; 0 = 1/√head_dim
 };
 
 template <class T>
@@ -62,11 +74,16 @@ class ParisKVCache {
     ParisKVResult result;
     std::vector<std::int64_t> positions;
     std::vector<double> logits;
+    std::vector<float> dots;               ///< exact retrieval: q·k over the zone
+    std::vector<unsigned char> select_ws;  ///< exact retrieval: the selector's workspace
   };
 
   explicit ParisKVCache(std::int64_t head_dim, const ParisKVCacheConfig& cfg = {})
-      : cfg_(cfg), d_(head_dim), index_(head_dim, cfg.index) {
+      : cfg_(cfg), d_(head_dim) {
     const std::string who = "kvscore::ParisKVCache";
+    if (head_dim < 1 || head_dim > kMaxHeadDim)
+      throw std::invalid_argument(who + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                                  std::to_string(head_dim) + ")");
     auto need = [&](bool ok, const char* name, std::int64_t v, const char* rule) {
       if (!ok) throw std::invalid_argument(who + ": " + name + " must be " + rule + " (got " + std::to_string(v) + ")");
     };
@@ -75,9 +92,17 @@ class ParisKVCache {
     need(cfg.update_interval >= 1, "update_interval", cfg.update_interval, ">= 1");
     need(cfg.dense_min >= 0, "dense_min", cfg.dense_min, ">= 0");
     need(cfg.search.k >= 0, "search.k", cfg.search.k, ">= 0");
-    ParisKVSearch probe = cfg.search;  // the index checks β, ρ and k' once, on an empty index
-    probe.k = 0;
-    index_.check_options(probe, true, head_dim);
+    if (!(cfg.scale >= 0) || !std::isfinite(cfg.scale))
+      throw std::invalid_argument(who + ": scale must be finite and >= 0, 0 = 1/sqrt(head_dim) (got " +
+                                  std::to_string(cfg.scale) + ")");
+    if (cfg.retrieval != ParisKVRetrieval::index && cfg.retrieval != ParisKVRetrieval::exact)
+      throw std::invalid_argument(who + ": retrieval must be index or exact (got " + std::to_string(int(cfg.retrieval)) + ")");
+    if (cfg.retrieval == ParisKVRetrieval::index) {
+      index_.emplace(head_dim, cfg.index);
+      ParisKVSearch probe = cfg.search;  // the index checks β, ρ and k' once, on an empty index
+      probe.k = 0;
+      index_->check_options(probe, true, head_dim);
+    }
     if (cfg.search.rerank_exact != 0 && cfg.search.rerank_exact < cfg.search.k)
       throw std::invalid_argument(who + ": search.rerank_exact " + std::to_string(cfg.search.rerank_exact) +
                                   " must be 0 (off) or >= search.k " + std::to_string(cfg.search.k));
@@ -89,19 +114,29 @@ class ParisKVCache {
   /// First position of the retrieval zone (min(S, N)) and of the local zone (E).
   std::int64_t retrieval_begin() const noexcept { return std::min(cfg_.sinks, n_); }
   std::int64_t local_begin() const noexcept { return e_; }
-  /// Tokens in the index (E − S).
-  std::int64_t indexed() const noexcept { return index_.size(); }
+  /// Tokens in the retrieval zone (E − S): in the index, or searched exactly.
+  std::int64_t indexed() const noexcept { return exact() ? zone_ : index_->size(); }
+  bool exact() const noexcept { return cfg_.retrieval == ParisKVRetrieval::exact; }
+  /// The softmax scale attend() applies to q·k.
+  double scale() const noexcept { return cfg_.scale > 0 ? cfg_.scale : 1.0 / std::sqrt(double(d_)); }
   /// N below which select() returns every position (0 without the dense fallback).
   std::int64_t dense_threshold() const noexcept {
     if (!cfg_.dense_fallback) return 0;
     return std::max(cfg_.dense_min, cfg_.sinks + cfg_.local + 2 * cfg_.search.k);
   }
   bool dense() const noexcept { return n_ < dense_threshold(); }
-  const ParisKV& index() const noexcept { return index_; }
+  /// The retrieval index (std::invalid_argument with exact retrieval, which has none).
+  const ParisKV& index() const {
+    if (!index_) throw std::invalid_argument("kvscore::ParisKVCache::index: exact retrieval keeps no index");
+    return *index_;
+  }
   const T* keys() const noexcept { return k_.data(); }
   const T* values() const noexcept { return v_.data(); }
-  /// Bytes held: full-precision keys and values (2·N·head_dim·sizeof(T)) plus the index.
-  std::size_t memory_bytes() const noexcept { return 2 * k_.size() * sizeof(T) + index_.memory_bytes(); }
+  /// Bytes held: full-precision keys and values (2·N·head_dim·sizeof(T)) plus the index (none
+  /// when the zone is searched exactly).
+  std::size_t memory_bytes() const noexcept {
+    return 2 * k_.size() * sizeof(T) + (exact() ? std::size_t(0) : index_->memory_bytes());
+  }
 
   /// Reserves room for `tokens` tokens of keys and values, so appends up to there never move
   /// the cache (an engine knows its context limit; growth would copy the whole cache).
@@ -113,24 +148,52 @@ class ParisKVCache {
 
   /// Appends n tokens (rows of head_dim elements, contiguous) and indexes the tokens that leave
   /// the local zone. Atomic: every row is checked before anything changes.
-  void append(const T* keys, const T* values, std::int64_t n = 1) {
+  void append(const T* keys, const T* values, std::int64_t n = 1) { append(keys, values, n, d_, d_); }
+
+  /// The same with row strides (elements between consecutive tokens' rows, >= head_dim): a KV
+  /// head's slice of an engine's [heads][tokens][head_dim] cache, read without a copy.
+  void append(const T* keys, const T* values, std::int64_t n, std::int64_t key_stride, std::int64_t value_stride) {
     const std::string who = "kvscore::ParisKVCache::append";
     if (n < 0) throw std::invalid_argument(who + ": n must be >= 0 (got " + std::to_string(n) + ")");
     if (n == 0) return;
     if (keys == nullptr || values == nullptr) throw std::invalid_argument(who + ": keys or values is null");
+    if (n > 1 && (key_stride < d_ || value_stride < d_))
+      throw std::invalid_argument(who + ": row strides " + std::to_string(key_stride) + "/" + std::to_string(value_stride) +
+                                  " (key/value) < head_dim " + std::to_string(d_) + " make rows overlap");
     for (std::int64_t i = 0; i < n; ++i) {
-      check_row(keys + i * d_, "key", n_ + i, true, who);
-      check_row(values + i * d_, "value", n_ + i, false, who);
+      check_row(keys + i * key_stride, "key", n_ + i, true, who);
+      check_row(values + i * value_stride, "value", n_ + i, false, who);
     }
-    k_.insert(k_.end(), keys, keys + n * d_);
-    v_.insert(v_.end(), values, values + n * d_);
+    for (std::int64_t i = 0; i < n; ++i) {
+      k_.insert(k_.end(), keys + i * key_stride, keys + i * key_stride + d_);
+      v_.insert(v_.end(), values + i * value_stride, values + i * value_stride + d_);
+    }
     n_ += n;
     e_ = std::max(e_, std::min(cfg_.sinks, n_));  // tokens before S are sinks, never indexed
     if (n_ - e_ >= cfg_.local + cfg_.update_interval) {
       const std::int64_t to = n_ - cfg_.local;  // index [E, N − L)
-      index_.append(k_.data() + e_ * d_, to - e_, d_);
+      if (exact()) zone_ += to - e_;
+      else index_->append(k_.data() + e_ * d_, to - e_, d_);
       e_ = to;
     }
+  }
+
+  /// Keeps the first n tokens, n in [0, size()] (transformers' Cache.crop: a question and its
+  /// answer leave the cache). Tokens from n on leave the index too; the local zone becomes the
+  /// last min(L, n − S) tokens again (a flush is due when it next reaches L + U), so after
+  /// crop(n) the cache selects exactly as one that holds the first n tokens with U = 1.
+  void crop(std::int64_t n) {
+    if (n < 0 || n > n_)
+      throw std::invalid_argument("kvscore::ParisKVCache::crop: n " + std::to_string(n) + " out of range [0, " +
+                                  std::to_string(n_) + "]");
+    const std::int64_t S = std::min(cfg_.sinks, n);
+    const std::int64_t e = std::max(S, std::min(e_, n - cfg_.local));
+    if (exact()) zone_ = e - S;
+    else index_->truncate(e - S);
+    e_ = n == 0 ? 0 : e;
+    n_ = n;
+    k_.resize(std::size_t(n * d_));
+    v_.resize(std::size_t(n * d_));
   }
 
   /// The attended positions for query q (head_dim floats), ascending, into ws.positions.
@@ -147,7 +210,8 @@ class ParisKVCache {
       ParisKVSearch opt = cfg_.search;
       opt.k = std::min(opt.k, R);
       if (opt.rerank_exact != 0) opt.rerank_exact = std::max(opt.k, std::min(opt.rerank_exact, R));
-      index_.search(q, opt, k_.data() + S * d_, d_, ws.search, ws.result);
+      if (exact()) exact_top(q, opt.k, S, R, ws);
+      else index_->search(q, opt, k_.data() + S * d_, d_, ws.search, ws.result);
       for (std::int64_t p : ws.result.positions) ws.positions.push_back(S + p);
     }
     for (std::int64_t t = e_; t < n_; ++t) ws.positions.push_back(t);
@@ -171,7 +235,7 @@ class ParisKVCache {
   void attend_over(const float* q, const std::vector<std::int64_t>& positions, float* out,
                    std::vector<double>& logits) const {
     const auto& dot = simd::active_table().template ops<T>().dot;
-    const double scale = 1.0 / std::sqrt(double(d_));
+    const double scale = this->scale();
     logits.resize(positions.size());
     double mx = -std::numeric_limits<double>::infinity();
     for (std::size_t i = 0; i < positions.size(); ++i) {
@@ -193,6 +257,23 @@ class ParisKVCache {
   }
 
  private:
+  /// The exact top k of the R keys from position S on: q·k by the active table's dot kernel (fp32
+  /// accumulation, as the exact rerank), kvscore::select's top k (ties: lower position),
+  /// ws.result.positions ascending and relative to S.
+  void exact_top(const float* q, std::int64_t k, std::int64_t S, std::int64_t R, Workspace& ws) const {
+    ws.dots.resize(std::size_t(R));
+    simd::active_table().template ops<T>().dot(k_.data() + S * d_, R, d_, d_, q, ws.dots.data());
+    SelectOptions so;
+    so.num_threads = 1;
+    const Budget bud = Budget::per_head(k);
+    const std::size_t bytes = select_workspace_bytes(1, R, bud, so);
+    if (ws.select_ws.size() < bytes) ws.select_ws.resize(bytes);
+    std::int64_t offsets[2];
+    ws.result.positions.resize(std::size_t(k));
+    select_into(ScoresView(ws.dots.data(), 1, R), bud, so, ws.select_ws.data(), ws.select_ws.size(), offsets,
+                ws.result.positions.data(), ws.result.positions.size());
+  }
+
   void check_row(const T* r, const char* what, std::int64_t index, bool key, const std::string& who) const {
     float sq = 0.f;
     for (std::int64_t j = 0; j < d_; ++j) {
@@ -209,7 +290,8 @@ class ParisKVCache {
 
   ParisKVCacheConfig cfg_;
   std::int64_t d_ = 0, n_ = 0, e_ = 0;
-  ParisKV index_;
+  std::int64_t zone_ = 0;  ///< exact retrieval: tokens of the zone [S, E)
+  std::optional<ParisKV> index_;  ///< none with exact retrieval
   std::vector<T> k_, v_;
 };
 

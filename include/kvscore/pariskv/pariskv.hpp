@@ -266,6 +266,29 @@ class ParisKV {
     });
   }
 
+  /// Removes the keys at positions >= n, n in [0, size()]: the index then holds exactly what
+  /// appending its first n keys gave (ids, records, cluster populations), with the centre μ
+  /// kept (frozen; any fixed μ ranks the same). What a generation that drops a question and
+  /// its answer from the cache needs (transformers' Cache.crop, kvpress's question loop).
+  void truncate(std::int64_t n) {
+    if (n < 0 || n > n_)
+      pariskv::detail::fail("kvscore::ParisKV::truncate: n " + std::to_string(n) + " out of range [0, " +
+                            std::to_string(n_) + "]");
+    for (std::int64_t i = n; i < n_; ++i)
+      for (std::int64_t b = 0; b < B_; ++b) {
+        const std::size_t at = std::size_t((i / 64) * B_ * 64 + b * 64 + i % 64);
+        --pop_[std::size_t(b * nc_ + centroid_id(i, b))];
+        if (m_ <= 8) ids8_[at] = 0;  // as a fresh index leaves the rest of its last block
+        else ids16_[at] = 0;
+      }
+    const std::size_t blocks = std::size_t((n + 63) / 64);
+    if (m_ <= 8) ids8_.resize(blocks * std::size_t(B_ * 64));
+    else ids16_.resize(blocks * std::size_t(B_ * 64));
+    rec_.resize(std::size_t(n * stride_));
+    rec_.resize(std::size_t(n * stride_) + kRecPad, 0);  // the zero padding after the last record
+    n_ = n;
+  }
+
   // ---- search
 
   /// Throws std::invalid_argument for options search() would reject (k, ratios, rerank,

@@ -263,6 +263,48 @@ TEST_CASE("snippet pariskv (docs/pariskv.md, pariskv.hpp): the index, a retrieve
   }
 }
 
+TEST_CASE("snippet pariskv-layer-header and ojakv-layer-header: a layer's decode caches", "[snippets]") {
+  const std::int64_t batch = 2, kv_heads = 2, q_heads = 6, head_dim = 16, prompt_len = 300, n = prompt_len, w = 8;
+  const std::vector<float> K = layer<float>(batch * kv_heads, prompt_len + 1, head_dim, 21);
+  const std::vector<float> V = layer<float>(batch * kv_heads, prompt_len + 1, head_dim, 22);
+  const std::vector<float> Q = layer<float>(batch * q_heads, w, head_dim, 23);
+  // HF layout [batch][heads][tokens][head_dim]: element strides of the batch, head and token axes
+  const kvscore::LayerStrides ks{kv_heads * (prompt_len + 1) * head_dim, (prompt_len + 1) * head_dim, head_dim};
+  const kvscore::LayerStrides vs = ks, qs{q_heads * w * head_dim, w * head_dim, head_dim}, ws = qs;
+  const float *prompt_k = K.data(), *prompt_v = V.data(), *last_q = Q.data(), *q = Q.data();
+  const float *k = K.data() + prompt_len * head_dim, *v = V.data() + prompt_len * head_dim;
+  std::vector<float> out(std::size_t(batch * q_heads * w * head_dim));
+  {
+    kvscore::ParisKVCacheConfig cfg;
+    cfg.sinks = 4;
+    cfg.local = 16;
+    cfg.search.k = 20;
+    cfg.update_interval = 1;
+    cfg.dense_fallback = false;
+    // [snippet pariskv-layer-header]
+    kvscore::ParisKVLayerCache<float> layer(batch, kv_heads, head_dim, cfg);  // cfg: zones, k, exact or index
+    layer.append(prompt_k, prompt_v, prompt_len, ks, vs);  // prefill: [batch][kv_heads][n][head_dim], any strides
+    layer.forward(k, v, q, q_heads, 1, ks, vs, qs, out.data(), qs);  // one decode step, every query head
+    // [snippet end]
+    CHECK(layer.size() == prompt_len + 1);
+    CHECK(layer.positions(1, 5).size() == 4 + 20 + 16);
+  }
+  {
+    kvscore::OjaLayerConfig cfg;
+    cfg.rank_k = cfg.rank_v = 4;
+    cfg.anchors = 30;
+    cfg.window = w;
+    // [snippet ojakv-layer-header]
+    kvscore::OjaLayerCache layer(batch, kv_heads, head_dim, cfg);  // ranks, anchors, sinks, window
+    layer.prefill(prompt_k, prompt_v, n, ks, vs, last_q, q_heads, w, ws);  // bases, anchors, codes
+    layer.forward(k, v, q, q_heads, 1, ks, vs, qs, out.data(), qs);  // one decode step, every query head
+    // [snippet end]
+    CHECK(layer.size() == prompt_len + 1);
+    CHECK(layer.store(1).head(0).full_pos.size() == 30);
+    CHECK(std::isfinite(out[0]));
+  }
+}
+
 TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
   const std::int64_t kv_heads = 2, head_dim = 16, n = 1500, h = 1;
   const std::vector<kvscore::half> prompt_k = layer<kvscore::half>(kv_heads, n, head_dim, 12);

@@ -178,6 +178,26 @@ class OjaHybridCache {
   /// logits and sums in fp64, invalid tokens masked out. q: d floats, finite.
   std::vector<double> attention(std::int64_t h, const float* q) const;
 
+  /// Scratch of attend(); one per thread (or per head), reused: no allocation once warm.
+  struct AttendWorkspace {
+    std::vector<float> qt, logit, row;
+    std::vector<double> acc_r, acc_d;
+  };
+
+  /// The low-rank attention of one query over head h (ojakv.txt A.4), what a decode step runs:
+  /// logits q̃·k̃ for the low-rank tokens (q̃ = U_kᵀq, so (qU_k)K̃ᵀ = qK̂ᵀ), q·k for the full rows
+  /// and the open block, softmax with fp64 sums, and out = U_v(Σ p_i ṽ_i) + Σ p_j v_j (d floats).
+  /// No reconstruction: O(n·r) per low-rank token instead of O(n·d). scale multiplies q·k (0 =
+  /// 1/√d); invalid tokens are masked; with no valid token out is 0. Equal to attention() up to
+  /// fp32 rounding (tests/test_ojakv_decode.cpp). q: d finite floats (not re-checked: hot path).
+  void attend(std::int64_t h, const float* q, float* out, double scale, AttendWorkspace& ws) const;
+
+  /// Keeps the first n tokens, n in [committed(), tokens()]: drops the newest tokens of the open
+  /// block (a question and its answer leaving a generation's cache), and, with opt.adapt, their
+  /// rows in the projectors' buffers, so the next update is the one the kept tokens give.
+  /// Tokens of closed blocks cannot be dropped (their codes are in the updated basis).
+  void crop(std::vector<OjaProjector>& proj, std::int64_t n, const OjaDecodeOptions& opt = {});
+
   /// After a basis update (OjaProjector::push / flush), re-expresses head h's codes in the
   /// projector's current bases: K~ <- K~ (U_k_old^T U_k_new), the same for V. The new
   /// reconstruction is the projection of the old one onto the new subspace (information outside

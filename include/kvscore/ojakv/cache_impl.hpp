@@ -3,6 +3,9 @@
 // header-only use, compiled once into kvscore::dispatch otherwise (kvscore/detail/compiled.hpp).
 #pragma once
 
+#include <algorithm>
+#include <limits>
+
 #include "kvscore/ojakv/cache.hpp"
 
 namespace kvscore {
@@ -40,6 +43,85 @@ KVSCORE_IMPL_INLINE std::vector<double> OjaHybridCache::attention(std::int64_t h
     }
     for (double& x : o) x /= sum;
     return o;
+  }
+
+KVSCORE_IMPL_INLINE void OjaHybridCache::attend(std::int64_t h, const float* q, float* out, double scale,
+                                                AttendWorkspace& ws) const {
+    const Head& hd = head(h);
+    const Pending& pd = pend_[std::size_t(h)];
+    const std::int64_t d = dim_, rk = hd.uk.cols(), rv = hd.uv.cols();
+    const std::int64_t nl = hd.codes_k.rows(), nf = hd.full_k.rows(), np = pending_;
+    const simd::KernelTable& kt = simd::active_table();
+    const double s = scale > 0 ? scale : 1.0 / std::sqrt(double(d));
+    // logits in the store's order: low-rank tokens, full rows, the open block
+    ws.qt.resize(std::size_t(rk));
+    ws.logit.resize(std::size_t(nl + nf + np));
+    kt.f32.project(q, 1, d, d, hd.uk.data(), rk, ws.qt.data());  // q̃ = U_kᵀq
+    if (nl > 0) kt.f32.dot(hd.codes_k.data(), nl, rk, rk, ws.qt.data(), ws.logit.data());
+    if (nf > 0) kt.f32.dot(hd.full_k.data(), nf, d, d, q, ws.logit.data() + nl);
+    if (np > 0) kt.f32.dot(pd.k.data(), np, d, d, q, ws.logit.data() + nl + nf);
+    // validity in the same order: walk the committed tokens once (is_full splits them)
+    constexpr float kMasked = -std::numeric_limits<float>::infinity();
+    for (std::int64_t t = 0, a = 0, b = 0; t < tokens_; ++t) {
+      const bool ok = hd.valid[std::size_t(t)] != 0;
+      float& l = hd.is_full[std::size_t(t)] ? ws.logit[std::size_t(nl + a++)] : ws.logit[std::size_t(b++)];
+      if (!ok) l = kMasked;
+    }
+    for (std::int64_t i = 0; i < np; ++i)
+      if (!pd.ok[std::size_t(i)]) ws.logit[std::size_t(nl + nf + i)] = kMasked;
+    double mx = -std::numeric_limits<double>::infinity();
+    for (float l : ws.logit)
+      if (l != kMasked) mx = std::max(mx, double(l) * s);
+    std::fill(out, out + d, 0.f);
+    if (mx == -std::numeric_limits<double>::infinity()) return;  // no valid token
+    ws.acc_r.assign(std::size_t(rv), 0.0);
+    ws.acc_d.assign(std::size_t(d), 0.0);
+    double z = 0;
+    for (std::int64_t i = 0; i < nl + nf + np; ++i) {
+      const float l = ws.logit[std::size_t(i)];
+      if (l == kMasked) continue;
+      const double p = std::exp(double(l) * s - mx);
+      z += p;
+      if (i < nl) {
+        const float* c = hd.codes_v.data() + i * rv;
+        for (std::int64_t j = 0; j < rv; ++j) ws.acc_r[std::size_t(j)] += p * double(c[j]);
+      } else {
+        const float* v = i < nl + nf ? hd.full_v.data() + (i - nl) * d : pd.v.data() + (i - nl - nf) * d;
+        for (std::int64_t j = 0; j < d; ++j) ws.acc_d[std::size_t(j)] += p * double(v[j]);
+      }
+    }
+    // out = (U_v acc_r + acc_d) / z; U_v is d x r column-major
+    for (std::int64_t j = 0; j < rv; ++j) {
+      const double a = ws.acc_r[std::size_t(j)];
+      if (a == 0) continue;
+      const float* u = hd.uv.data() + j * d;
+      for (std::int64_t x = 0; x < d; ++x) ws.acc_d[std::size_t(x)] += a * double(u[x]);
+    }
+    for (std::int64_t x = 0; x < d; ++x) out[x] = float(ws.acc_d[std::size_t(x)] / z);
+  }
+
+KVSCORE_IMPL_INLINE void OjaHybridCache::crop(std::vector<OjaProjector>& proj, std::int64_t n,
+                                              const OjaDecodeOptions& opt) {
+    const std::string who = "kvscore::OjaHybridCache::crop: ";
+    if (n < tokens_ || n > tokens())
+      detail::throw_invalid(who + "n " + std::to_string(n) + " out of range [" + std::to_string(tokens_) + ", " +
+                            std::to_string(tokens()) + "] (tokens before " + std::to_string(tokens_) +
+                            " are in closed blocks, encoded in the updated basis)");
+    check_decode(proj, opt, "kvscore::OjaHybridCache::crop");
+    const std::int64_t keep = n - tokens_, d = dim_;
+    for (std::size_t h = 0; h < pend_.size(); ++h) {
+      Pending& p = pend_[h];
+      p.k.resize(std::size_t(keep * d));
+      p.v.resize(std::size_t(keep * d));
+      p.q.resize(std::size_t(keep * p.group * d));
+      p.ok.resize(std::size_t(keep));
+      if (keep == 0) p.group = 0;
+      if (opt.adapt) {
+        proj[h].key().drop_buffered(keep);
+        proj[h].value().drop_buffered(keep);
+      }
+    }
+    pending_ = keep;
   }
 
 KVSCORE_IMPL_INLINE void OjaHybridCache::rebase(std::int64_t h, const OjaProjector& p) {

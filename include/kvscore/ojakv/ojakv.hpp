@@ -293,6 +293,17 @@ class OjaBasis {
     update_from_buffer();
   }
 
+  /// Keeps the first `keep` buffered rows, keep in [0, buffered()]: the rows of decode tokens
+  /// a generation drops again (OjaHybridCache::crop) leave the next update too.
+  void drop_buffered(std::int64_t keep) {
+    if (keep < 0 || keep > buffered_)
+      detail::throw_invalid("kvscore::OjaBasis::drop_buffered: keep " + std::to_string(keep) + " out of range [0, " +
+                            std::to_string(buffered_) + "]");
+    buffer_.resize(std::size_t(keep * head_dim()));
+    valid_.resize(std::size_t(keep));
+    buffered_ = keep;
+  }
+
   /// Steps taken by the last update (prefill: early stop may make it < prefill_iterations).
   int last_steps() const noexcept { return last_steps_; }
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
-DOCS = [ROOT / "README.md", ROOT / "docs" / "python.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "python.md", ROOT / "docs" / "generation.md"]
 # <!-- example: examples/python/FILE.py#REGION --> right above the fenced block it shows
 MARKED = re.compile(r"<!-- example: (\S+?)#([\w-]+) -->\n```python\n(.*?)```", re.S)
 

@@ -108,6 +108,14 @@ SINKS = 4                # first tokens every kvscore press keeps (the attention
 # with this epsilon inside AdaKVPress
 EXPECTED_ATTENTION_EPSILON = 1e-2
 THREADS = 1              # torch threads: on 2 shared cores 1 thread decoded 1.7x faster than 2 (measured)
+# Retrieval rows (kvscore.generation.RetrievalCache): also these compressions (keys attended per
+# step 5 % and 2 %), and a local window of min(RETRIEVAL_LOCAL, (budget - SINKS) // 2) tokens.
+RETRIEVAL_RATIOS = (0.95, 0.98)
+RETRIEVAL_LOCAL = 64
+# OjaKV rows (kvscore.generation.OjaKVCache): key and value ranks (head_dim 64); the anchors'
+# share is what brings the store to the row's memory (ojakv_anchor_share), where it can.
+OJAKV_RANKS = (16, 24)
+KVZIP_SCORING_RATIO = 0.5  # any ratio > 0 makes KVzipPress compute its scores, which do not depend on it
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
 FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 3}, "ratios": RATIOS,
@@ -248,6 +256,18 @@ def workload_texts(tok, length: int, seed: int = 1):
 
 # ------------------------------------------------------------------ methods
 
+def post_rope_queries(module, hidden_states, position_embeddings):
+    """The post-RoPE queries [batch, q_heads, n, head_dim] an attention layer computes from its
+    input (what the layer attends with)."""
+    import torch
+    from kvpress.utils import get_prerope_query_states
+
+    q = get_prerope_query_states(module, hidden_states)
+    cos, sin = position_embeddings
+    half = q.shape[-1] // 2
+    return q * cos.unsqueeze(1) + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin.unsqueeze(1)
+
+
 def qfilter_filters(model, tok, tokens: int = QFILTER_CALIB_TOKENS):
     """Q-Filters [layers, kv_heads, head_dim] (kvscore convention) calibrated on other text
     (CALIB_TEXTS, never the haystack): the post-RoPE queries of every position, per layer,
@@ -255,17 +275,13 @@ def qfilter_filters(model, tok, tokens: int = QFILTER_CALIB_TOKENS):
     import torch
 
     import kvscore
-    from kvpress.utils import get_prerope_query_states
 
     lm = model.model
     ids = tok.encode(license_text(CALIB_TEXTS), add_special_tokens=False, return_tensors="pt")[:, :tokens]
     qs = {}
 
     def hook(module, args, kwargs):
-        q = get_prerope_query_states(module, kwargs["hidden_states"])
-        cos, sin = kwargs["position_embeddings"]
-        half = q.shape[-1] // 2
-        q = q * cos.unsqueeze(1) + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin.unsqueeze(1)
+        q = post_rope_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"])
         qs[module.layer_idx] = q[0].float().contiguous()
 
     hs = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in lm.layers]
@@ -329,8 +345,175 @@ def method_table(filters=None, mix=None):
             "kvpress", lambda r: kp.AdaKVPress(kp.ExpectedAttentionPress(compression_ratio=r,
                                                                          epsilon=EXPECTED_ATTENTION_EPSILON))),
         "kvpress:expected_attention_plain": ("kvpress", lambda r: kp.ExpectedAttentionPress(compression_ratio=r)),
+        # KVzip (context reconstruction) and KVzip+ (its normalisation), kvpress's strongest presses by its
+        # maintainers; Compactor (leverage scores + non-causal chunked attention). FastKVzipPress and
+        # KVzapPress load weights trained per model from the model hub, which is unreachable here.
+        "kvpress:kvzip": ("kvpress", lambda r: KVzipRow(False, r)),
+        "kvpress:kvzip_plus": ("kvpress", lambda r: KVzipRow(True, r)),
+        "kvpress:compactor": ("kvpress", lambda r: kp.CompactorPress(compression_ratio=r)),
     })
+    # Decode-time caches (kvscore.generation): per-query retrieval and OjaKV's low-rank store.
+    paris = next(m["name"] for m in kv.REGISTRY if m["kind"] == "retriever")
+    t[ours(paris)] = ("kvscore", lambda r: CacheRow("retrieval", r, method=paris))
+    t["kvscore:exact-topk"] = ("kvscore", lambda r: CacheRow("retrieval", r, method="exact"))
+    oja = next(m["name"] for m in kv.REGISTRY if m["kind"] == "hybrid")
+    for rank in OJAKV_RANKS:
+        t[ours(oja, f"-r{rank}")] = ("kvscore", lambda r, rank=rank: CacheRow("hybrid", r, rank=rank))
     return t
+
+
+# ------------------------------------------------------------------ rows that are not presses
+
+def _retrieval_row(factory) -> bool:
+    """Whether a method_table factory builds a retrieval row (which runs RETRIEVAL_RATIOS too)."""
+    x = factory(RATIOS[0])
+    return isinstance(x, CacheRow) and x.kind == "retrieval"
+
+
+@dataclasses.dataclass
+class CacheRow:
+    """A configuration answered from a kvscore.generation cache instead of a press: the prompt's
+    exact prefill loaded into the cache (or run through it), then the pipeline's own
+    generate_answer per question, the answer cropped off after each (Cache.crop).
+
+    retrieval: RetrievalCache(method), budget_from_ratio(n, 1 - ratio) keys attended per step
+    (SINKS sinks, a local window of min(RETRIEVAL_LOCAL, (budget - SINKS) // 2), the rest
+    retrieved per query); memory stays the full cache plus the index. hybrid: OjaKVCache at key
+    and value rank `rank` with as many anchors as bring its memory to 1 - ratio of the full
+    cache (ojakv_anchors; None where no count can); every key attended."""
+
+    kind: str
+    ratio: float
+    method: str = ""
+    rank: int = 0
+
+    def make(self, model, n: int):
+        """The empty cache for a context of n tokens, or None when the row cannot reach its ratio."""
+        from . import generation as kg
+
+        from . import budget_from_ratio
+
+        if self.kind == "retrieval":
+            budget = budget_from_ratio(n, 1 - self.ratio)
+            local = min(RETRIEVAL_LOCAL, (budget - SINKS) // 2)
+            return kg.RetrievalCache(model, self.method, attend=budget, sinks=SINKS, local=local)
+        d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        count = ojakv_anchors(n, 1 - self.ratio, d, self.rank, _element_bytes(model), SINKS + kg.OJAKV_WINDOW)
+        if count is None:
+            return None
+        return kg.OjaKVCache(model, rank=self.rank, anchors=count, sinks=SINKS)
+
+    def attended(self, n: int) -> float:
+        """Keys attended per decode step, as a fraction of the context."""
+        from . import budget_from_ratio
+
+        return budget_from_ratio(n, 1 - self.ratio) / n if self.kind == "retrieval" else 1.0
+
+    def build(self, model, context_ids, prefill=None):
+        """The cache holding the context: loaded from a SharedPrefill (the same keys, values and
+        queries the prefill computed), or prefilled through the cache itself without one."""
+        import torch
+
+        cache = self.make(model, int(context_ids.shape[1]))
+        if cache is None:
+            return None
+        for layer in model.model.layers:  # no head-wise mask of an earlier kvpress press applies
+            layer.self_attn.masked_key_indices = None
+        if prefill is None:
+            model.model(input_ids=context_ids, past_key_values=cache)
+            return cache
+        from . import generation as kg
+
+        for i in range(len(model.model.layers)):
+            module, kw, _, k, v = prefill.records[i]
+            q = post_rope_queries(module, kw["hidden_states"][:, -kg.OJAKV_WINDOW:],
+                                  tuple(x[:, -kg.OJAKV_WINDOW:] for x in kw["position_embeddings"]))
+            cache.prefill(i, k, v, q.to(torch.float32))
+        return cache
+
+
+def _element_bytes(model) -> int:
+    import torch
+
+    return torch.empty(0, dtype=model.dtype).element_size()
+
+
+def ojakv_anchors(n: int, memory: float, head_dim: int, rank: int, bytes_per_scalar: int, protected: int):
+    """Full-rank anchors per KV head that bring an OjaKV store of n tokens at key and value rank
+    `rank` to at most `memory` of the full cache (docs/ojakv.md, Definitions 11: (n - a)·2r·b +
+    a·(2d·b + 4) + d·2r·b <= memory·n·2d·b), the largest such count; None when even the
+    protected tokens (sinks and the residual rule's window) exceed it."""
+    d, r, b = head_dim, rank, bytes_per_scalar
+    a = (memory * n * 2 * d * b - n * 2 * r * b - d * 2 * r * b) // (2 * d * b + 4 - 2 * r * b)
+    a = min(n, int(a))
+    return a if a >= min(n, protected) else None
+
+
+@dataclasses.dataclass
+class KVzipRow:
+    """kvpress's KVzipPress at one ratio. KVzip scores every context token by how much the model
+    attends to it while reconstructing the context (a second forward of the whole context,
+    chunked), then masks the lowest scores over all layers and heads (kvpress's fake
+    compression, as AdaKV). The scores do not depend on the ratio: run_context computes them
+    once per context and variant through the press's own code (kvzip_scores), and each ratio
+    applies the press's own compress_post to the shared prefill's cache."""
+
+    plus: bool
+    ratio: float
+
+
+@contextlib.contextmanager
+def _kvzip_tokenizer(tok):
+    """KVzipPress loads the tokenizer by the model's name_or_path, which a GGUF-loaded model
+    does not resolve to tokenizer files: hand it the loaded one."""
+    import logging
+
+    from kvpress.presses import kvzip_press
+
+    class _Tok:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return tok
+
+    old, log = kvzip_press.AutoTokenizer, logging.getLogger(kvzip_press.__name__)
+    level = log.level
+    kvzip_press.AutoTokenizer = _Tok
+    log.setLevel(logging.ERROR)  # its "2-3 times the prefilling cost" warning, once per press
+    try:
+        yield
+    finally:
+        kvzip_press.AutoTokenizer = old
+        log.setLevel(level)
+
+
+def kvzip_scores(model, tok, context_ids, plus: bool):
+    """KVzip's scores [layers, 1, kv_heads, n] of a context: the press's own prefill and
+    reconstruction, stopped before its compress_post."""
+    import torch
+    from kvpress import KVzipPress
+    from transformers import DynamicCache
+
+    got = {}
+
+    class _Scores(KVzipPress):
+        def compress_post(self, model):
+            got["scores"] = self.score_val.clone()
+
+    with _kvzip_tokenizer(tok):
+        press = _Scores(compression_ratio=KVZIP_SCORING_RATIO, kvzip_plus_normalization=plus)
+        with torch.inference_mode(), press(model):
+            model.model(input_ids=context_ids, past_key_values=DynamicCache())
+    return got["scores"]
+
+
+def kvzip_apply(model, scores, plus: bool, ratio: float):
+    """KVzipPress(ratio)'s compress_post on given scores: the masks it leaves on the modules."""
+    from kvpress import KVzipPress
+
+    with _kvzip_tokenizer(None):
+        press = KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=plus)
+    press.score_val = scores.clone()
+    press.compress_post(model)
 
 
 # ------------------------------------------------------------------ one prefill, replayed per press
@@ -427,17 +610,28 @@ def continuation_nll(model, cache, context_length: int, cont_ids) -> float:
     with torch.inference_mode():
         logits = model(input_ids=cont_ids, past_key_values=cache, position_ids=pos).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, cont_ids[0, 1:], reduction="mean").item()
+    restore(cache, lens)
+    return nll
+
+
+def restore(cache, lens):
+    """Drops what a question, its answer or the continuation added: kvscore.generation's caches
+    crop (Cache.crop), the others as kvpress's pipeline does (_remove_answer_from_cache)."""
+    if hasattr(cache, "prefill"):  # a kvscore.generation cache
+        cache.crop(lens[0])
+        return
     for i, n in enumerate(lens):
         cache.layers[i].keys = cache.layers[i].keys[:, :, :n]
         cache.layers[i].values = cache.layers[i].values[:, :, :n]
-    return nll
 
 
 def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None, dedupe: bool = True):
     """Records of one context for every (method, ratio) in configs (plus the full cache,
-    method "none"): per needle {task: needle, correct, answer}, and one {task: continuation, nll}.
-    dedupe: a configuration whose cache keeps the same tokens as an earlier one (same
-    cache_fingerprint) reuses its answers (record "same_as")."""
+    method "none"): per needle {task: needle, correct, answer}, and one {task: continuation, nll},
+    each with the two axes: memory (the fraction of the full cache's K/V bytes the configuration
+    holds) and attended (keys attended per decode step, as a fraction of the context).
+    dedupe: a press whose cache keeps the same tokens as an earlier one (same cache_fingerprint)
+    reuses its answers (record "same_as")."""
     import torch
 
     model, tok = pipe.model, pipe.tokenizer
@@ -445,17 +639,30 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
     maxlen = model.config.max_position_embeddings
     inputs = [pipe.preprocess(ctx.text, [q], prefix, maxlen) for q, prefix, _ in qs]
     context_ids = inputs[0]["context_ids"]
+    n = int(context_ids.shape[1])
     cont_ids = tok.encode(ctx.continuation, add_special_tokens=False, return_tensors="pt")[:, :CONTINUATION]
-    if context_ids.shape[1] + max(CONTINUATION, max(i["questions_ids"][0].shape[1] for i in inputs) + MAX_NEW_TOKENS) > maxlen:
-        raise ValueError(f"context {ctx.key}: {context_ids.shape[1]} tokens leave too few of the model's {maxlen} positions")
+    if n + max(CONTINUATION, max(i["questions_ids"][0].shape[1] for i in inputs) + MAX_NEW_TOKENS) > maxlen:
+        raise ValueError(f"context {ctx.key}: {n} tokens leave too few of the model's {maxlen} positions")
     prefill = SharedPrefill(model, context_ids) if shared else None
-    records, seen = [], {}
+    records, seen, kvzip = [], {}, {}
     for method, ratio, make in [("none", 0.0, lambda: None)] + list(configs):
         t0 = time.perf_counter()
-        press = make()
+        spec = make()
         with torch.inference_mode():
-            if shared:
-                cache = prefill.replay(press)
+            if isinstance(spec, CacheRow):
+                cache = spec.build(model, context_ids, prefill)
+                if cache is None:  # the row cannot reach this ratio (OjaKV's protected anchors)
+                    if progress is not None:
+                        progress(method, ratio)
+                    continue
+                memory, attended = cache.memory_bytes() / cache.full_memory_bytes(), spec.attended(n)
+            elif isinstance(spec, KVzipRow) and shared:
+                if spec.plus not in kvzip:
+                    kvzip[spec.plus] = kvzip_scores(model, tok, context_ids, spec.plus)
+                cache = prefill.replay(None)
+                kvzip_apply(model, kvzip[spec.plus], spec.plus, spec.ratio)
+            elif shared:
+                cache = prefill.replay(spec)
                 fp = cache_fingerprint(model, cache) if dedupe else None
                 if fp in seen:  # the same kept tokens as an earlier configuration: its answers
                     first = seen[fp]
@@ -465,30 +672,36 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
                     if progress is not None:
                         progress(method, ratio)
                     continue
+            if shared or isinstance(spec, CacheRow):
                 answers = []
                 for inp in inputs:  # KVPressTextGenerationPipeline._forward's loop
                     lens = [cache.get_seq_length(i) for i in range(len(cache))]
-                    answers.append(pipe.generate_answer(inp["questions_ids"][0], cache, prefill.context_length,
-                                                        MAX_NEW_TOKENS))
-                    pipe._remove_answer_from_cache(cache, lens)
-            else:
+                    answers.append(pipe.generate_answer(inp["questions_ids"][0], cache, n, MAX_NEW_TOKENS))
+                    restore(cache, lens)
+            else:  # the pipeline itself, one prefill per question (KVzip: its own press, its whole algorithm)
                 answers = []
                 for q, prefix, _ in qs:
+                    from kvpress import KVzipPress
                     from transformers import DynamicCache
 
                     cache = DynamicCache()
-                    answers.append(pipe(ctx.text, question=q, answer_prefix=prefix, press=press,
-                                        max_new_tokens=MAX_NEW_TOKENS, cache=cache)["answer"])
-            kept = kept_tokens(model, cache)
-            nll = continuation_nll(model, cache, int(context_ids.shape[1]), cont_ids)
+                    with _kvzip_tokenizer(tok):
+                        press = KVzipPress(compression_ratio=spec.ratio, kvzip_plus_normalization=spec.plus) \
+                            if isinstance(spec, KVzipRow) else spec
+                        answers.append(pipe(ctx.text, question=q, answer_prefix=prefix, press=press,
+                                            max_new_tokens=MAX_NEW_TOKENS, cache=cache)["answer"])
+            if not isinstance(spec, CacheRow):
+                kept = kept_tokens(model, cache)
+                memory = attended = kept / n
+            nll = continuation_nll(model, cache, n, cont_ids)
         secs = time.perf_counter() - t0
-        base = {"method": method, "ratio": ratio, "length": ctx.length, "context": ctx.index,
-                "tokens": int(context_ids.shape[1]), "kept": kept, "seconds": secs}
+        base = {"method": method, "ratio": ratio, "length": ctx.length, "context": ctx.index, "tokens": n,
+                "kept": attended * n, "memory": memory, "attended": attended, "seconds": secs}
         mine = [dict(base, task="needle", depth=depth, expected=expected, answer=a, correct=expected in a)
                 for (q, _, expected), (_, _, depth), a in zip(qs, ctx.needles, answers)]
         mine.append(dict(base, task="continuation", nll=nll))
         records += mine
-        if shared and dedupe:
+        if shared and dedupe and not isinstance(spec, (CacheRow, KVzipRow)):
             seen[fp] = mine
         if progress is not None:
             progress(method, ratio)
@@ -498,13 +711,18 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
 # ------------------------------------------------------------------ summary, table, plot
 
 def summarize(records):
-    """{method: {ratio: {"accuracy", "n", "dnll", "by_length": {L: accuracy}}}}; dnll is the mean
-    NLL increase over the full cache of the same context."""
+    """{method: {ratio: {"accuracy", "n", "dnll", "memory", "attended", "by_length": {L: accuracy}}}};
+    dnll is the mean NLL increase over the full cache of the same context, memory and attended the
+    mean fractions of the full cache held and of the context attended per step (records before
+    these fields: the kept fraction, both)."""
     base = {(r["length"], r["context"]): r["nll"] for r in records if r["task"] == "continuation" and r["method"] == "none"}
     out = {}
     for r in records:
-        s = out.setdefault(r["method"], {}).setdefault(r["ratio"], {"ok": 0, "n": 0, "d": [], "len": {}})
+        s = out.setdefault(r["method"], {}).setdefault(r["ratio"], {"ok": 0, "n": 0, "d": [], "len": {}, "mem": [],
+                                                                     "att": []})
         if r["task"] == "needle":
+            s["mem"].append(r.get("memory", r["kept"] / r["tokens"]))
+            s["att"].append(r.get("attended", r["kept"] / r["tokens"]))
             s["ok"] += r["correct"]
             s["n"] += 1
             a = s["len"].setdefault(r["length"], [0, 0])
@@ -518,6 +736,8 @@ def summarize(records):
             res.setdefault(m, {})[ratio] = {
                 "accuracy": s["ok"] / s["n"] if s["n"] else float("nan"), "n": s["n"],
                 "dnll": sum(s["d"]) / len(s["d"]) if s["d"] else float("nan"),
+                "memory": sum(s["mem"]) / len(s["mem"]) if s["mem"] else float("nan"),
+                "attended": sum(s["att"]) / len(s["att"]) if s["att"] else float("nan"),
                 "by_length": {L: a[0] / a[1] for L, a in sorted(s["len"].items())}}
     return res
 
@@ -549,6 +769,42 @@ def table(summary, ratios) -> str:
     n = next(iter(summary.values()), {})
     nq = next(iter(n.values()), {}).get("n", 0)
     return head + "\n".join(rows) + f"\n\n({nq} needle questions per cell; ΔNLL: nats/token over the full cache)\n"
+
+
+def table_axes(summary, ratios) -> str:
+    """Markdown: the two axes per method and compression ratio, "memory / attended" (fractions of
+    the full cache's K/V bytes held, and of the context's keys attended per decode step)."""
+    ms = _order(summary)
+    out = "| method | " + " | ".join(f"mem / att @ {r:g}" for r in ratios) + " |\n"
+    out += "| --- |" + " ---: |" * len(ratios) + "\n"
+    for m in ms:
+        if m == "none":
+            continue
+        cells = []
+        for r in ratios:
+            x = summary[m].get(r)
+            cells.append("—" if not x or math.isnan(x["memory"]) else f"{x['memory']:.2f} / {x['attended']:.2f}")
+        out += f"| {m} | " + " | ".join(cells) + " |\n"
+    return out
+
+
+def best_by_axis(summary, ratios) -> str:
+    """Markdown: per ratio, the most accurate kvscore and kvpress configuration on each axis,
+    comparing like with like: on the memory axis what holds at most 1 - ratio of the full cache
+    (eviction, OjaKV), on the attention axis what attends at most 1 - ratio of the context per
+    step (eviction and retrieval)."""
+    def best(prefix, r, key):
+        c = [(x["accuracy"], m) for m in summary if m.startswith(prefix) for rr, x in summary[m].items()
+             if rr == r and x[key] <= 1 - r + 0.01 and not math.isnan(x["accuracy"])]
+        return max(c) if c else None
+
+    out = "| compression | axis | kvscore's best | kvpress's best |\n| ---: | --- | --- | --- |\n"
+    for r in ratios:
+        for key, axis in (("memory", "memory"), ("attended", "keys attended")):
+            a, b = best("kvscore:", r, key), best("kvpress:", r, key)
+            fmt = lambda x: "—" if x is None else f"{x[1][8:]} {x[0]:.3f}"  # noqa: E731
+            out += f"| {r:g} | {axis} | {fmt(a)} | {fmt(b)} |\n"
+    return out
 
 
 def table_by_length(summary, ratio) -> str:
@@ -681,7 +937,10 @@ def run(out, *, quick=False, model_path=None, methods=None, ratios=None, lengths
     for m in names:
         if m not in table_:
             raise ValueError(f"unknown method '{m}' (known: {', '.join(table_)})")
-    configs = [(m, r, (lambda m=m, r=r: table_[m][1](r))) for m in names for r in ratios]
+    # retrieval rows add RETRIEVAL_RATIOS (2-5 % attended) to the design's ratios, except --quick's
+    extra = () if quick else tuple(r for r in RETRIEVAL_RATIOS if r not in ratios)
+    configs = [(m, r, (lambda m=m, r=r: table_[m][1](r))) for m in names
+               for r in ratios + (extra if _retrieval_row(table_[m][1]) else ())]
     ctxs = make_contexts(tok, lengths, per)
     rpath = out / "results.json"
     done = json.loads(rpath.read_text()) if rpath.exists() else {"records": []}
@@ -721,8 +980,9 @@ def run(out, *, quick=False, model_path=None, methods=None, ratios=None, lengths
     if bar is not None:
         bar.close()
     summary = summarize([r for r in records if r["method"] in names + ["none"] and r["length"] in lengths])
-    ratios = [r for r in ratios]
+    ratios = sorted(set(ratios) | {r for m in summary.values() for r in m if r > 0})
     md = table(summary, ratios)
+    md += "\n" + table_axes(summary, ratios) + "\n" + best_by_axis(summary, ratios)
     for r in (0.5, 0.75):
         if r in ratios and len(lengths) > 1:
             md += "\n" + table_by_length(summary, r)

@@ -135,16 +135,53 @@ def test_shared_prefill_gives_the_pipelines_answers_and_caches(smol, ctx):
             kvpress.ExpectedAttentionPress(compression_ratio=0.5, epsilon=1e-2)),
     }
     configs = [(m, 0.5, f) for m, f in presses.items()]
+    # rows that are not presses: a decode-time cache loaded from the shared prefill (against one
+    # prefilled through the cache), KVzip scored once and masked per ratio (against the pipeline
+    # running kvpress's KVzipPress itself)
+    table = quality.method_table()
+    for m, r in (("kvscore:pariskv", 0.9), ("kvscore:exact-topk", 0.9), ("kvscore:ojakv-r16", 0.5),
+                 ("kvpress:kvzip", 0.5), ("kvpress:kvzip_plus", 0.9)):
+        configs.append((m, r, lambda m=m, r=r: table[m][1](r)))
     fast = quality.run_context(pipe, c, configs, shared=True, dedupe=False)
     slow = quality.run_context(pipe, c, configs, shared=False)
-    assert len(fast) == len(slow) == 3 * 3
+    assert len(fast) == len(slow) == (1 + len(configs)) * 3
     for a, b in zip(fast, slow):
         assert (a["method"], a["task"]) == (b["method"], b["task"])
         if a["task"] == "needle":
             assert a["answer"] == b["answer"], a["method"]
         else:
-            assert a["nll"] == b["nll"], a["method"]
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-6, abs=1e-6), a["method"]
             assert a["kept"] == b["kept"], a["method"]
+            assert (a["memory"], a["attended"]) == (b["memory"], b["attended"]), a["method"]
+    got = {(r["method"], r["ratio"]): r for r in fast if r["task"] == "continuation"}
+    assert got[("kvscore:pariskv", 0.9)]["attended"] == pytest.approx(0.1, abs=0.002)
+    assert got[("kvscore:pariskv", 0.9)]["memory"] > 1  # nothing evicted, an index added
+    assert got[("kvscore:exact-topk", 0.9)]["memory"] == 1
+    assert got[("kvscore:ojakv-r16", 0.5)]["memory"] <= 0.5 and got[("kvscore:ojakv-r16", 0.5)]["attended"] == 1
+    assert got[("kvpress:kvzip", 0.5)]["memory"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_generation_example_runs(smol):
+    """examples/python/generation.py (docs/generation.md) on the loaded model: ParisKV at 10 %
+    attended answers the planted fact as the full cache does."""
+    import runpy
+
+    model, tok, _ = smol
+    main = runpy.run_path(str(ROOT / "examples/python/generation.py"), run_name="example")["main"]
+    with torch.inference_mode():
+        expected, (paris, oja, full) = main(model, tok)
+    assert expected in full and expected in paris, (expected, paris, full)
+
+
+def test_retrieval_cache_at_full_attention_gives_the_dynamic_cache_tokens(smol, ctx):
+    """attend=1.0 on the real model: the same greedy tokens as a DynamicCache."""
+    import kvscore.generation as kg
+
+    model, tok, _ = smol
+    ids = torch.tensor([tok.encode("The capital of France is", add_special_tokens=False)])
+    want = model.generate(ids, past_key_values=transformers.DynamicCache(), max_new_tokens=8, do_sample=False)
+    got = model.generate(ids, past_key_values=kg.RetrievalCache(model, attend=1.0), max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
 
 
 def test_generation_answers_planted_questions(smol, ctx):
@@ -272,11 +309,18 @@ def test_quality_quick_writes_its_report(smol, tmp_path):
     assert {r["method"] for r in recs} == set(names) | {"none"}
     assert summary["none"][0.0]["accuracy"] == 1.0
     n = next(r["tokens"] for r in recs)
+    table = quality.method_table(filters=True)
     for r in recs:
+        row = table[r["method"]][1](r["ratio"]) if r["method"] != "none" else None
         if r["method"] == "none":
-            assert r["kept"] == n
-        else:
+            assert r["kept"] == n and r["memory"] == r["attended"] == 1
+        elif isinstance(row, quality.CacheRow) and row.kind == "hybrid":  # OjaKV: memory shrinks, all attended
+            assert r["memory"] <= 1 - r["ratio"] and r["attended"] == 1, r
+        elif isinstance(row, quality.CacheRow):  # retrieval: all held, the budget attended
+            assert r["memory"] >= 1 and r["kept"] == kvscore.budget_from_ratio(n, 1 - r["ratio"]), r
+        else:  # presses evict (or mask) down to the budget: both axes alike
             assert abs(r["kept"] - int(n * (1 - r["ratio"]))) <= 1, r
+            assert r["memory"] == r["attended"] == r["kept"] / n, r
     md = (tmp_path / "table.md").read_text()
     assert all(m in md for m in names)
     svg = (tmp_path / "plot.svg").read_text()

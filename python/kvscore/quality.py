@@ -114,7 +114,7 @@ RETRIEVAL_RATIOS = (0.95, 0.98)
 RETRIEVAL_LOCAL = 64
 # OjaKV rows (kvscore.generation.OjaKVCache): key and value ranks (head_dim 64); the anchors'
 # share is what brings the store to the row's memory (ojakv_anchor_share), where it can.
-OJAKV_RANKS = (16, 24)
+OJAKV_RANKS = (8, 16, 24, 32)
 KVZIP_SCORING_RATIO = 0.5  # any ratio > 0 makes KVzipPress compute its scores, which do not depend on it
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)

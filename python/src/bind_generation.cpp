@@ -61,6 +61,31 @@ kvscore::LayerStrides layer_strides(const A& a, const std::string& what, std::in
   return {a.stride(0), a.stride(1), a.stride(2)};
 }
 
+/// The arguments of a layer cache's forward (keys, values [batch, kv_heads, n, d] in the keys'
+/// dtype, float32 queries [batch, q_heads, n, d], float32 out of the queries' shape), checked
+/// against the cache's sizes.
+struct ForwardArgs {
+  Elem elem;
+  std::int64_t n, q_heads;
+  kvscore::LayerStrides ks, vs, qs, os;
+};
+
+template <class C>
+ForwardArgs forward_args(const C& c, const In& keys, const In& values, const In& queries, const Out& out,
+                         const std::string& who) {
+  ForwardArgs a{};
+  a.elem = elem_of(keys, who + ": keys");
+  if (elem_of(values, who + ": values") != a.elem) fail(who + ": keys and values must have the same dtype");
+  if (elem_of(queries, who + ": queries") != Elem::f32) fail(who + ": queries must be float32");
+  a.ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
+  a.n = std::int64_t(keys.shape(2));
+  a.vs = layer_strides(values, who + ": values", c.batch(), c.kv_heads(), a.n, c.head_dim());
+  a.qs = layer_strides(queries, who + ": queries", c.batch(), -1, a.n, c.head_dim());
+  a.q_heads = std::int64_t(queries.shape(1));
+  a.os = layer_strides(out, who + ": out", c.batch(), a.q_heads, a.n, c.head_dim());
+  return a;
+}
+
 // ------------------------------------------------------------------ ParisKV
 
 template <class T>
@@ -116,21 +141,14 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
           "forward",
           [](C& c, const In& keys, const In& values, const In& queries, Out& out) {
             const std::string who = "ParisKVLayerCache.forward";
-            if (elem_of(keys, who + ": keys") != elem_v<T> || elem_of(values, who + ": values") != elem_v<T>)
-              fail(who + ": keys and values must have the cache's dtype");
-            if (elem_of(queries, who + ": queries") != Elem::f32) fail(who + ": queries must be float32");
-            const kvscore::LayerStrides ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
-            const std::int64_t n = std::int64_t(keys.shape(2));
-            const kvscore::LayerStrides vs = layer_strides(values, who + ": values", c.batch(), c.kv_heads(), n, c.head_dim());
-            const kvscore::LayerStrides qs = layer_strides(queries, who + ": queries", c.batch(), -1, n, c.head_dim());
-            const std::int64_t q_heads = std::int64_t(queries.shape(1));
-            const kvscore::LayerStrides os = layer_strides(out, who + ": out", c.batch(), q_heads, n, c.head_dim());
+            const ForwardArgs a = forward_args(c, keys, values, queries, out, who);
+            if (a.elem != elem_v<T>) fail(who + ": keys and values must have the cache's dtype");
             const T* k = static_cast<const T*>(keys.data());
             const T* v = static_cast<const T*>(values.data());
             const float* q = static_cast<const float*>(queries.data());
             float* o = out.data();
             nb::gil_scoped_release unlocked;
-            c.forward(k, v, q, q_heads, n, ks, vs, qs, o, os);
+            c.forward(k, v, q, a.q_heads, a.n, a.ks, a.vs, a.qs, o, a.os);
           },
           "keys"_a, "values"_a, "queries"_a, "out"_a,
           "n new tokens: append token i, attend with queries[:, :, i] (float32 [batch, q_heads, n, head_dim]) "
@@ -240,24 +258,15 @@ void bind_ojakv_layer(nb::module_& m) {
       .def(
           "forward",
           [](C& c, const In& keys, const In& values, const In& queries, Out& out) {
-            const std::string who = "OjaLayerCache.forward";
-            const Elem e = elem_of(keys, who + ": keys");
-            if (elem_of(values, who + ": values") != e) fail(who + ": keys and values must have the same dtype");
-            if (elem_of(queries, who + ": queries") != Elem::f32) fail(who + ": queries must be float32");
-            const kvscore::LayerStrides ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
-            const std::int64_t n = std::int64_t(keys.shape(2));
-            const kvscore::LayerStrides vs = layer_strides(values, who + ": values", c.batch(), c.kv_heads(), n, c.head_dim());
-            const kvscore::LayerStrides qs = layer_strides(queries, who + ": queries", c.batch(), -1, n, c.head_dim());
-            const std::int64_t q_heads = std::int64_t(queries.shape(1));
-            const kvscore::LayerStrides os = layer_strides(out, who + ": out", c.batch(), q_heads, n, c.head_dim());
+            const ForwardArgs a = forward_args(c, keys, values, queries, out, "OjaLayerCache.forward");
             const float* q = static_cast<const float*>(queries.data());
             float* o = out.data();
-            with_elem(e, [&](auto tag) {
+            with_elem(a.elem, [&](auto tag) {
               using T = decltype(tag);
               const T* k = static_cast<const T*>(keys.data());
               const T* v = static_cast<const T*>(values.data());
               nb::gil_scoped_release unlocked;
-              c.forward(k, v, q, q_heads, n, ks, vs, qs, o, os);
+              c.forward(k, v, q, a.q_heads, a.n, a.ks, a.vs, a.qs, o, a.os);
             });
           },
           "keys"_a, "values"_a, "queries"_a, "out"_a, "n new tokens: append token i, attend with queries[:, :, i].")

@@ -19,16 +19,10 @@ using kvscore::OjaLayerCache;
 using kvscore::OjaLayerConfig;
 using kvscore::OjaProjector;
 
+using test_support::hf_strides;
+using test_support::uniform_noise;
+
 namespace {
-
-std::vector<float> noise(std::int64_t n, std::uint64_t seed, double lo = -1, double hi = 1) {
-  kvscore::detail::SplitMix64 rng(seed);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = float(lo + (hi - lo) * rng.uniform_nonzero());
-  return v;
-}
-
-LayerStrides hf(std::int64_t heads, std::int64_t tokens, std::int64_t d) { return {heads * tokens * d, tokens * d, d}; }
 
 /// Dense attention of q over rows [0, n) of one head (fp64).
 std::vector<double> dense(const float* K, const float* V, std::int64_t n, std::int64_t d, const float* q, double s) {
@@ -64,7 +58,7 @@ TEST_CASE("ojakv layer: the low-rank attention equals the reference attention (A
   const std::int64_t H = 2, d = 32, r = 6, n = 90, T = 8;
   kvscore::OjaOptions oo;
   oo.period = T;
-  const std::vector<float> K = noise(H * n * d, 1), V = noise(H * n * d, 2);
+  const std::vector<float> K = uniform_noise(H * n * d, 1), V = uniform_noise(H * n * d, 2);
   std::vector<OjaProjector> proj;
   for (std::int64_t h = 0; h < H; ++h) proj.push_back(OjaProjector::random(d, r, r + 2, 7 + 2 * std::uint64_t(h), oo));
   const kvscore::KeysView<float> kv(K.data(), H, n, d, n * d, d), vv(V.data(), H, n, d, n * d, d);
@@ -73,7 +67,7 @@ TEST_CASE("ojakv layer: the low-rank attention equals the reference attention (A
   full.offsets = {0, 3, 5};
   full.positions = {0, 17, 40, 2, 89};
   OjaHybridCache c = OjaHybridCache::build(proj, kv, vv, full);
-  const std::vector<float> extra = noise(2 * 5 * H * d, 3), qs = noise(5 * 2 * H * d, 4, -2, 2);
+  const std::vector<float> extra = uniform_noise(2 * 5 * H * d, 3), qs = uniform_noise(5 * 2 * H * d, 4, -2, 2);
   OjaHybridCache::AttendWorkspace ws;
   std::vector<float> out(static_cast<std::size_t>(d));
   for (std::int64_t step = 0; step < 5; ++step) {  // an open block of 1..5 tokens
@@ -101,12 +95,12 @@ TEST_CASE("ojakv layer: at full rank the layer cache attends like dense attentio
   cfg.window = 4;
   cfg.options.period = 8;  // two blocks close during the steps
   OjaLayerCache layer(B, H, d, cfg);
-  const std::vector<float> K = noise(B * H * N * d, 11), V = noise(B * H * N * d, 12);
-  const std::vector<float> Qp = noise(B * Q * 4 * d, 13), Qs = noise(B * Q * steps * d, 14, -2, 2);
-  layer.prefill(K.data(), V.data(), n0, hf(H, N, d), hf(H, N, d), Qp.data(), Q, 4, hf(Q, 4, d));
+  const std::vector<float> K = uniform_noise(B * H * N * d, 11), V = uniform_noise(B * H * N * d, 12);
+  const std::vector<float> Qp = uniform_noise(B * Q * 4 * d, 13), Qs = uniform_noise(B * Q * steps * d, 14, -2, 2);
+  layer.prefill(K.data(), V.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d), Qp.data(), Q, 4, hf_strides(Q, 4, d));
   std::vector<float> out(std::size_t(B * Q * steps * d));
-  layer.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, steps, hf(H, N, d), hf(H, N, d), hf(Q, steps, d), out.data(),
-                hf(Q, steps, d));
+  layer.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, steps, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, steps, d), out.data(),
+                hf_strides(Q, steps, d));
   REQUIRE(layer.size() == N);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t j = 0; j < Q; ++j)
@@ -127,16 +121,16 @@ TEST_CASE("ojakv layer: equals the store built by hand, any thread count", "[oja
   cfg.sinks = 3;
   cfg.window = w;
   cfg.seed = 100;
-  const std::vector<float> K = noise(H * N * d, 21), V = noise(H * N * d, 22);
-  const std::vector<float> Qp = noise(Q * w * d, 23), Qs = noise(Q * steps * d, 24);
+  const std::vector<float> K = uniform_noise(H * N * d, 21), V = uniform_noise(H * N * d, 22);
+  const std::vector<float> Qp = uniform_noise(Q * w * d, 23), Qs = uniform_noise(Q * steps * d, 24);
   std::vector<std::vector<float>> outs;
   for (int threads : {1, 2}) {
     OjaLayerCache layer(1, H, d, cfg);
     layer.num_threads = threads;
-    layer.prefill(K.data(), V.data(), n0, hf(H, N, d), hf(H, N, d), Qp.data(), Q, w, hf(Q, w, d));
+    layer.prefill(K.data(), V.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d), Qp.data(), Q, w, hf_strides(Q, w, d));
     std::vector<float> out(std::size_t(Q * steps * d));
-    layer.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, steps, hf(H, N, d), hf(H, N, d), hf(Q, steps, d), out.data(),
-                  hf(Q, steps, d));
+    layer.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, steps, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, steps, d), out.data(),
+                  hf_strides(Q, steps, d));
     outs.push_back(out);
     // by hand: projectors, residual rule with the window protected, selection, build
     const kvscore::KeysView<float> kv(K.data(), H, n0, d, N * d, d), vv(V.data(), H, n0, d, N * d, d);
@@ -184,28 +178,28 @@ TEST_CASE("ojakv layer: crop drops open-block tokens as if they never came", "[o
   cfg.anchors = 10;
   cfg.window = 4;
   cfg.options.period = 8;
-  const std::vector<float> K = noise(H * N * d, 31), V = noise(H * N * d, 32), Qp = noise(Q * 4 * d, 33),
-                           Qs = noise(Q * 12 * d, 34);
+  const std::vector<float> K = uniform_noise(H * N * d, 31), V = uniform_noise(H * N * d, 32), Qp = uniform_noise(Q * 4 * d, 33),
+                           Qs = uniform_noise(Q * 12 * d, 34);
   auto make = [&] {
     OjaLayerCache l(1, H, d, cfg);
-    l.prefill(K.data(), V.data(), n0, hf(H, N, d), hf(H, N, d), Qp.data(), Q, 4, hf(Q, 4, d));
+    l.prefill(K.data(), V.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d), Qp.data(), Q, 4, hf_strides(Q, 4, d));
     return l;
   };
   OjaLayerCache a = make(), b = make();
   std::vector<float> out(std::size_t(Q * 12 * d)), out_b(out.size());
   // a: 3 tokens (a question), 4 more (an answer), then crop back to n0 + 3
-  a.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, 7, hf(H, N, d), hf(H, N, d), hf(Q, 12, d), out.data(), hf(Q, 12, d));
+  a.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, 7, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, 12, d), out.data(), hf_strides(Q, 12, d));
   a.crop(n0 + 3);
-  b.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, 3, hf(H, N, d), hf(H, N, d), hf(Q, 12, d), out_b.data(), hf(Q, 12, d));
+  b.forward(&K[n0 * d], &V[n0 * d], Qs.data(), Q, 3, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, 12, d), out_b.data(), hf_strides(Q, 12, d));
   REQUIRE(a.size() == n0 + 3);
   REQUIRE(a.projectors(0)[1].key().buffered() == 3);
   // the next 6 tokens close the block (T = 8) on both: the same updated bases and outputs
   std::fill(out.begin(), out.end(), 0.f);
   std::fill(out_b.begin(), out_b.end(), 0.f);
-  a.forward(&K[(n0 + 3) * d], &V[(n0 + 3) * d], &Qs[3 * d], Q, 6, hf(H, N, d), hf(H, N, d), hf(Q, 12, d), out.data(),
-            hf(Q, 12, d));
-  b.forward(&K[(n0 + 3) * d], &V[(n0 + 3) * d], &Qs[3 * d], Q, 6, hf(H, N, d), hf(H, N, d), hf(Q, 12, d), out_b.data(),
-            hf(Q, 12, d));
+  a.forward(&K[(n0 + 3) * d], &V[(n0 + 3) * d], &Qs[3 * d], Q, 6, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, 12, d), out.data(),
+            hf_strides(Q, 12, d));
+  b.forward(&K[(n0 + 3) * d], &V[(n0 + 3) * d], &Qs[3 * d], Q, 6, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, 12, d), out_b.data(),
+            hf_strides(Q, 12, d));
   REQUIRE(a.projectors(0)[0].key().decode_updates() == 1);
   REQUIRE(a.projectors(0)[0].key().basis() == b.projectors(0)[0].key().basis());
   REQUIRE(out == out_b);
@@ -221,34 +215,34 @@ TEST_CASE("ojakv layer: memory is the paper's formula, errors name the value", "
   cfg.window = 8;
   OjaLayerCache layer(B, H, d, cfg);
   CHECK(layer.size() == 0);
-  const std::vector<float> K = noise(B * H * n0 * d, 41), V = noise(B * H * n0 * d, 42), Qp = noise(B * H * 8 * d, 43);
+  const std::vector<float> K = uniform_noise(B * H * n0 * d, 41), V = uniform_noise(B * H * n0 * d, 42), Qp = uniform_noise(B * H * 8 * d, 43);
   std::vector<float> out(std::size_t(B * H * d));
   CHECK_THAT(test_support::error_of([&] {
-               layer.forward(K.data(), V.data(), Qp.data(), H, 1, hf(H, n0, d), hf(H, n0, d), hf(H, 8, d), out.data(),
-                             hf(H, 1, d));
+               layer.forward(K.data(), V.data(), Qp.data(), H, 1, hf_strides(H, n0, d), hf_strides(H, n0, d), hf_strides(H, 8, d), out.data(),
+                             hf_strides(H, 1, d));
              }),
              Catch::Contains("prefill first"));
   OjaLayerConfig few = cfg;
   few.anchors = 11;  // < 4 sinks + 8 window
   OjaLayerCache small(B, H, d, few);
   CHECK_THAT(test_support::error_of([&] {
-               small.prefill(K.data(), V.data(), n0, hf(H, n0, d), hf(H, n0, d), Qp.data(), H, 8, hf(H, 8, d));
+               small.prefill(K.data(), V.data(), n0, hf_strides(H, n0, d), hf_strides(H, n0, d), Qp.data(), H, 8, hf_strides(H, 8, d));
              }),
              Catch::Contains("anchors 11 < the 12 protected tokens"));
   CHECK(small.size() == 0);
-  layer.prefill(K.data(), V.data(), n0, hf(H, n0, d), hf(H, n0, d), Qp.data(), H, 8, hf(H, 8, d));
+  layer.prefill(K.data(), V.data(), n0, hf_strides(H, n0, d), hf_strides(H, n0, d), Qp.data(), H, 8, hf_strides(H, 8, d));
   const kvscore::OjaMemory m = layer.memory(2);
   // per head: (N − m)(r_k + r_v)·b + m(2d·b + 4) + d(r_k + r_v)·b, m = 40 anchors
   const std::int64_t per = (n0 - 40) * (16 + 12) * 2 + 40 * (2 * d * 2 + 4) + d * (16 + 12) * 2;
   CHECK(m.hybrid_bytes == B * H * per);
   CHECK(m.full_bytes == B * H * n0 * 2 * d * 2);
   CHECK_THAT(test_support::error_of([&] {
-               layer.prefill(K.data(), V.data(), n0, hf(H, n0, d), hf(H, n0, d), Qp.data(), H, 8, hf(H, 8, d));
+               layer.prefill(K.data(), V.data(), n0, hf_strides(H, n0, d), hf_strides(H, n0, d), Qp.data(), H, 8, hf_strides(H, 8, d));
              }),
              Catch::Contains("prefilled already (200 tokens)"));
   CHECK_THAT(test_support::error_of([&] {
-               layer.forward(K.data(), V.data(), Qp.data(), 4, 1, hf(H, n0, d), hf(H, n0, d), hf(4, 8, d), out.data(),
-                             hf(4, 1, d));
+               layer.forward(K.data(), V.data(), Qp.data(), 4, 1, hf_strides(H, n0, d), hf_strides(H, n0, d), hf_strides(4, 8, d), out.data(),
+                             hf_strides(4, 1, d));
              }),
              Catch::Contains("q_heads 4 is not a positive multiple of the 3 KV heads"));
   OjaLayerConfig r0 = cfg;

@@ -20,17 +20,10 @@ using kvscore::ParisKVCacheConfig;
 using kvscore::ParisKVLayerCache;
 using kvscore::ParisKVRetrieval;
 
+using test_support::hf_strides;
+using test_support::uniform_noise;
+
 namespace {
-
-std::vector<float> noise(std::int64_t n, std::uint64_t seed, double lo = -1, double hi = 1) {
-  kvscore::detail::SplitMix64 rng(seed);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = float(lo + (hi - lo) * rng.uniform_nonzero());
-  return v;
-}
-
-/// HF-layout strides of a contiguous [batch][heads][tokens][d] tensor.
-LayerStrides hf(std::int64_t heads, std::int64_t tokens, std::int64_t d) { return {heads * tokens * d, tokens * d, d}; }
 
 /// Exact top-k of q·k over rows [b, e) of a contiguous [tokens][d] head, fp64 (ties: lower
 /// position), ascending; also the smallest gap between the k-th and the (k+1)-th score.
@@ -75,10 +68,10 @@ TEST_CASE("pariskv layer: equals one ParisKVCache per (row, KV head), GQA query 
     std::vector<ParisKVCache<float>> ref;
     for (std::int64_t i = 0; i < B * H; ++i) ref.emplace_back(d, cfg);
     const std::int64_t N = n0 + steps;
-    const std::vector<float> K = noise(B * H * N * d, 1), V = noise(B * H * N * d, 2);
-    const std::vector<float> Qs = noise(B * Q * steps * d, 3, -2, 2);
+    const std::vector<float> K = uniform_noise(B * H * N * d, 1), V = uniform_noise(B * H * N * d, 2);
+    const std::vector<float> Qs = uniform_noise(B * Q * steps * d, 3, -2, 2);
     // prefill: the first n0 tokens of a [B][H][N][d] tensor (strides of the whole tensor)
-    layer.append(K.data(), V.data(), n0, hf(H, N, d), hf(H, N, d));
+    layer.append(K.data(), V.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d));
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t h = 0; h < H; ++h) ref[std::size_t(b * H + h)].append(&K[((b * H + h) * N) * d], &V[((b * H + h) * N) * d], n0);
     REQUIRE(layer.size() == n0);
@@ -86,7 +79,7 @@ TEST_CASE("pariskv layer: equals one ParisKVCache per (row, KV head), GQA query 
     std::vector<float> out(std::size_t(B * Q * steps * d), -1.f);
     const float* k1 = &K[n0 * d];
     const float* v1 = &V[n0 * d];
-    layer.forward(k1, v1, Qs.data(), Q, steps, hf(H, N, d), hf(H, N, d), hf(Q, steps, d), out.data(), hf(Q, steps, d));
+    layer.forward(k1, v1, Qs.data(), Q, steps, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, steps, d), out.data(), hf_strides(Q, steps, d));
     REQUIRE(layer.size() == N);
     typename ParisKVCache<float>::Workspace ws;
     std::vector<float> o(static_cast<std::size_t>(d));
@@ -115,7 +108,7 @@ TEST_CASE("pariskv layer: the same outputs for 1 and 2 threads, and for token-ma
   const std::int64_t H = 3, G = 3, Q = H * G, d = 16, n0 = 200, steps = 3, N = n0 + steps;
   const ParisKVCacheConfig cfg = zones(4, 8, 12, ParisKVRetrieval::index);
   // token-major [N][H][d] keys and values: strides (0, d, H*d)
-  const std::vector<float> K = noise(N * H * d, 11), V = noise(N * H * d, 12), Qs = noise(Q * steps * d, 13);
+  const std::vector<float> K = uniform_noise(N * H * d, 11), V = uniform_noise(N * H * d, 12), Qs = uniform_noise(Q * steps * d, 13);
   const LayerStrides tm{0, d, H * d};
   std::vector<std::vector<float>> outs;
   for (int threads : {1, 2}) {
@@ -123,7 +116,7 @@ TEST_CASE("pariskv layer: the same outputs for 1 and 2 threads, and for token-ma
     layer.num_threads = threads;
     layer.append(K.data(), V.data(), n0, tm, tm);
     std::vector<float> out(std::size_t(Q * steps * d));
-    layer.forward(&K[n0 * H * d], &V[n0 * H * d], Qs.data(), Q, steps, tm, tm, hf(Q, steps, d), out.data(), hf(Q, steps, d));
+    layer.forward(&K[n0 * H * d], &V[n0 * H * d], Qs.data(), Q, steps, tm, tm, hf_strides(Q, steps, d), out.data(), hf_strides(Q, steps, d));
     outs.push_back(out);
   }
   REQUIRE(outs[0] == outs[1]);
@@ -136,18 +129,18 @@ TEST_CASE("pariskv layer: the same outputs for 1 and 2 threads, and for token-ma
         Vh[std::size_t((h * N + t) * d + x)] = V[std::size_t((t * H + h) * d + x)];
       }
   ParisKVLayerCache<float> layer(1, H, d, cfg);
-  layer.append(Kh.data(), Vh.data(), n0, hf(H, N, d), hf(H, N, d));
+  layer.append(Kh.data(), Vh.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d));
   std::vector<float> out(std::size_t(Q * steps * d));
-  layer.forward(&Kh[n0 * d], &Vh[n0 * d], Qs.data(), Q, steps, hf(H, N, d), hf(H, N, d), hf(Q, steps, d), out.data(),
-                hf(Q, steps, d));
+  layer.forward(&Kh[n0 * d], &Vh[n0 * d], Qs.data(), Q, steps, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(Q, steps, d), out.data(),
+                hf_strides(Q, steps, d));
   REQUIRE(out == outs[0]);
 }
 
 TEST_CASE("pariskv cache: exact retrieval is the brute-force top k of the zone at every step", "[pariskv][layer]") {
   const std::int64_t d = 20, S = 3, L = 10, k = 7, n0 = 60, steps = 120;
   ParisKVCache<float> c(d, zones(S, L, k, ParisKVRetrieval::exact));
-  const std::vector<float> K = noise((n0 + steps) * d, 21), V = noise((n0 + steps) * d, 22);
-  const std::vector<float> Qs = noise(steps * d, 23, -3, 3);
+  const std::vector<float> K = uniform_noise((n0 + steps) * d, 21), V = uniform_noise((n0 + steps) * d, 22);
+  const std::vector<float> Qs = uniform_noise(steps * d, 23, -3, 3);
   c.append(K.data(), V.data(), n0);
   CHECK(c.memory_bytes() == 2 * std::size_t(n0 * d) * sizeof(float));  // no index
   typename ParisKVCache<float>::Workspace ws;
@@ -175,7 +168,7 @@ TEST_CASE("pariskv cache: exact retrieval is the brute-force top k of the zone a
 
 TEST_CASE("pariskv: truncate leaves the index a fresh build of its first n keys would give", "[pariskv][layer]") {
   const std::int64_t d = 32, N = 200;
-  const std::vector<float> K = noise(N * d, 31);
+  const std::vector<float> K = uniform_noise(N * d, 31);
   kvscore::ParisKV a(d);
   a.append(K.data(), N, d);
   for (std::int64_t n : {150, 128, 64, 63, 1}) {
@@ -212,7 +205,7 @@ TEST_CASE("pariskv: truncate leaves the index a fresh build of its first n keys 
 
 TEST_CASE("pariskv cache: crop(n) selects as a cache that only ever held n tokens", "[pariskv][layer]") {
   const std::int64_t d = 16, S = 2, L = 12, k = 9, n = 150, extra = 30;
-  const std::vector<float> K = noise((n + extra) * d, 41), V = noise((n + extra) * d, 42), Qs = noise(8 * d, 43);
+  const std::vector<float> K = uniform_noise((n + extra) * d, 41), V = uniform_noise((n + extra) * d, 42), Qs = uniform_noise(8 * d, 43);
   for (ParisKVRetrieval how : {ParisKVRetrieval::index, ParisKVRetrieval::exact}) {
     CAPTURE(int(how));
     ParisKVCacheConfig cfg = zones(S, L, k, how);
@@ -235,25 +228,25 @@ TEST_CASE("pariskv cache: crop(n) selects as a cache that only ever held n token
 TEST_CASE("pariskv layer: errors name the value and leave every head unchanged", "[pariskv][layer]") {
   const std::int64_t H = 2, d = 8, N = 40;
   ParisKVLayerCache<float> layer(1, H, d, zones(2, 4, 3, ParisKVRetrieval::index));
-  std::vector<float> K = noise(H * N * d, 51), V = noise(H * N * d, 52);
-  layer.append(K.data(), V.data(), 30, hf(H, N, d), hf(H, N, d));
+  std::vector<float> K = uniform_noise(H * N * d, 51), V = uniform_noise(H * N * d, 52);
+  layer.append(K.data(), V.data(), 30, hf_strides(H, N, d), hf_strides(H, N, d));
   K[std::size_t((1 * N + 31) * d + 5)] = test_support::kNaN;  // head 1, token 31
   std::vector<float> q(std::size_t(4 * 2 * d), 0.5f), out(q.size());
   const std::string e = test_support::error_of([&] {
-    layer.forward(&K[30 * d], &V[30 * d], q.data(), 4, 2, hf(H, N, d), hf(H, N, d), hf(4, 2, d), out.data(), hf(4, 2, d));
+    layer.forward(&K[30 * d], &V[30 * d], q.data(), 4, 2, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(4, 2, d), out.data(), hf_strides(4, 2, d));
   });
   CHECK_THAT(e, Catch::Contains("key [row 0, KV head 1, token 31] has a non-finite value at element 5"));
   REQUIRE(layer.size() == 30);
   REQUIRE(layer.head(0, 0).size() == 30);
   CHECK_THAT(test_support::error_of([&] {
-               layer.forward(&K[30 * d], &V[30 * d], q.data(), 3, 1, hf(H, N, d), hf(H, N, d), hf(3, 1, d), out.data(),
-                             hf(3, 1, d));
+               layer.forward(&K[30 * d], &V[30 * d], q.data(), 3, 1, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(3, 1, d), out.data(),
+                             hf_strides(3, 1, d));
              }),
              Catch::Contains("q_heads 3 is not a positive multiple of the 2 KV heads"));
   q[3] = test_support::kInf;
   CHECK_THAT(test_support::error_of([&] {
-               layer.forward(V.data(), V.data(), q.data(), 4, 1, hf(H, N, d), hf(H, N, d), hf(4, 1, d), out.data(),
-                             hf(4, 1, d));
+               layer.forward(V.data(), V.data(), q.data(), 4, 1, hf_strides(H, N, d), hf_strides(H, N, d), hf_strides(4, 1, d), out.data(),
+                             hf_strides(4, 1, d));
              }),
              Catch::Contains("query [row 0, head 0, token 0] has a non-finite value at element 3"));
   REQUIRE(layer.size() == 30);

@@ -25,6 +25,7 @@
 #include <kvscore/core/dtype.hpp>
 #include <kvscore/scorers/windowed_manifold_l2.hpp>
 #include <kvscore/core/selection.hpp>
+#include <kvscore/core/splitmix.hpp>
 #include <kvscore/simd/dispatch.hpp>
 #include <kvscore/synth.hpp>
 #include <kvscore/core/view.hpp>
@@ -85,6 +86,19 @@ std::string error_of(const std::function<void()>& f) {
 // a relative error of a few 1e-7 against the size of the quantities entering it (see
 // test_golden.cpp for the derivation). close() compares |a - e| <= tol * (|e| + scale) with
 // tol 1e-5 and `scale` the largest key norm involved (or 1 for cosines).
+
+// n values uniform in (lo, hi) from SplitMix64(seed): the layer caches' test data.
+inline std::vector<float> uniform_noise(std::int64_t n, std::uint64_t seed, double lo = -1, double hi = 1) {
+  kvscore::detail::SplitMix64 rng(seed);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = float(lo + (hi - lo) * rng.uniform_nonzero());
+  return v;
+}
+
+// Strides of a contiguous [batch][heads][tokens][d] tensor (HF's layout).
+inline kvscore::LayerStrides hf_strides(std::int64_t heads, std::int64_t tokens, std::int64_t d) {
+  return {heads * tokens * d, tokens * d, d};
+}
 
 inline constexpr double kTol = 1e-5;
 

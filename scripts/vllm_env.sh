@@ -43,8 +43,8 @@ with zipfile.ZipFile(sys.argv[1]) as z:
         print(req)
 PYEOF
   "$PY" -m pip install -q -r "$VENV/vllm-requirements.txt"
-  # transformers' GGUF reader (the SmolLM2 conversion, scripts/smollm2_safetensors.sh) and the tests.
-  "$PY" -m pip install -q gguf pytest "scikit-build-core>=0.10" "nanobind>=2.0"
+  # transformers' GGUF reader and accelerate (the SmolLM2 conversion, scripts/smollm2_safetensors.sh), the tests.
+  "$PY" -m pip install -q gguf accelerate pytest "scikit-build-core>=0.10" "nanobind>=2.0"
   rm -rf "$WHEELS"
   touch "$STAMP"
 fi

@@ -1046,6 +1046,8 @@ void translate_errors(const std::exception_ptr& p, void*) {
 
 }  // namespace
 
+void bind_vllm(nb::module_& m);  // python/src/bind_vllm.cpp
+
 NB_MODULE(_kvscore, m) {
   m.doc() = "kvscore C++ core (use the kvscore package; docs/python.md)";
   m.attr("__version__") = kvscore::version_string;
@@ -1058,4 +1060,5 @@ NB_MODULE(_kvscore, m) {
   bind_evaluator(m);
   bind_pariskv(m);
   bind_ojakv(m);
+  bind_vllm(m);
 }

@@ -102,7 +102,7 @@ def main(spec):
     if captured:
         # kvscore's own decision on the keys read back: scores per layer, select_joint_blocks
         from kvscore.vllm import Config
-        cfg = Config(**{k: v for k, v in plugin.items() if k != "stats"})
+        cfg = Config(**plugin)
         bs = spec.get("block_size", 32)
         scorer = kvscore.make_scorer(cfg.method)
         out["reference"] = {}

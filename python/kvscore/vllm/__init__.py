@@ -88,7 +88,7 @@ class Config:
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Config":
         extra = dict(extra or {})
-        known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads", "stats"}
+        known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
@@ -96,7 +96,6 @@ class Config:
         for k in ("method", "ratio"):
             if k not in extra:
                 raise ValueError(f"kvscore.vllm: kv_connector_extra_config needs {k!r}")
-        extra.pop("stats", None)
         return cls(**extra)
 
     def budget(self, tokens: int, block_size: int) -> int:
@@ -111,14 +110,9 @@ class Config:
                 "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads}
 
 
-def kv_transfer_config(method: str, ratio: float, *, stats: str | None = None, **settings) -> dict:
-    """The `kv_transfer_config` of an engine with kvscore on (validated here as at engine start).
-    `stats`: a file the scheduler appends one JSON line per step to (running requests, blocks in
-    use, blocks freed), for benchmarks."""
-    cfg = Config(method, ratio, **settings)
-    extra = cfg.as_dict()
-    if stats is not None:
-        extra["stats"] = str(stats)
+def kv_transfer_config(method: str, ratio: float, **settings) -> dict:
+    """The `kv_transfer_config` of an engine with kvscore on (validated here as at engine start)."""
+    extra = Config(method, ratio, **settings).as_dict()
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -92,7 +91,6 @@ class KvscoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = Config.from_extra(extra)
-        self.stats_path = extra.get("stats")
         self._check_engine(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.WORKER:
@@ -240,13 +238,6 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._scoring[req_id] = (ids, P)
             meta.score.append((req_id, ids, P))
         meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
-        if self.stats_path is not None:
-            pool = km.block_pool
-            used = pool.num_gpu_blocks - pool.get_num_free_blocks() - 1  # the null block is never free
-            with open(self.stats_path, "a") as f:
-                f.write(json.dumps({"running": len(scheduler_output.num_scheduled_tokens), "blocks_used": used,
-                                    "blocks_total": pool.num_gpu_blocks - 1, "freed_total": self._freed_total,
-                                    "score_s": self._score_seconds}) + "\n")
         return meta
 
     def update_connector_output(self, connector_output) -> None:

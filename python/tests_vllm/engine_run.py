@@ -53,7 +53,7 @@ def main(spec):
         C.KvscoreConnector.wait_for_save = wait_for_save
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
-              max_num_seqs=spec.get("max_num_seqs", 256), **kw)
+              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1), **kw)
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool

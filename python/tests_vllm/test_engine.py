@@ -38,6 +38,7 @@ def prompts(model_dir, lengths):
 
 
 KEYDIFF = {"method": "keydiff", "ratio": 0.0}
+TOKENS_VS_HF = 16  # greedy tokens compared with transformers (fp32 both; later ones may part on a near-tie)
 
 
 def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_dir):
@@ -80,6 +81,9 @@ def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir, me
     # in that step the pool gave out every prompt's blocks and got the evicted ones back
     allocated = sum(-(-len(p) // 32) for p in ps)
     assert first["free_after"] == first["free_before"] - allocated + r["freed_total"]
+    # attention over the kept blocks only, positions unchanged: transformers with the evicted
+    # positions masked after the prefill generates the same greedy tokens
+    assert r["tokens"][0][:TOKENS_VS_HF] == hf_greedy_with_holes(model_dir, ps[0], dec["b3r0"][2], TOKENS_VS_HF)
 
 
 def test_bad_configuration_fails_at_engine_start(model_dir):
@@ -91,3 +95,30 @@ def test_bad_configuration_fails_at_engine_start(model_dir):
     assert "kvscore.vllm: ratio 1.5 must be a number in [0, 1)" in err
     err = engine_error({**base, "plugin": {"method": "keydiff", "ratio": 0.5}, "prefix_caching": True})
     assert "needs enable_prefix_caching=False" in err
+
+
+def hf_greedy_with_holes(model_dir, ids, evicted_blocks, steps, block_size=32):
+    """transformers' greedy continuation of `ids` when the positions of `evicted_blocks` are
+    masked out of attention after the prefill (positions unchanged): what vLLM with holes must
+    produce. The prefill sees every position, as vLLM's does (eviction follows the prefill)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    n = len(ids)
+    keep = torch.ones(n + steps, dtype=torch.long)
+    for b in evicted_blocks:
+        keep[b * block_size:(b + 1) * block_size] = 0
+    out = []
+    with torch.no_grad():
+        r = model(torch.tensor([ids]), use_cache=True)
+        past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
+        for t in range(steps):
+            out.append(tok)
+            if t == steps - 1:
+                break
+            r = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True,
+                      attention_mask=keep[: n + t + 1][None], position_ids=torch.tensor([[n + t]]))
+            past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
+    return out

@@ -57,7 +57,8 @@ def _run(spec: dict) -> dict:
         from kvscore.vllm import kv_transfer_config
         kw["kv_transfer_config"] = kv_transfer_config(**spec["plugin"])
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-              block_size=32, enable_prefix_caching=False, seed=0, num_gpu_blocks_override=spec["blocks"], **kw)
+              block_size=32, enable_prefix_caching=False, seed=0, num_gpu_blocks_override=spec["blocks"],
+              watermark=spec.get("watermark", 0.0), **kw)
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
@@ -65,7 +66,17 @@ def _run(spec: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     prompts = _prompts(spec["model"], spec["prompts"], spec["length"])
     total = pool.num_gpu_blocks - 1  # less vLLM's null block
+    preempted = []  # vLLM preempts (and later recomputes) a running request when the pool runs dry
+    orig_preempt = sched._preempt_request
+
+    def _preempt(*args, **kwargs):
+        preempted.append(1)
+        return orig_preempt(*args, **kwargs)
+
+    sched._preempt_request = _preempt
     running, used = [], []
+    import resource
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for i, (ids, _) in enumerate(prompts):
         eng.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), sp)
@@ -77,16 +88,19 @@ def _run(spec: dict) -> dict:
         running.append(len(sched.running))
         used.append(total - pool.get_num_free_blocks())
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # every thread of this process
     gen = sum(len(v) for v in outs.values())
     correct = 0
     for i, (_, expected) in enumerate(prompts):
         text = tok.decode(outs[f"q{i}"], skip_special_tokens=True)
         correct += int(text.strip()[: len(expected) + 2].startswith(expected))
-    res = {"wall_s": wall, "generated": gen, "tokens_per_s": gen / wall, "peak_running": max(running),
+    res = {"wall_s": wall, "cpu_s": cpu, "generated": gen, "tokens_per_s": gen / wall, "tokens_per_cpu_s": gen / cpu, "peak_running": max(running),
            "mean_running": sum(running) / len(running), "peak_blocks_used": max(used), "blocks_total": total,
+           "blocks_per_running_request": sum(u / r for u, r in zip(used, running) if r) / max(1, sum(1 for r in running if r)),
            "needle_correct": correct, "needle_total": len(prompts), "steps": len(running),
            "prompt_tokens": sum(len(p) for p, _ in prompts), "torch_threads": torch.get_num_threads(),
-           "preemptions": getattr(sched, "num_preemptions", None)}
+           "preemptions": len(preempted), "watermark": spec.get("watermark", 0.0)}
     conn = sched.connector
     if conn is not None:
         res["blocks_freed"] = conn._freed_total
@@ -112,6 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=540, help="KV blocks of 32 tokens in the pool (all layers)")
     ap.add_argument("--methods", default="keydiff,knorm")
     ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--block-aggregate", default=None, help="kvscore.vllm setting (default: the plugin's)")
+    ap.add_argument("--watermark", type=float, default=0.0,
+                    help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
+    ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -121,29 +139,41 @@ def main(argv=None) -> int:
     if not a.model:
         ap.error("--model is required")
     base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,
-            "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64}
+            "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64, "watermark": a.watermark}
+    extra = {} if a.block_aggregate is None else {"block_aggregate": a.block_aggregate}
     report = {"config": {k: v for k, v in base.items() if k != "model"}, "ratio": a.ratio, "runs": {}}
     print(f"vLLM CPU bench: {a.prompts} prompts of ~{a.length} tokens, {a.max_tokens} generated each, "
           f"{a.blocks} blocks of 32 tokens", flush=True)
-    runs = [("vllm", None)] + [(m, {"method": m, "ratio": a.ratio}) for m in a.methods.split(",") if m]
+    runs = [] if a.skip_plain else [("vllm", None)]
+    runs += [(m, {"method": m, "ratio": a.ratio, **extra}) for m in a.methods.split(",") if m]
     for name, plugin in runs:
         r = _spawn({**base, "plugin": plugin})
         report["runs"][name] = r
         print(f"  {name:8s} peak running {r['peak_running']:3d} (mean {r['mean_running']:.1f})  peak blocks "
-              f"{r['peak_blocks_used']}/{r['blocks_total']}  {r['tokens_per_s']:.1f} tok/s ({r['wall_s']:.0f} s)  "
-              f"needle {r['needle_correct']}/{r['needle_total']}", flush=True)
+              f"{r['peak_blocks_used']}/{r['blocks_total']} ({r['blocks_per_running_request']:.1f} per running request)  "
+              f"{r['tokens_per_s']:.1f} tok/s ({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU)  "
+              f"needle {r['needle_correct']}/{r['needle_total']}  preemptions {r['preemptions']}", flush=True)
     pre = _spawn({**base, "max_tokens": 1, "plugin": None})
     report["prefill_only"] = pre
     print(f"  prefill only (plain vLLM, max_tokens=1): {pre['wall_s']:.1f} s", flush=True)
+    if "vllm" not in report["runs"]:
+        return 0
     plain = report["runs"]["vllm"]
     for name, r in report["runs"].items():
+        # generated tokens per second of the time left after the prefill work (the prefill-only
+        # run's wall time, this run): the decode throughput, derived
+        r["decode_tokens_per_s"] = r["generated"] / max(r["wall_s"] - pre["wall_s"], 1e-9)
         if name == "vllm":
             continue
         r["x_peak_running"] = r["peak_running"] / plain["peak_running"]
         r["x_tokens_per_s"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        r["x_tokens_per_cpu_s"] = r["tokens_per_cpu_s"] / plain["tokens_per_cpu_s"]
         r["needle_vs_plain"] = r["needle_correct"] / max(plain["needle_correct"], 1)
         r["overhead_vs_prefill"] = r["score_select_free_s"] / pre["wall_s"]
-        print(f"  {name}: x{r['x_peak_running']:.2f} concurrent, x{r['x_tokens_per_s']:.2f} tokens/s, needle "
+        r["x_decode_tokens_per_s"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        print(f"  {name}: x{r['x_peak_running']:.2f} concurrent, x{r['x_tokens_per_s']:.2f} tokens/s "
+              f"(x{r['x_tokens_per_cpu_s']:.2f} per CPU second) "
+              f"(x{r['x_decode_tokens_per_s']:.2f} after the prefill time), needle "
               f"{r['needle_vs_plain']:.2f} of plain's, score+select+free {r['score_select_free_s']:.2f} s = "
               f"{100 * r['overhead_vs_prefill']:.2f} % of the prefill time", flush=True)
     if a.out:

@@ -20,6 +20,7 @@ def external(req_id: str) -> str:
 
 
 def main(spec):
+    os.environ.update(spec.get("env", {}))
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -97,7 +98,7 @@ def main(spec):
     out["layers"] = len(layers)
     conn = sched.connector
     if conn is not None:
-        out["decisions"] = [[external(d[0]), d[1], d[2]] for d in getattr(conn, "decisions", [])]
+        out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]
         out["freed_total"] = conn._freed_total
     if captured:
         # kvscore's own decision on the keys read back: scores per layer, select_joint_blocks

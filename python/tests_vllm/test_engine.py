@@ -52,7 +52,7 @@ def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_
     assert keep["tokens"] == plain["tokens"]
     # ratio 0 scored every prompt longer than nothing and freed nothing
     assert keep["freed_total"] == 0
-    assert len(keep["decisions"]) == 6 and all(ev == [] for _, _, ev in keep["decisions"])
+    assert len(keep["decisions"]) == 6 and all(ev == [] and parts == 1 for _, _, ev, parts in keep["decisions"])
 
 
 @pytest.mark.parametrize("method", ["keydiff"])  # K-norm runs in the benchmark (docs/vllm.md)
@@ -71,7 +71,8 @@ def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir, me
         nblocks = -(-n // 32)
         held = first["per_req"][rid]["held"]
         if rid in dec:
-            _, kept, evicted = dec[rid]
+            _, kept, evicted, parts = dec[rid]
+            assert parts == 1                             # one rank: one partial
             assert kept == r["reference"][rid]            # select_joint_blocks on the keys read back
             assert len(evicted) == nblocks // 2           # floor(0.5 * blocks) evicted
             assert held == nblocks - len(evicted)         # vLLM holds the kept blocks only

@@ -107,7 +107,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._holes_by_req: dict[str, tuple[int, list[int]]] = {}
             self._freed_total = 0
             self._score_seconds = 0.0
-            # the last decisions (req_id, kept logical blocks, evicted logical blocks), for tests
+            # the last decisions (req_id, kept logical blocks, evicted logical blocks, ranks' partials), for tests
             self.decisions: collections.deque = collections.deque(maxlen=1024)
 
     # ------------------------------------------------------------------ engine checks
@@ -273,7 +273,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._freed_total += len(evicted)
             if evicted:
                 self._holes_by_req[req_id] = (ids[0], evicted)
-            self.decisions.append((req_id, sorted(keep), evicted))
+            self.decisions.append((req_id, sorted(keep), evicted, len(parts)))
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         rid = request.request_id

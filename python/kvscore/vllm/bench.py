@@ -124,9 +124,11 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=2048, help="nominal context length (kvscore.quality)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=540, help="KV blocks of 32 tokens in the pool (all layers)")
-    ap.add_argument("--methods", default="keydiff,knorm")
+    ap.add_argument("--methods", default="keydiff,knorm",
+                    help="comma-separated; an entry may add plugin settings: knorm@aggregate=mean")
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--block-aggregate", default=None, help="kvscore.vllm setting (default: the plugin's)")
+    ap.add_argument("--aggregate", default=None, help="kvscore.vllm setting (default: the plugin's)")
     ap.add_argument("--watermark", type=float, default=0.0,
                     help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
@@ -140,24 +142,27 @@ def main(argv=None) -> int:
         ap.error("--model is required")
     base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,
             "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64, "watermark": a.watermark}
-    extra = {} if a.block_aggregate is None else {"block_aggregate": a.block_aggregate}
+    extra = {k: v for k, v in (("block_aggregate", a.block_aggregate), ("aggregate", a.aggregate)) if v is not None}
     report = {"config": {k: v for k, v in base.items() if k != "model"}, "ratio": a.ratio, "runs": {}}
     print(f"vLLM CPU bench: {a.prompts} prompts of ~{a.length} tokens, {a.max_tokens} generated each, "
           f"{a.blocks} blocks of 32 tokens", flush=True)
     runs = [] if a.skip_plain else [("vllm", None)]
-    runs += [(m, {"method": m, "ratio": a.ratio, **extra}) for m in a.methods.split(",") if m]
+    for entry in (e for e in a.methods.split(",") if e):  # "knorm" or "knorm@aggregate=mean@..."
+        method, *kv = entry.split("@")
+        settings = dict(x.split("=", 1) for x in kv)
+        runs.append((entry, {"method": method, "ratio": a.ratio, **extra, **settings}))
     for name, plugin in runs:
         r = _spawn({**base, "plugin": plugin})
         report["runs"][name] = r
-        print(f"  {name:8s} peak running {r['peak_running']:3d} (mean {r['mean_running']:.1f})  peak blocks "
+        print(f"  {name:20s} peak running {r['peak_running']:3d} (mean {r['mean_running']:.1f})  peak blocks "
               f"{r['peak_blocks_used']}/{r['blocks_total']} ({r['blocks_per_running_request']:.1f} per running request)  "
               f"{r['tokens_per_s']:.1f} tok/s ({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU)  "
               f"needle {r['needle_correct']}/{r['needle_total']}  preemptions {r['preemptions']}", flush=True)
+    if a.skip_plain:
+        return 0
     pre = _spawn({**base, "max_tokens": 1, "plugin": None})
     report["prefill_only"] = pre
     print(f"  prefill only (plain vLLM, max_tokens=1): {pre['wall_s']:.1f} s", flush=True)
-    if "vllm" not in report["runs"]:
-        return 0
     plain = report["runs"]["vllm"]
     for name, r in report["runs"].items():
         # generated tokens per second of the time left after the prefill work (the prefill-only

@@ -335,6 +335,19 @@ TEST_CASE("compact a paged sequence: a block listed twice is rejected before any
 
 namespace {
 
+/// A scorer gives the same scores (to 1e-5 relative) on a view and on its contiguous copy.
+template <class T, class Scorer, class View>
+void require_same_scores(const Scorer& scorer, const View& view, const kvscore::KeysView<T>& contiguous) {
+  const kvscore::Scores a = scorer.score(view), b = scorer.score(contiguous);
+  REQUIRE(a.heads() == b.heads());
+  REQUIRE(a.tokens() == b.tokens());
+  for (std::size_t i = 0; i < a.values().size(); ++i) {
+    const float x = a.values()[i], y = b.values()[i];
+    INFO(Scorer::name << " " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " i=" << i);
+    REQUIRE(std::abs(double(x) - double(y)) <= 1e-5 * (std::abs(double(y)) + 1.0));
+  }
+}
+
 template <class T, class Scorer>
 void check_paged_scores(const Scorer& scorer, std::mt19937_64& rng) {
   std::normal_distribution<float> gauss(0.f, 1.f);
@@ -353,28 +366,27 @@ void check_paged_scores(const Scorer& scorer, std::mt19937_64& rng) {
       for (std::int64_t t = 0; t < g.N; ++t)
         std::memcpy(flat.data() + (h * g.N + t) * g.D, paged.row(h, t), std::size_t(g.D) * sizeof(T));
     const auto contiguous = kvscore::KeysView<T>::hf(flat.data(), 0, 1, g.H, g.N, g.D);
-    const kvscore::Scores a = scorer.score(paged), b = scorer.score(contiguous);
-    REQUIRE(a.heads() == b.heads());
-    REQUIRE(a.tokens() == b.tokens());
-    for (std::size_t i = 0; i < a.values().size(); ++i) {
-      const float x = a.values()[i], y = b.values()[i];
-      INFO(Scorer::name << " " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " i=" << i);
-      REQUIRE(std::abs(double(x) - double(y)) <= 1e-5 * (std::abs(double(y)) + 1.0));
-    }
+    require_same_scores<T>(scorer, paged, contiguous);
   }
 }
 
-template <class T>
+struct PagedCheck {
+  template <class T, class Scorer>
+  static void run(const Scorer& s, std::mt19937_64& rng) { check_paged_scores<T>(s, rng); }
+};
+
+/// Check::run<T>(scorer, rng) for every scorer of the registry that needs no queries.
+template <class T, class Check = PagedCheck>
 void check_all_scorers(std::mt19937_64& rng) {
-  check_paged_scores<T>(kvscore::KNorm{}, rng);
-  check_paged_scores<T>(kvscore::KeyDiff{}, rng);
-  check_paged_scores<T>(kvscore::ManifoldL2{}, rng);
-  check_paged_scores<T>(kvscore::WindowedManifoldL2{7}, rng);
+  Check::template run<T>(kvscore::KNorm{}, rng);
+  Check::template run<T>(kvscore::KeyDiff{}, rng);
+  Check::template run<T>(kvscore::ManifoldL2{}, rng);
+  Check::template run<T>(kvscore::WindowedManifoldL2{7}, rng);
   const std::int64_t H = 3, D = 24;
   std::vector<float> filters(std::size_t(H * D));
   std::normal_distribution<float> gauss(0.f, 1.f);
   for (auto& f : filters) f = gauss(rng);
-  check_paged_scores<T>(kvscore::QFilter(filters, H, D), rng);
+  Check::template run<T>(kvscore::QFilter(filters, H, D), rng);
 }
 
 }  // namespace
@@ -420,29 +432,14 @@ void check_vllm_cpu_scores(const Scorer& scorer, std::mt19937_64& rng) {
     const std::vector<T> pool = vllm_cpu_pool(g, flat, kvscore::from_float<T>(1e30f));
     const auto view = kvscore::TransposedPagedKeysView<T>::vllm_cpu(pool.data(), g.H, g.D, g.table());
     const auto contiguous = kvscore::KeysView<T>::hf(flat.data(), 0, 1, g.H, g.N, g.D);
-    const kvscore::Scores a = scorer.score(view), b = scorer.score(contiguous);
-    REQUIRE(a.heads() == b.heads());
-    REQUIRE(a.tokens() == b.tokens());
-    for (std::size_t i = 0; i < a.values().size(); ++i) {
-      const float x = a.values()[i], y = b.values()[i];
-      INFO(Scorer::name << " " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " i=" << i);
-      REQUIRE(std::abs(double(x) - double(y)) <= 1e-5 * (std::abs(double(y)) + 1.0));
-    }
+    require_same_scores<T>(scorer, view, contiguous);
   }
 }
 
-template <class T>
-void check_all_scorers_vllm_cpu(std::mt19937_64& rng) {
-  check_vllm_cpu_scores<T>(kvscore::KNorm{}, rng);
-  check_vllm_cpu_scores<T>(kvscore::KeyDiff{}, rng);
-  check_vllm_cpu_scores<T>(kvscore::ManifoldL2{}, rng);
-  check_vllm_cpu_scores<T>(kvscore::WindowedManifoldL2{7}, rng);
-  const std::int64_t H = 3, D = 24;
-  std::vector<float> filters(std::size_t(H * D));
-  std::normal_distribution<float> gauss(0.f, 1.f);
-  for (auto& f : filters) f = gauss(rng);
-  check_vllm_cpu_scores<T>(kvscore::QFilter(filters, H, D), rng);
-}
+struct VllmCpuCheck {
+  template <class T, class Scorer>
+  static void run(const Scorer& s, std::mt19937_64& rng) { check_vllm_cpu_scores<T>(s, rng); }
+};
 
 }  // namespace
 
@@ -483,9 +480,9 @@ TEMPLATE_TEST_CASE("vLLM CPU view: at(h, t, j) and for_each_run give the keys wr
 TEST_CASE("scoring a vLLM CPU view equals scoring the contiguous copy (every scorer and dtype)",
           "[paged][vllm][scorers]") {
   std::mt19937_64 rng(26);
-  check_all_scorers_vllm_cpu<float>(rng);
-  check_all_scorers_vllm_cpu<kvscore::half>(rng);
-  check_all_scorers_vllm_cpu<kvscore::bfloat16>(rng);
+  check_all_scorers<float, VllmCpuCheck>(rng);
+  check_all_scorers<kvscore::half, VllmCpuCheck>(rng);
+  check_all_scorers<kvscore::bfloat16, VllmCpuCheck>(rng);
 }
 
 TEST_CASE("vLLM CPU view: bad geometries throw std::invalid_argument naming the value", "[paged][vllm][errors]") {

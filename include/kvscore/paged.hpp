@@ -148,6 +148,18 @@ inline void check_paged_strides(const std::string& ctx, std::int64_t num_blocks,
   }
 }
 
+/// heads >= 0, head_dim in [1, kMaxHeadDim], data present when there is a row to read.
+inline void check_paged_view_args(const std::string& ctx, bool has_data, std::int64_t heads, std::int64_t head_dim,
+                                  std::int64_t tokens) {
+  if (heads < 0) throw_invalid(ctx + ": heads must be >= 0 (got " + std::to_string(heads) + ")");
+  if (head_dim <= 0 || head_dim > kMaxHeadDim)
+    throw_invalid(ctx + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                  std::to_string(head_dim) + ")");
+  if (!has_data && heads > 0 && tokens > 0)
+    throw_invalid(ctx + ": data is null but the view has " + std::to_string(heads) + " heads x " +
+                  std::to_string(tokens) + " tokens");
+}
+
 }  // namespace detail
 
 // The class preamble below (element check, value_type, default constructor, general form)
@@ -169,13 +181,7 @@ class PagedKeysView {
       : data_(data), table_(table), heads_(heads), dim_(head_dim), bst_(block_stride), hs_(head_stride),
         ts_(token_stride) {
     const std::string ctx = "kvscore::PagedKeysView";
-    if (heads < 0) detail::throw_invalid(ctx + ": heads must be >= 0 (got " + std::to_string(heads) + ")");
-    if (head_dim <= 0 || head_dim > kMaxHeadDim)
-      detail::throw_invalid(ctx + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                            std::to_string(head_dim) + ")");
-    if (data == nullptr && heads > 0 && table.tokens() > 0)
-      detail::throw_invalid(ctx + ": data is null but the view has " + std::to_string(heads) + " heads x " +
-                            std::to_string(table.tokens()) + " tokens");
+    detail::check_paged_view_args(ctx, data != nullptr, heads, head_dim, table.tokens());
     detail::check_paged_strides(ctx, table.num_blocks(), heads, table.block_size(), head_dim, block_stride,
                                 head_stride, token_stride);
     // With one row per block the token stride is free: take the block stride, so that rows of
@@ -329,7 +335,8 @@ class MutPagedKeysView {
 /// for_each_run transposes one block of one head (block_size x head_dim elements, in T, bit
 /// for bit) into a scratch buffer of its own and calls f(buffer, t0, n, head_dim) with it; the
 /// pointer is valid only during that call (every scorer reads a run inside its callback).
-/// Nothing else is copied: the cache is read in place, a block at a time.
+/// Nothing else is copied: the cache is read in place, a block at a time. (The class preamble
+/// mirrors PagedKeysView's on purpose: a drop-in view.)
 template <class T>
 class TransposedPagedKeysView {
   static_assert(is_element_type_v<T>, "TransposedPagedKeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
@@ -345,13 +352,7 @@ class TransposedPagedKeysView {
                           std::int64_t block_stride, std::int64_t head_stride)
       : data_(data), table_(table), heads_(heads), dim_(head_dim), bst_(block_stride), hs_(head_stride) {
     const std::string ctx = "kvscore::TransposedPagedKeysView";
-    if (heads < 0) detail::throw_invalid(ctx + ": heads must be >= 0 (got " + std::to_string(heads) + ")");
-    if (head_dim <= 0 || head_dim > kMaxHeadDim)
-      detail::throw_invalid(ctx + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                            std::to_string(head_dim) + ")");
-    if (data == nullptr && heads > 0 && table.tokens() > 0)
-      detail::throw_invalid(ctx + ": data is null but the view has " + std::to_string(heads) + " heads x " +
-                            std::to_string(table.tokens()) + " tokens");
+    detail::check_paged_view_args(ctx, data != nullptr, heads, head_dim, table.tokens());
     // A tile is one "row" of head_dim * block_size elements; tiles nest like rows of a paged view
     // whose blocks hold one row per head.
     detail::check_paged_strides(ctx, table.num_blocks(), heads, 1,

@@ -196,9 +196,19 @@ void bind_vllm(nb::module_& m) {
 
   m.def(
       "vllm_cpu_partial",
-      [](const kvscore::AnyScorer& scorer, const std::vector<Any>& kv_caches, const Any& block_ids,
-         std::int64_t tokens, int threads) {
+      [](nb::handle scorer, const std::vector<Any>& kv_caches, const Any& block_ids, std::int64_t tokens,
+         int threads) {
         if (kv_caches.empty()) bad("kv_caches: no layers");
+        // one scorer for every layer, or one per layer (SnapKV: each layer's own window queries)
+        std::vector<kvscore::AnyScorer> scorers;
+        if (nb::isinstance<nb::list>(scorer) || nb::isinstance<nb::tuple>(scorer)) {
+          for (nb::handle h : scorer) scorers.push_back(nb::cast<const kvscore::AnyScorer&>(h));
+          if (scorers.size() != kv_caches.size())
+            bad("scorer: " + std::to_string(scorers.size()) + " scorers for " + std::to_string(kv_caches.size()) +
+                " layers (one, or one per layer)");
+        } else {
+          scorers.push_back(nb::cast<const kvscore::AnyScorer&>(scorer));
+        }
         if (threads < 0) bad("threads must be >= 0 (got " + std::to_string(threads) + ")");
         std::vector<Layer> layers;
         for (std::size_t l = 0; l < kv_caches.size(); ++l)
@@ -213,19 +223,20 @@ void bind_vllm(nb::module_& m) {
         {
           nb::gil_scoped_release unlocked;
           // layers in parallel; each scorer call serial over its few heads
-          kvscore::AnyScorer one = scorer;
-          one.options().num_threads = 1;
+          for (kvscore::AnyScorer& sc : scorers) sc.options().num_threads = 1;
           kvscore::detail::parallel_for(std::int64_t(layers.size()), threads, [&](std::int64_t l) {
+            const kvscore::AnyScorer& sc = scorers[scorers.size() == 1 ? 0 : std::size_t(l)];
             scores[std::size_t(l)] =
-                with_view(layers[std::size_t(l)], tables[std::size_t(l)], [&](const auto& v) { return one.score(v); });
+                with_view(layers[std::size_t(l)], tables[std::size_t(l)], [&](const auto& v) { return sc.score(v); });
           });
           p = kvscore::joint_partial(scores, o);
         }
         return partial_out(std::move(p));
       },
       "scorer"_a, "kv_caches"_a, "block_ids"_a, "tokens"_a, "threads"_a = def.num_threads,
-      "Scores the first `tokens` keys of one sequence in every layer of vLLM CPU's cache in place and returns\n"
-      "this rank's joint_partial: (max float32 [T], sum float64 [T], count int64 [T]).");
+      "Scores the first `tokens` keys of one sequence in every layer of vLLM CPU's cache in place (`scorer`: one\n"
+      "AnyScorer for every layer, or a list with one per layer) and returns this rank's joint_partial:\n"
+      "(max float32 [T], sum float64 [T], count int64 [T]).");
 
   m.def(
       "joint_partial",

@@ -48,7 +48,8 @@ def main(spec):
                 meta = self._get_connector_metadata()
                 for req_id, ids, tokens in meta.score:
                     keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens) for c in self._caches]
-                    captured.append((req_id, tokens, keys))
+                    q = self._queries.get(req_id, {})  # SnapKV's window queries, per layer
+                    captured.append((req_id, tokens, keys, [q[n].permute(1, 0, 2).numpy() for n in q]))
             return orig(self)
 
         C.KvscoreConnector.wait_for_save = wait_for_save
@@ -105,10 +106,12 @@ def main(spec):
         from kvscore.vllm import Config
         cfg = Config(**plugin)
         bs = spec.get("block_size", 32)
-        scorer = kvscore.make_scorer(cfg.method)
         out["reference"] = {}
-        for req_id, tokens, keys in captured:
-            scores = [scorer.score(k) for k in keys]
+        for req_id, tokens, keys, queries in captured:
+            if cfg.query_window:
+                scores = [kvscore.SnapKV(q, window=cfg.query_window).score(k) for k, q in zip(keys, queries)]
+            else:
+                scores = [kvscore.make_scorer(cfg.method).score(k) for k in keys]
             kept = kvscore.select_joint_blocks(scores, bs, cfg.budget(tokens, bs), sinks=cfg.sinks, recent=cfg.recent,
                                                aggregate=cfg.aggregate, block_aggregate=cfg.block_aggregate)
             out["reference"][external(req_id)] = [int(b) for b in kept]

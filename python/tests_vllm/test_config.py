@@ -6,14 +6,19 @@ import kvscore
 from kvscore.vllm import METHODS, Config, kv_transfer_config
 
 
-def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data():
-    want = [m["name"] for m in kvscore.REGISTRY if m["kind"] == "scorer" and "filters" not in m["options"]]
-    assert list(METHODS) == want and len(want) >= 3
+def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data_and_snapkv():
+    want = [m["name"] for m in kvscore.REGISTRY
+            if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["cls"] == "SnapKV"]
+    assert list(METHODS) == want and len(want) >= 4
+    assert Config("snapkv", 0.5).query_window == Config("snapkv", 0.5).recent > 0
+    assert Config("keydiff", 0.5).query_window == 0
 
 
 @pytest.mark.parametrize("settings,match", [
     ({"method": "no_such_method", "ratio": 0.5}, "unknown method 'no_such_method'"),
-    ({"method": "snapkv", "ratio": 0.5}, "method 'snapkv' is not one the vLLM plugin runs"),
+    ({"method": "protokv", "ratio": 0.5}, "method 'protokv' is not one the vLLM plugin runs"),
+    ({"method": "qfilter", "ratio": 0.5}, "method 'qfilter' is not one the vLLM plugin runs"),
+    ({"method": "snapkv", "ratio": 0.5, "recent": 0}, "recent 0 must be >= 1"),
     ({"method": "keydiff", "ratio": 1.0}, r"ratio 1.0 must be a number in \[0, 1\)"),
     ({"method": "keydiff", "ratio": -0.1}, r"ratio -0.1 must be"),
     ({"method": "keydiff", "ratio": 0.5, "sinks": -1}, "sinks -1 must be an integer >= 0"),

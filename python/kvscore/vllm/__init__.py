@@ -29,10 +29,12 @@ CONNECTOR = "KvscoreConnector"
 MODULE = "kvscore.vllm.connector"
 VLLM_VERSION = "0.32.0"  # the vLLM the connector's use of vLLM internals is pinned to (docs/vllm.md)
 
-# The scorers one object scores every layer with: query-agnostic and needing no per-layer data
-# (Q-Filters' filters are per layer: not supported here yet; SnapKV/ProtoKV need the prompt's
-# queries: not supported here yet, docs/vllm.md).
-_SCORERS = tuple(m["name"] for m in _REGISTRY if m["kind"] == "scorer" and "filters" not in m["options"])
+# The scorers the plugin runs: every query-agnostic one that needs no per-layer data (Q-Filters'
+# filters are per layer: not supported here yet), and SnapKV with each layer's post-RoPE queries
+# of the prompt's last `window` positions, captured in the prefill's forward.
+_SNAPKV = next(m["name"] for m in _REGISTRY if m["cls"] == "SnapKV")
+_SCORERS = tuple(m["name"] for m in _REGISTRY
+                 if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["name"] == _SNAPKV)
 
 
 def register() -> None:
@@ -53,7 +55,8 @@ class Config:
     """The plugin's settings, from kv_connector_extra_config; validated at engine start.
 
     method           a query-agnostic scorer of the registry (kvscore.REGISTRY) that needs no
-                     per-layer data, by name or alias (kvscore.vllm.METHODS)
+                     per-layer data, or SnapKV (the prompt's last `recent` queries of each layer),
+                     by name or alias (kvscore.vllm.METHODS)
     ratio            fraction of each prompt's blocks evicted, in [0, 1); 0 keeps all (scores only)
     sinks            first prompt positions always kept (their blocks); default kDefaultSinks
     recent           last prompt positions always kept (their blocks); default kDefaultSnapKVWindow
@@ -71,8 +74,8 @@ class Config:
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"kvscore.vllm: unknown method {method!r} ({e})") from None
         if name not in _SCORERS:
-            raise ValueError(f"kvscore.vllm: method {method!r} is not one the vLLM plugin runs (it needs queries "
-                             f"or per-layer filters, or is not a scorer); it runs: {', '.join(_SCORERS)}")
+            raise ValueError(f"kvscore.vllm: method {method!r} is not one the vLLM plugin runs (it needs per-layer "
+                             f"filters or other queries, or is not a scorer); it runs: {', '.join(_SCORERS)}")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
             raise ValueError(f"kvscore.vllm: ratio {ratio!r} must be a number in [0, 1)")
         for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads)):
@@ -84,6 +87,14 @@ class Config:
             raise ValueError(f"kvscore.vllm: block_aggregate {block_aggregate!r} must be 'mean' or 'max'")
         self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
         self.aggregate, self.block_aggregate, self.threads = aggregate, block_aggregate, threads
+        if name == _SNAPKV and recent < 1:
+            raise ValueError(f"kvscore.vllm: {name} scores with the queries of the last `recent` prompt positions "
+                             f"(its window, kept): recent {recent} must be >= 1")
+
+    @property
+    def query_window(self) -> int:
+        """Prompt positions whose queries the scorer needs (SnapKV's window = recent), else 0."""
+        return self.recent if self.method == _SNAPKV else 0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Config":

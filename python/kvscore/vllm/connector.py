@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from .. import SnapKV as _SnapKV
 from .. import _kvscore as _k
 from .. import make_scorer
 from . import VLLM_VERSION, Config
@@ -94,7 +95,11 @@ class KvscoreConnector(KVConnectorBase_V1):
         self._check_engine(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.WORKER:
-            self._scorer = make_scorer(self.cfg.method)._impl
+            self._window = self.cfg.query_window  # SnapKV: queries of the prompt's last positions
+            self._scorer = None if self._window else make_scorer(self.cfg.method)._impl
+            self._layer_names: list[str] = []
+            self._want_queries: dict[int, str] = {}               # first block id -> req_id (this step)
+            self._queries: dict[str, dict[str, torch.Tensor]] = {}  # req_id -> layer -> [n, q_heads, D]
             self._caches: list[torch.Tensor] = []
             self._pending: dict[str, list[tuple]] = {}
             self._seconds = 0.0
@@ -153,6 +158,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                 raise ValueError(f"kvscore.vllm: layer {n}: KV cache of shape {tuple(t.shape)} is not vLLM CPU's "
                                  f"[num_blocks, kv_heads, {self.block_size}, 2 * head_dim]")
         self._caches = [kv_caches[n] for n in names]
+        self._layer_names = names
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, names)
         for n, layer in layers.items():
             impl = layer.impl
@@ -168,9 +174,12 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, KvscoreMeta) and connector_metadata.holes != self._holes:
-            self._holes = dict(connector_metadata.holes)
-            self._holes_version += 1
+        if isinstance(connector_metadata, KvscoreMeta):
+            if connector_metadata.holes != self._holes:
+                self._holes = dict(connector_metadata.holes)
+                self._holes_version += 1
+            if self._window:
+                self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return
@@ -190,7 +199,15 @@ class KvscoreConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         for req_id, block_ids, tokens in meta.score:
             ids = np.asarray(block_ids, dtype=np.int64)
-            part = _k.vllm_cpu_partial(self._scorer, self._caches, ids, tokens, self.cfg.threads)
+            scorer = self._scorer
+            if self._window:  # each layer's SnapKV from its window queries [q_heads, n, D]
+                q = self._queries.pop(req_id, {})
+                if len(q) != len(self._layer_names):
+                    logger.warning("kvscore.vllm: no window queries for request %s; left whole", req_id)
+                    continue
+                scorer = [_SnapKV(q[n].permute(1, 0, 2).contiguous(), window=self._window)._impl
+                          for n in self._layer_names]
+            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self.cfg.threads)
             self._pending.setdefault(req_id, []).append(part)
         self._seconds += time.perf_counter() - t0
 
@@ -295,12 +312,27 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     orig = impl.forward
 
     def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if attn_metadata is not None and connector._want_queries:
+            _capture_queries(layer, query, attn_metadata, connector)
         if attn_metadata is not None and connector._holes:
             attn_metadata = _compacted(impl, layer, query, attn_metadata, connector)
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
     impl.forward = forward
     impl._kvscore_wrapped = True
+
+
+def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
+    """SnapKV: the post-RoPE queries of the last `window` prompt positions of each request whose
+    prompt this step finishes (its last chunk; fewer when the chunk is shorter)."""
+    qsl = md.query_start_loc
+    for i in range(qsl.shape[0] - 1):
+        rid = connector._want_queries.get(int(md.block_table[i, 0]))
+        if rid is None:
+            continue
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        q = query[max(a, b - connector._window):b].float().clone()   # [n, q_heads, D]
+        connector._queries.setdefault(rid, {})[layer.layer_name] = q
 
 
 def _compacted(impl, layer, query, md, connector: KvscoreConnector):

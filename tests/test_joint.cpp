@@ -445,7 +445,7 @@ TEST_CASE("select_joint_blocks: matches a brute-force reference (shapes, ties, N
   }
 }
 
-TEST_CASE("select_joint_blocks: block size 1 is select_joint; budget counts whole blocks", "[joint][blocks]") {
+TEST_CASE("select_joint_blocks: block size 1 is select_joint, budget counts whole blocks", "[joint][blocks]") {
   std::mt19937_64 rng(7);
   std::vector<Scores> layers;
   for (int l = 0; l < 3; ++l) {

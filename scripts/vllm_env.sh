@@ -5,6 +5,7 @@
 # with --no-deps, then the wheel's other Requires-Dist lines (no extras) minus torch/torchaudio/
 # torchvision. Then `pip install .` builds kvscore (with its vllm plugin) into the same environment.
 # Idempotent: a finished environment is only re-checked (a stamp file) and kvscore re-installed.
+# KVSCORE_VLLM_ENV_ONLY=1 stops before kvscore (scripts/test.sh runs that part in the background).
 #   bash scripts/vllm_env.sh            (KVSCORE_VLLM_VENV picks the folder; default .venv-vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,11 @@ PYEOF
   touch "$STAMP"
 fi
 if [ "${KVSCORE_VLLM_ENV_ONLY:-0}" != 1 ]; then
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 5 "$PY" -m pip install -q --no-build-isolation "$ROOT"
+  # KVSCORE_PREBUILT_DISPATCH (as scripts/test_python.sh takes it, where the build supports it):
+  # link the C++ build's kernels instead of compiling src/ a second time.
+  PREBUILT=()
+  [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ] &&
+    PREBUILT=("--config-settings=cmake.define.KVSCORE_PREBUILT_DISPATCH=$KVSCORE_PREBUILT_DISPATCH")
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 5 "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" "$ROOT"
 fi
 echo "$PY"

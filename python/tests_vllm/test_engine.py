@@ -93,8 +93,7 @@ def test_bad_configuration_fails_at_engine_start(model_dir):
     base = {"model": model_dir, "prompts": ps, "max_tokens": 2}
     err = engine_error({**base, "raw_extra": {"method": "no_such_method", "ratio": 0.5}})
     assert "kvscore.vllm: unknown method 'no_such_method'" in err
-    err = engine_error({**base, "raw_extra": {"method": "keydiff", "ratio": 1.5}})
-    assert "kvscore.vllm: ratio 1.5 must be a number in [0, 1)" in err
+    # (the other settings' errors take the same path: test_config.py checks them without an engine)
     err = engine_error({**base, "plugin": {"method": "keydiff", "ratio": 0.5}, "prefix_caching": True})
     assert "needs enable_prefix_caching=False" in err
 

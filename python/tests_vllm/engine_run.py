@@ -33,6 +33,8 @@ def main(spec):
     if plugin is not None:
         from kvscore.vllm import kv_transfer_config
         kw["kv_transfer_config"] = kv_transfer_config(**plugin)
+        if spec.get("by_name"):  # the name the vllm.general_plugins entry point registers, no module path
+            del kw["kv_transfer_config"]["kv_connector_module_path"]
     if spec.get("raw_extra") is not None:  # unvalidated settings: the engine must refuse them
         kw["kv_transfer_config"] = {"kv_connector": "KvscoreConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvscore.vllm.connector",

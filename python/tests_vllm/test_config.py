@@ -46,3 +46,16 @@ def test_budget_in_whole_blocks_never_below_the_protected_ones():
     assert c.budget(40, 32) == 2                    # 2 blocks, both protected: left whole
     assert Config("keydiff", 0.0).budget(1000, 32) == 32
     assert Config("keydiff", 0.9, sinks=1, recent=0).budget(3200, 32) == 10
+
+
+def test_the_general_plugins_entry_point_registers_the_connector_name():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvscore"]
+    assert [e.value for e in eps] == ["kvscore.vllm:register"]
+    eps[0].load()()
+    eps[0].load()()  # loaded in every vLLM process, possibly twice: no error
+    from kvscore.vllm.connector import KvscoreConnector
+    assert KVConnectorFactory.get_connector_class_by_name("KvscoreConnector") is KvscoreConnector

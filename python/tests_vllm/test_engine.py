@@ -45,7 +45,7 @@ def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_
     ps = prompts(model_dir, [20, 300, 700])
     spec = {"model": model_dir, "prompts": ps, "max_tokens": 24, "batches": [1, 3]}
     plain = run_engine(spec)
-    keep = run_engine({**spec, "plugin": KEYDIFF})
+    keep = run_engine({**spec, "plugin": KEYDIFF, "by_name": True})  # found through the entry point
     assert plain["wrapped"] == 0 and plain["layers"] == 30  # no connector: no layer touched
     assert keep["wrapped"] == keep["layers"] == 30
     assert len(plain["tokens"]) == 6 and all(len(t) == 24 for t in plain["tokens"])

@@ -143,6 +143,10 @@ class KvscoreConnector(KVConnectorBase_V1):
                              f"kept: it identifies the request's row on the workers)")
         if c.speculative_config is not None:
             raise ValueError("kvscore.vllm: speculative decoding is not supported")
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError(f"kvscore.vllm: {len(groups)} KV cache groups (a hybrid model); the plugin frees the "
+                             f"blocks of one group whose layers all use full attention")
 
     # ------------------------------------------------------------------ worker side
 

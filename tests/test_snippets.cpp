@@ -190,6 +190,30 @@ TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, co
   CHECK(kept.positions == sel.positions);
 }
 
+TEST_CASE("snippet paged-vllm-cpu (docs/paged.md): vLLM CPU's transposed keys scored in place", "[snippets]") {
+  const std::int64_t kv_heads = 3, head_dim = 16, block_size = 32, num_blocks = 6, tokens = 70;
+  // keys[h][t][j], written into vLLM CPU's layer [num_blocks][kv_heads][block_size][2 * head_dim]
+  // with the keys of each (block, head) transposed, at the blocks of the table
+  const std::vector<float> flat = layer<float>(kv_heads, tokens, head_dim, 9);
+  const std::vector<std::int32_t> ids = {4, 1, 3};
+  std::vector<float> pool(std::size_t(num_blocks * kv_heads * block_size * 2 * head_dim), 0.f);
+  for (std::int64_t h = 0; h < kv_heads; ++h)
+    for (std::int64_t t = 0; t < tokens; ++t)
+      for (std::int64_t j = 0; j < head_dim; ++j)
+        pool[std::size_t((ids[std::size_t(t / block_size)] * kv_heads + h) * 2 * block_size * head_dim +
+                         j * block_size + t % block_size)] = flat[std::size_t((h * tokens + t) * head_dim + j)];
+  const float* kv_cache_layer = pool.data();
+  std::span<const std::int32_t> block_ids(ids);
+  // [snippet paged-vllm-cpu]
+  kvscore::BlockTable t(block_ids, block_size, num_blocks, tokens);
+  auto keys = kvscore::TransposedPagedKeysView<float>::vllm_cpu(kv_cache_layer, kv_heads, head_dim, t);
+  kvscore::Scores s = kvscore::KeyDiff{}.score(keys);      // any scorer: a KeyCacheView
+  // [snippet end]
+  const kvscore::Scores ref = kvscore::KeyDiff{}.score(kvscore::KeysView<float>::hf(flat.data(), 0, 1, kv_heads, tokens, head_dim));
+  REQUIRE(s.values().size() == ref.values().size());
+  for (std::size_t i = 0; i < s.values().size(); ++i) CHECK(s.values()[i] == Approx(ref.values()[i]).epsilon(1e-5));
+}
+
 TEST_CASE("snippet pariskv (docs/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
   const std::int64_t head_dim = 64, n_prefill = 600, row_stride = head_dim, N = 900, n = 128, max_tokens = 1000;
   const std::vector<kvscore::half> k_all = layer<kvscore::half>(1, max_tokens, head_dim, 9);

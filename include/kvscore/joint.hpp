@@ -271,4 +271,260 @@ inline std::vector<std::int64_t> select_joint(const ScoresView& rows, std::int64
   return detail::joint::select_joint_impl(std::span<const ScoresView>(&rows, 1), budget, opt);
 }
 
+// ---------------------------------------------------------------- whole blocks (paged caches)
+//
+// A paged cache (vLLM) frees memory a block at a time: a block of `block_size` consecutive
+// positions holds them for every head of every layer, so the keep list is a list of blocks.
+//
+//   J(t)     the joint token score above (max or mean over the z-normalised rows; vote is
+//            not available here: it needs every row's own token budget);
+//   B(i)     the block aggregate of J over the positions [i*bs, min((i+1)*bs, tokens)) of block i:
+//            mean (default: a block is as good as its average token) or max; NaN tokens skipped
+//            (all NaN -> NaN), mean summed in double in position order;
+//   keep     `budget` blocks (every kept block counts): the blocks holding a position < sinks or
+//            >= tokens - recent and a partial last block are always kept (a mask, inside the
+//            budget); the others by higher B, equal B -> lower block index, NaN below every
+//            number. Result: ascending logical block indices.
+//
+// Split over ranks (tensor parallelism: each rank holds some kv heads of every layer, the
+// block table is shared): every rank calls joint_partial() on its own rows (z-normalisation is
+// per row, so a rank needs nothing from the others), and ONE place -- vLLM's scheduler --
+// calls combine_partials() on all the partials and decides with select_blocks(). With max the
+// result equals select_joint_blocks() on all rows together for any split; with mean the
+// double sums are added in partial order (equal up to double rounding; exact for one partial).
+//
+// select_joint_blocks(layers, bs, budget, opt) == select_blocks(block_scores(
+//     combine_partials({joint_partial(layers, opt)}, opt), bs, opt), tokens, bs, budget, opt).
+
+/// How the joint scores J(t) of a block's positions become the block's score.
+enum class BlockAggregate {
+  mean,  ///< mean of J over the block's positions (default)
+  max,   ///< max of J over the block's positions
+};
+
+inline constexpr std::string_view block_aggregate_name(BlockAggregate a) noexcept {
+  return a == BlockAggregate::max ? "max" : a == BlockAggregate::mean ? "mean" : "?";
+}
+
+/// "mean" or "max"; anything else is std::invalid_argument naming it.
+inline BlockAggregate parse_block_aggregate(std::string_view s) {
+  for (BlockAggregate a : {BlockAggregate::mean, BlockAggregate::max})
+    if (s == block_aggregate_name(a)) return a;
+  detail::throw_invalid("kvscore: block aggregate '" + std::string(s) + "' must be 'mean' or 'max'");
+}
+
+/// Options of the block-granular joint selection.
+struct BlockJointOptions {
+  std::int64_t sinks = 0;   ///< positions [0, sinks) always kept (their blocks), >= 0
+  std::int64_t recent = 0;  ///< positions [tokens - recent, tokens) always kept (their blocks), >= 0
+  JointAggregate aggregate = JointAggregate::max;      ///< over rows: max or mean (vote: error)
+  BlockAggregate block_aggregate = BlockAggregate::mean;  ///< over a block's positions
+  int num_threads = 0;      ///< threads over rows (same result for any value)
+};
+
+/// One rank's share of the joint token scores: over its rows, per position, the max of the
+/// z-scores (NaN where every row is NaN), their double sum and the count of non-NaN rows.
+struct JointPartial {
+  std::int64_t tokens = 0;
+  std::int64_t rows = 0;
+  std::vector<float> max;
+  std::vector<double> sum;
+  std::vector<std::int64_t> count;
+};
+
+namespace detail::joint {
+
+inline constexpr const char* kBlockWho = "kvscore::select_joint_blocks";
+
+inline void check_block_options(const BlockJointOptions& opt, const char* who) {
+  if (opt.aggregate != JointAggregate::max && opt.aggregate != JointAggregate::mean)
+    throw_invalid(std::string(who) + ": aggregate must be 'max' or 'mean' for blocks (got '" +
+                  std::string(joint_aggregate_name(opt.aggregate)) + "')");
+  if (opt.block_aggregate != BlockAggregate::mean && opt.block_aggregate != BlockAggregate::max)
+    throw_invalid(std::string(who) + ": unknown BlockAggregate value");
+  if (opt.sinks < 0) throw_invalid(std::string(who) + ": sinks must be >= 0 (got " + std::to_string(opt.sinks) + ")");
+  if (opt.recent < 0)
+    throw_invalid(std::string(who) + ": recent must be >= 0 (got " + std::to_string(opt.recent) + ")");
+  if (opt.num_threads < 0)
+    throw_invalid(std::string(who) + ": num_threads must be >= 0 (got " + std::to_string(opt.num_threads) + ")");
+}
+
+}  // namespace detail::joint
+
+/// This rank's partial over its rows (layers[l]: [heads][tokens] of layer l, as select_joint).
+inline JointPartial joint_partial(std::span<const ScoresView> layers, const BlockJointOptions& opt = {}) {
+  using namespace detail::joint;
+  check_block_options(opt, "kvscore::joint_partial");
+  std::int64_t T = 0;
+  const std::vector<const float*> rows = rows_of(layers, &T);
+  const std::int64_t R = std::int64_t(rows.size());
+  const int threads = detail::resolve_threads(opt.num_threads);
+  const detail::sel::Passes<float>& P = detail::sel::passes<float>(SelectKernels::best);
+  std::vector<double> mean(static_cast<std::size_t>(R)), inv(static_cast<std::size_t>(R));
+  detail::parallel_for(R, R * T < (std::int64_t(1) << 16) ? 1 : threads, [&](std::int64_t r) {
+    detail::sel::znorm_params(P, rows[std::size_t(r)], T, &mean[std::size_t(r)], &inv[std::size_t(r)]);
+  });
+  JointPartial out;
+  out.tokens = T;
+  out.rows = R;
+  out.max.assign(std::size_t(T), std::numeric_limits<float>::quiet_NaN());
+  out.sum.assign(std::size_t(T), 0.0);
+  out.count.assign(std::size_t(T), 0);
+  constexpr std::int64_t kBlock = 2048;
+  detail::parallel_for((T + kBlock - 1) / kBlock, R * T < (std::int64_t(1) << 18) ? 1 : threads, [&](std::int64_t b) {
+    const std::int64_t t0 = b * kBlock, n = std::min(kBlock, T - t0);
+    for (std::int64_t r = 0; r < R; ++r) {
+      const float* x = rows[std::size_t(r)] + t0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float z = zscore(x[i], mean[std::size_t(r)], inv[std::size_t(r)]);
+        if (std::isnan(z)) continue;
+        const std::size_t t = std::size_t(t0 + i);
+        if (std::isnan(out.max[t]) || z > out.max[t]) out.max[t] = z;
+        out.sum[t] += double(z);
+        ++out.count[t];
+      }
+    }
+  });
+  return out;
+}
+inline JointPartial joint_partial(std::span<const Scores> layers, const BlockJointOptions& opt = {}) {
+  std::vector<ScoresView> views;
+  views.reserve(layers.size());
+  for (const Scores& s : layers) views.emplace_back(const_cast<float*>(s.data()), s.heads(), s.tokens(), s.tokens());
+  return joint_partial(std::span<const ScoresView>(views), opt);
+}
+
+/// J(t) of all ranks' partials (same tokens): max of the maxima, or float(sum of sums / sum of
+/// counts) added in partial order. NaN where no row of any partial has a number.
+inline std::vector<float> combine_partials(std::span<const JointPartial> parts, const BlockJointOptions& opt = {}) {
+  const char* who = "kvscore::combine_partials";
+  detail::joint::check_block_options(opt, who);
+  if (parts.empty()) detail::throw_invalid(std::string(who) + ": no partials (needs one per rank)");
+  const std::int64_t T = parts[0].tokens;
+  for (std::size_t p = 0; p < parts.size(); ++p) {
+    const JointPartial& q = parts[p];
+    if (q.tokens != T)
+      detail::throw_invalid(std::string(who) + ": partial " + std::to_string(p) + " has " + std::to_string(q.tokens) +
+                            " tokens, partial 0 has " + std::to_string(T));
+    if (std::int64_t(q.max.size()) != T || std::int64_t(q.sum.size()) != T || std::int64_t(q.count.size()) != T)
+      detail::throw_invalid(std::string(who) + ": partial " + std::to_string(p) + " has arrays of the wrong length");
+  }
+  std::vector<float> J(std::size_t(T), std::numeric_limits<float>::quiet_NaN());
+  for (std::int64_t t = 0; t < T; ++t) {
+    const std::size_t i = std::size_t(t);
+    if (opt.aggregate == JointAggregate::max) {
+      for (const JointPartial& q : parts)
+        if (!std::isnan(q.max[i]) && (std::isnan(J[i]) || q.max[i] > J[i])) J[i] = q.max[i];
+    } else {
+      double s = 0.0;
+      std::int64_t c = 0;
+      for (const JointPartial& q : parts) {
+        s += q.sum[i];
+        c += q.count[i];
+      }
+      if (c > 0) J[i] = float(s / double(c));
+    }
+  }
+  return J;
+}
+
+/// B(i) for every block of `block_size` positions of the joint row J (the last block may be partial).
+inline std::vector<float> block_scores(std::span<const float> joint, std::int64_t block_size,
+                                       const BlockJointOptions& opt = {}) {
+  const char* who = "kvscore::block_scores";
+  detail::joint::check_block_options(opt, who);
+  if (block_size <= 0)
+    detail::throw_invalid(std::string(who) + ": block_size must be > 0 (got " + std::to_string(block_size) + ")");
+  const std::int64_t T = std::int64_t(joint.size()), nb = (T + block_size - 1) / block_size;
+  std::vector<float> B(std::size_t(nb), std::numeric_limits<float>::quiet_NaN());
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::int64_t t0 = b * block_size, t1 = std::min(T, t0 + block_size);
+    double s = 0.0;
+    std::int64_t c = 0;
+    float m = std::numeric_limits<float>::quiet_NaN();
+    for (std::int64_t t = t0; t < t1; ++t) {
+      const float x = joint[std::size_t(t)];
+      if (std::isnan(x)) continue;
+      s += double(x);
+      ++c;
+      if (std::isnan(m) || x > m) m = x;
+    }
+    if (c > 0) B[std::size_t(b)] = opt.block_aggregate == BlockAggregate::max ? m : float(s / double(c));
+  }
+  return B;
+}
+
+/// Number of blocks that select_blocks() always keeps (sinks, recent, a partial last block).
+inline std::int64_t protected_blocks(std::int64_t tokens, std::int64_t block_size, std::int64_t sinks,
+                                     std::int64_t recent) {
+  if (tokens <= 0 || block_size <= 0) return 0;
+  const std::int64_t nb = (tokens + block_size - 1) / block_size;
+  std::int64_t n = 0;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::int64_t t0 = b * block_size, t1 = std::min(tokens, t0 + block_size);
+    if (t0 < sinks || t1 > tokens - recent || t1 - t0 < block_size) ++n;
+  }
+  return n;
+}
+
+/// The kept blocks (ascending logical indices) of a sequence of `tokens` positions, from its
+/// block scores (one per block: ceil(tokens / block_size)). Errors name the value.
+inline std::vector<std::int64_t> select_blocks(std::span<const float> scores, std::int64_t tokens,
+                                               std::int64_t block_size, std::int64_t budget,
+                                               const BlockJointOptions& opt = {}) {
+  const std::string who = "kvscore::select_blocks";
+  detail::joint::check_block_options(opt, who.c_str());
+  if (block_size <= 0) detail::throw_invalid(who + ": block_size must be > 0 (got " + std::to_string(block_size) + ")");
+  if (tokens < 0) detail::throw_invalid(who + ": tokens must be >= 0 (got " + std::to_string(tokens) + ")");
+  const std::int64_t nb = (tokens + block_size - 1) / block_size;
+  if (std::int64_t(scores.size()) != nb)
+    detail::throw_invalid(who + ": " + std::to_string(scores.size()) + " block scores for " + std::to_string(tokens) +
+                          " tokens in blocks of " + std::to_string(block_size) + " (needs " + std::to_string(nb) + ")");
+  if (budget < 0 || budget > nb)
+    detail::throw_invalid(who + ": budget of " + std::to_string(budget) + " blocks out of range [0, " +
+                          std::to_string(nb) + "]");
+  const std::int64_t prot = protected_blocks(tokens, block_size, opt.sinks, opt.recent);
+  if (budget < prot)
+    detail::throw_invalid(who + ": budget of " + std::to_string(budget) + " blocks is below the " + std::to_string(prot) +
+                          " protected blocks (sinks " + std::to_string(opt.sinks) + ", recent " +
+                          std::to_string(opt.recent) + ", partial last block)");
+  std::vector<std::int64_t> keep, cand;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::int64_t t0 = b * block_size, t1 = std::min(tokens, t0 + block_size);
+    (t0 < opt.sinks || t1 > tokens - opt.recent || t1 - t0 < block_size ? keep : cand).push_back(b);
+  }
+  const std::int64_t m = budget - prot;
+  auto above = [&](std::int64_t a, std::int64_t b) {
+    const float x = scores[std::size_t(a)], y = scores[std::size_t(b)];
+    const bool nx = std::isnan(x), ny = std::isnan(y);
+    if (nx != ny) return ny;
+    if (!nx && x != y) return x > y;
+    return a < b;
+  };
+  std::nth_element(cand.begin(), cand.begin() + m, cand.end(), above);
+  keep.insert(keep.end(), cand.begin(), cand.begin() + m);
+  std::sort(keep.begin(), keep.end());
+  return keep;
+}
+
+/// All of it on one process's rows: the kept blocks of `budget` (see the top of this section).
+inline std::vector<std::int64_t> select_joint_blocks(std::span<const ScoresView> layers, std::int64_t block_size,
+                                                     std::int64_t budget, const BlockJointOptions& opt = {}) {
+  using namespace detail::joint;
+  check_block_options(opt, kBlockWho);
+  if (block_size <= 0)
+    detail::throw_invalid(std::string(kBlockWho) + ": block_size must be > 0 (got " + std::to_string(block_size) + ")");
+  const JointPartial p = joint_partial(layers, opt);
+  const std::vector<float> J = combine_partials(std::span<const JointPartial>(&p, 1), opt);
+  const std::vector<float> B = block_scores(J, block_size, opt);
+  return select_blocks(B, p.tokens, block_size, budget, opt);
+}
+inline std::vector<std::int64_t> select_joint_blocks(std::span<const Scores> layers, std::int64_t block_size,
+                                                     std::int64_t budget, const BlockJointOptions& opt = {}) {
+  std::vector<ScoresView> views;
+  views.reserve(layers.size());
+  for (const Scores& s : layers) views.emplace_back(const_cast<float*>(s.data()), s.heads(), s.tokens(), s.tokens());
+  return select_joint_blocks(std::span<const ScoresView>(views), block_size, budget, opt);
+}
+
 }  // namespace kvscore

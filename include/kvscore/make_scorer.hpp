@@ -121,12 +121,12 @@ class AnyScorer {
   template <Scorer S>
   explicit AnyScorer(S s) : s_(std::move(s)) {}
 
-  template <class T>
-  Scores score(const KeysView<T>& keys) const {
+  template <KeyCacheView View>
+  Scores score(const View& keys) const {
     return std::visit([&](const auto& s) { return s.score(keys); }, s_);
   }
-  template <class T>
-  void score(const KeysView<T>& keys, ScoresView out) const {
+  template <KeyCacheView View>
+  void score(const View& keys, ScoresView out) const {
     std::visit([&](const auto& s) { s.score(keys, out); }, s_);
   }
   /// The last tokens the selector must protect (SelectOptions::recent); 0 for query-agnostic scorers.

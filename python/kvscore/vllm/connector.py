@@ -1,0 +1,389 @@
+"""KvscoreConnector: kvscore as a vLLM V1 KV connector (docs/vllm.md). Pinned to vLLM 0.32 (CPU).
+
+Flow of one request (R):
+
+1. Scheduler, the step whose tokens finish R's prompt (build_connector_meta): R's block ids and
+   prompt length go to the workers in the step's connector metadata.
+2. Worker, after that step's forward (wait_for_save): every layer's prompt keys are scored in
+   place in vLLM CPU's paged cache and reduced to this rank's joint_partial (C++,
+   kvscore._kvscore.vllm_cpu_partial); build_connector_worker_meta sends it back. With tensor
+   parallelism vLLM's output aggregator joins every rank's metadata (KvscoreWorkerMeta.aggregate):
+   the scheduler receives one partial per rank.
+3. Scheduler (update_connector_output): ONE decision from all ranks' partials
+   (select_blocks_from_partials: combine, block scores, select), then the evicted blocks are
+   freed to vLLM's pool through the single-type KV cache manager's _remove_blocks_in_range (the
+   sliding-window path: the block becomes vLLM's null block in R's table, its id is free for
+   any request).
+4. Every later step: the holes of every live request travel in the connector metadata; on the
+   worker, the CPU attention impl of each layer (wrapped by this connector only) hands the
+   kernel R's block-table row without the evicted blocks and R's sequence length less their
+   tokens. Keys carry their RoPE positions already, so attention over the kept blocks is
+   attention over the same keys with holes; new tokens keep their true positions and slots.
+
+A worker identifies R's row in the batch by the physical id of R's first block: the block of
+position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix caching off).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.logger import init_logger
+
+from .. import SnapKV as _SnapKV
+from .. import _kvscore as _k
+from .. import make_scorer
+from . import VLLM_VERSION, Config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+_READABLE_ISAS = ("vec", "vec16")  # CPU attention ISAs whose key layout TransposedPagedKeysView reads
+
+
+class KvscoreMeta(KVConnectorMetadata):
+    """Scheduler -> workers, every step: the requests to score and every request's holes."""
+
+    def __init__(self) -> None:
+        self.score: list[tuple[str, list[int], int]] = []    # (req_id, block ids, prompt tokens)
+        self.holes: dict[int, tuple[str, list[int]]] = {}     # first block id -> (req_id, evicted logical blocks)
+
+
+class KvscoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: each scored request's partial, one per rank after aggregate()."""
+
+    def __init__(self, partials: dict[str, list[tuple]], seconds: float) -> None:
+        self.partials = partials
+        self.seconds = seconds
+
+    def aggregate(self, other: "KvscoreWorkerMeta") -> "KvscoreWorkerMeta":
+        for req_id, parts in other.partials.items():
+            self.partials.setdefault(req_id, []).extend(parts)
+        self.seconds = max(self.seconds, other.seconds)  # ranks score at the same time
+        return self
+
+
+def _layer_index(name: str) -> tuple:
+    """Sort key of a layer name ("model.layers.12.self_attn.attn" -> (12, name))."""
+    m = re.search(r"\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+class KvscoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.cfg = Config.from_extra(extra)
+        self._check_engine(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.WORKER:
+            self._window = self.cfg.query_window  # SnapKV: queries of the prompt's last positions
+            self._scorer = None if self._window else make_scorer(self.cfg.method)._impl
+            self._layer_names: list[str] = []
+            self._want_queries: dict[int, str] = {}               # first block id -> req_id (this step)
+            self._queries: dict[str, dict[str, torch.Tensor]] = {}  # req_id -> layer -> [n, q_heads, D]
+            self._caches: list[torch.Tensor] = []
+            self._pending: dict[str, list[tuple]] = {}
+            self._seconds = 0.0
+            self._holes: dict[int, tuple[str, list[int]]] = {}
+            self._holes_version = 0
+        else:
+            self._reqs: dict[str, "Request"] = {}
+            self._scoring: dict[str, tuple[list[int], int]] = {}  # req_id -> (block ids, tokens) sent to score
+            self._done: set[str] = set()
+            self._holes_by_req: dict[str, tuple[int, list[int]]] = {}
+            self._freed_total = 0
+            self._score_seconds = 0.0
+            # the last decisions (req_id, kept logical blocks, evicted logical blocks, ranks' partials), for tests
+            self.decisions: collections.deque = collections.deque(maxlen=1024)
+
+    # ------------------------------------------------------------------ engine checks
+
+    def _check_engine(self, c: "VllmConfig") -> None:
+        import vllm
+        from vllm.platforms import current_platform
+
+        if vllm.__version__.split("+")[0] != VLLM_VERSION:
+            raise ValueError(f"kvscore.vllm: vLLM {vllm.__version__} is not the {VLLM_VERSION} it is pinned to "
+                             f"(it relies on vLLM internals, docs/vllm.md)")
+        if not current_platform.is_cpu():
+            raise ValueError("kvscore.vllm: only vLLM's CPU build is supported (the paged view reads the CPU "
+                             "attention backend's layout; CUDA vLLM is untested, docs/vllm.md)")
+        if c.cache_config.enable_prefix_caching:
+            raise ValueError("kvscore.vllm: needs enable_prefix_caching=False (a block shared by several "
+                             "requests cannot be freed for one of them)")
+        dt = str(c.cache_config.cache_dtype)
+        if dt != "auto":
+            raise ValueError(f"kvscore.vllm: kv_cache_dtype {dt!r}: the view reads float32/float16/bfloat16 "
+                             f"caches only (kv_cache_dtype='auto')")
+        bs = c.cache_config.block_size
+        if bs is None or bs <= 0 or bs % 32 != 0:
+            raise ValueError(f"kvscore.vllm: block_size {bs!r}: the view reads the CPU backend's blocks, whose size "
+                             f"is a multiple of 32")
+        if self.cfg.sinks < 1:
+            raise ValueError(f"kvscore.vllm: sinks {self.cfg.sinks} must be >= 1 (the block of position 0 is always "
+                             f"kept: it identifies the request's row on the workers)")
+        if c.speculative_config is not None:
+            raise ValueError("kvscore.vllm: speculative decoding is not supported")
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError(f"kvscore.vllm: {len(groups)} KV cache groups (a hybrid model); the plugin frees the "
+                             f"blocks of one group whose layers all use full attention")
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        names = sorted(kv_caches, key=_layer_index)
+        for n in names:
+            t = kv_caches[n]
+            if t.dim() != 4 or t.shape[2] != self.block_size or not t.is_contiguous():
+                raise ValueError(f"kvscore.vllm: layer {n}: KV cache of shape {tuple(t.shape)} is not vLLM CPU's "
+                                 f"[num_blocks, kv_heads, {self.block_size}, 2 * head_dim]")
+        self._caches = [kv_caches[n] for n in names]
+        self._layer_names = names
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, names)
+        for n, layer in layers.items():
+            impl = layer.impl
+            if not isinstance(impl, CPUAttentionBackendImpl):
+                raise ValueError(f"kvscore.vllm: layer {n} uses {type(impl).__name__}, not vLLM's CPU attention")
+            isa = getattr(layer, "isa", None)
+            if isa not in _READABLE_ISAS:
+                raise ValueError(f"kvscore.vllm: layer {n}: CPU attention ISA {isa!r} stores keys in a layout the "
+                                 f"view does not read (reads {_READABLE_ISAS})")
+            if impl.sliding_window not in (None, -1):
+                raise ValueError(f"kvscore.vllm: layer {n} has a sliding window; not supported")
+            _wrap_impl(impl, self)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvscoreMeta):
+            if connector_metadata.holes != self._holes:
+                self._holes = dict(connector_metadata.holes)
+                self._holes_version += 1
+            if self._window:
+                self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvscoreMeta) or not meta.score:
+            return
+        t0 = time.perf_counter()
+        for req_id, block_ids, tokens in meta.score:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            scorer = self._scorer
+            if self._window:  # each layer's SnapKV from its window queries [q_heads, n, D]
+                q = self._queries.pop(req_id, {})
+                if len(q) != len(self._layer_names):
+                    logger.warning("kvscore.vllm: no window queries for request %s; left whole", req_id)
+                    continue
+                scorer = [_SnapKV(q[n].permute(1, 0, 2).contiguous(), window=self._window)._impl
+                          for n in self._layer_names]
+            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self.cfg.threads)
+            self._pending.setdefault(req_id, []).append(part)
+        self._seconds += time.perf_counter() - t0
+
+    def build_connector_worker_meta(self):
+        if not self._pending:
+            return None
+        out = KvscoreWorkerMeta(self._pending, self._seconds)
+        self._pending, self._seconds = {}, 0.0
+        return out
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return None, None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        self._reqs[request.request_id] = request
+
+    def on_new_request(self, request: "Request") -> None:
+        self._reqs[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvscoreMeta()
+        km = self._kv_cache_manager
+        for req_id in scheduler_output.preempted_req_ids or ():
+            # vLLM freed all its blocks; its prefill runs again and is scored again
+            self._holes_by_req.pop(req_id, None)
+            self._done.discard(req_id)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self._reqs.get(req_id)
+            if req is None or req_id in self._done:
+                continue
+            done_before = req.num_computed_tokens
+            P = req.num_prompt_tokens
+            if not (done_before < P <= done_before + n):
+                continue
+            self._done.add(req_id)
+            nblocks = -(-P // self.block_size)
+            if self.cfg.budget(P, self.block_size) >= nblocks and self.cfg.ratio > 0:
+                continue  # shorter than the protected window: left whole (keep-all, ratio 0, still scores)
+            ids = list(km.get_block_ids(req_id)[0][:nblocks])
+            self._scoring[req_id] = (ids, P)
+            meta.score.append((req_id, ids, P))
+        meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KvscoreWorkerMeta):
+            return
+        self._score_seconds += wm.seconds
+        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
+        for req_id, parts in wm.partials.items():
+            ids, P = self._scoring.pop(req_id, (None, 0))
+            if ids is None or req_id not in mgr.req_to_blocks:
+                continue  # finished (or preempted) meanwhile: its blocks went back whole
+            nblocks = len(ids)
+            budget = self.cfg.budget(P, self.block_size)
+            t0 = time.perf_counter()
+            kept = _k.select_blocks_from_partials(parts, self.block_size, budget, sinks=self.cfg.sinks,
+                                                  recent=self.cfg.recent, aggregate=self.cfg.aggregate,
+                                                  block_aggregate=self.cfg.block_aggregate)
+            keep = set(int(b) for b in kept)
+            evicted = [b for b in range(nblocks) if b not in keep]
+            blocks = mgr.req_to_blocks[req_id]
+            if [b.block_id for b in blocks[:nblocks]] != ids:
+                continue  # not the blocks that were scored (cannot happen without preemption)
+            # free each run of evicted blocks [a, e) (vLLM's sliding-window path)
+            i = 0
+            while i < len(evicted):
+                j = i
+                while j + 1 < len(evicted) and evicted[j + 1] == evicted[j] + 1:
+                    j += 1
+                mgr._remove_blocks_in_range(req_id, evicted[i], evicted[j] + 1)
+                i = j + 1
+            self._score_seconds += time.perf_counter() - t0
+            self._freed_total += len(evicted)
+            if evicted:
+                self._holes_by_req[req_id] = (ids[0], evicted)
+            self.decisions.append((req_id, sorted(keep), evicted, len(parts)))
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._done.discard(rid)
+        self._scoring.pop(rid, None)
+        self._holes_by_req.pop(rid, None)
+        return False, None
+
+
+# ---------------------------------------------------------------------- the attention wrapper
+
+
+def _wrap_impl(impl, connector: KvscoreConnector) -> None:
+    """impl.forward of this layer (an instance attribute; vLLM's class is untouched) hands the CPU
+    kernel the batch's block table and sequence lengths without the evicted blocks."""
+    if getattr(impl, "_kvscore_wrapped", False):
+        return
+    orig = impl.forward
+
+    def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if attn_metadata is not None and connector._want_queries:
+            _capture_queries(layer, query, attn_metadata, connector)
+        if attn_metadata is not None and connector._holes:
+            attn_metadata = _compacted(impl, layer, query, attn_metadata, connector)
+        return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    impl.forward = forward
+    impl._kvscore_wrapped = True
+
+
+def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
+    """SnapKV: the post-RoPE queries of the last `window` prompt positions of each request whose
+    prompt this step finishes (its last chunk; fewer when the chunk is shorter)."""
+    qsl = md.query_start_loc
+    for i in range(qsl.shape[0] - 1):
+        rid = connector._want_queries.get(int(md.block_table[i, 0]))
+        if rid is None:
+            continue
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        q = query[max(a, b - connector._window):b].float().clone()   # [n, q_heads, D]
+        connector._queries.setdefault(rid, {})[layer.layer_name] = q
+
+
+def _compacted(impl, layer, query, md, connector: KvscoreConnector):
+    """The metadata with each holed request's row compacted (cached on the metadata object: every
+    layer of the step shares it)."""
+    cached = md.__dict__.get("_kvscore")
+    if cached is not None and cached[0] == connector._holes_version:
+        return cached[1]
+    bs = connector.block_size
+    bt = md.block_table
+    seq_lens = md.seq_lens
+    num_reqs = md.query_start_loc.shape[0] - 1
+    new_bt, new_sl = None, None
+    for i in range(num_reqs):
+        hole = connector._holes.get(int(bt[i, 0]))
+        if hole is None:
+            continue
+        evicted = hole[1]
+        L = int(seq_lens[i])
+        n_log = -(-L // bs)
+        if evicted[-1] >= n_log:
+            continue
+        if new_bt is None:
+            new_bt, new_sl = bt.clone(), seq_lens.clone()
+        ev = set(evicted)
+        keep = [j for j in range(n_log) if j not in ev]
+        new_bt[i, : len(keep)] = bt[i, keep]
+        new_sl[i] = L - len(evicted) * bs
+    if new_bt is None:
+        out = md
+    else:
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_reqs,
+            num_heads=impl.num_heads,
+            num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size,
+            seq_lens=new_sl,
+            dtype=query.dtype,
+            query_start_loc=md.query_start_loc,
+            causal=md.causal,
+            sliding_window_size=-1,
+            isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=md.dynamic_causal,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        out = dataclasses.replace(md, block_table=new_bt, seq_lens=new_sl, scheduler_metadata=sched,
+                                  max_seq_len=int(new_sl[:num_reqs].max()) if num_reqs else md.max_seq_len)
+    md.__dict__["_kvscore"] = (connector._holes_version, out)
+    return out

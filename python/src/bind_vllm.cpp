@@ -1,0 +1,295 @@
+// python/src/bind_vllm.cpp — the paged and block-joint part of kvscore._kvscore that the vLLM
+// plugin (python/kvscore/vllm, docs/vllm.md) calls: vLLM CPU's key cache read in place
+// (kvscore::TransposedPagedKeysView), scored by any scorer of the registry on every layer, the
+// per-rank partial of the joint block scores (kvscore::joint_partial) and the one decision
+// made from all ranks' partials (combine_partials, block_scores, select_blocks); also
+// select_joint_blocks on plain score arrays. Registered by kvscore_ext.cpp (bind_vllm).
+// Defaults come from kvscore::BlockJointOptions; errors are std::invalid_argument (ValueError).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvscore/core/parallel.hpp"
+#include "kvscore/joint.hpp"
+#include "kvscore/make_scorer.hpp"
+#include "kvscore/paged.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Any = nb::ndarray<nb::ro, nb::device::cpu>;
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
+
+enum class DT { f32, f16, bf16 };
+
+DT dtype_of(const Any& a, const std::string& what) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DT::f32;
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DT::f16;
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return DT::bf16;
+  bad(what + ": must be float32, float16 or bfloat16 (vLLM's fp8 KV caches are not read)");
+}
+
+void require_c_contiguous(const Any& a, const std::string& what) {
+  std::int64_t expect = 1;
+  for (std::size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect)
+      bad(what + ": must be C-contiguous (stride " + std::to_string(a.stride(i)) + " of dimension " +
+          std::to_string(i) + ", expected " + std::to_string(expect) + ")");
+    expect *= std::int64_t(a.shape(i));
+  }
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::vector<std::size_t> shape) {
+  auto* p = new std::vector<T>(std::move(v));
+  nb::capsule owner(p, [](void* q) noexcept { delete static_cast<std::vector<T>*>(q); });
+  return nb::ndarray<nb::numpy, T>(p->data(), shape.size(), shape.data(), owner);
+}
+
+/// A 1-D int32 or int64 block table, copied to int64 (a few hundred entries).
+std::vector<std::int64_t> block_ids_of(const Any& a, const std::string& what) {
+  if (a.ndim() != 1) bad(what + ": expected 1 dimension (got " + std::to_string(a.ndim()) + ")");
+  const nb::dlpack::dtype t = a.dtype();
+  if (t.code != std::uint8_t(nb::dlpack::dtype_code::Int) || (t.bits != 32 && t.bits != 64))
+    bad(what + ": must be int32 or int64");
+  std::vector<std::int64_t> ids(a.shape(0));
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto* base = static_cast<const unsigned char*>(a.data()) + std::int64_t(i) * a.stride(0) * (t.bits / 8);
+    ids[i] = t.bits == 32 ? std::int64_t(*reinterpret_cast<const std::int32_t*>(base))
+                          : *reinterpret_cast<const std::int64_t*>(base);
+  }
+  return ids;
+}
+
+/// One layer of vLLM CPU's cache: [num_blocks, kv_heads, block_size, 2 * head_dim], C order.
+struct Layer {
+  DT dt = DT::f32;
+  const void* data = nullptr;
+  std::int64_t blocks = 0, heads = 0, block_size = 0, head_dim = 0;
+};
+Layer vllm_layer(const Any& a, const std::string& what) {
+  if (a.ndim() != 4)
+    bad(what + ": expected vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_dim] (got " +
+        std::to_string(a.ndim()) + " dimensions)");
+  Layer L;
+  L.dt = dtype_of(a, what);
+  require_c_contiguous(a, what);
+  if (a.shape(3) % 2 != 0) bad(what + ": last dimension " + std::to_string(a.shape(3)) + " must be 2 * head_dim");
+  L.data = a.data();
+  L.blocks = std::int64_t(a.shape(0));
+  L.heads = std::int64_t(a.shape(1));
+  L.block_size = std::int64_t(a.shape(2));
+  L.head_dim = std::int64_t(a.shape(3)) / 2;
+  return L;
+}
+
+template <class F>
+auto with_view(const Layer& L, const kvscore::BlockTable& t, F&& f) {
+  switch (L.dt) {
+    case DT::f32:
+      return f(kvscore::TransposedPagedKeysView<float>::vllm_cpu(static_cast<const float*>(L.data), L.heads,
+                                                                 L.head_dim, t));
+    case DT::f16:
+      return f(kvscore::TransposedPagedKeysView<kvscore::half>::vllm_cpu(static_cast<const kvscore::half*>(L.data),
+                                                                         L.heads, L.head_dim, t));
+    default:
+      return f(kvscore::TransposedPagedKeysView<kvscore::bfloat16>::vllm_cpu(
+          static_cast<const kvscore::bfloat16*>(L.data), L.heads, L.head_dim, t));
+  }
+}
+
+nb::tuple partial_out(kvscore::JointPartial&& p) {
+  const std::size_t n = std::size_t(p.tokens);
+  return nb::make_tuple(to_numpy(std::move(p.max), {n}), to_numpy(std::move(p.sum), {n}),
+                        to_numpy(std::move(p.count), {n}));
+}
+
+template <class T>
+std::vector<T> vector_of(nb::handle h, const std::string& what) {
+  nb::ndarray<nb::ro, nb::device::cpu, T, nb::ndim<1>> a;
+  if (!nb::try_cast(h, a)) bad(what + ": expected a 1-D " + (sizeof(T) == 4 ? "float32" : "float64/int64") + " array");
+  std::vector<T> v(a.shape(0));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = a(i);
+  return v;
+}
+
+/// A partial back from Python: (max float32 [T], sum float64 [T], count int64 [T]).
+kvscore::JointPartial partial_in(nb::handle h, const std::string& what) {
+  nb::tuple t;
+  if (!nb::try_cast(h, t) || t.size() != 3) bad(what + ": expected a (max, sum, count) tuple of joint_partial");
+  kvscore::JointPartial p;
+  p.max = vector_of<float>(t[0], what + "[0] max");
+  p.sum = vector_of<double>(t[1], what + "[1] sum");
+  p.count = vector_of<std::int64_t>(t[2], what + "[2] count");
+  p.tokens = std::int64_t(p.max.size());
+  return p;
+}
+
+/// fp32 [heads, tokens] score arrays (C order), one per layer.
+std::vector<kvscore::ScoresView> score_views(const std::vector<Any>& layers) {
+  std::vector<kvscore::ScoresView> v;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const std::string what = "scores[" + std::to_string(l) + "] [heads, tokens]";
+    const Any& a = layers[l];
+    if (a.ndim() != 2) bad(what + ": expected 2 dimensions (got " + std::to_string(a.ndim()) + ")");
+    if (dtype_of(a, what) != DT::f32) bad(what + ": must be float32 (kvscore's scores are fp32)");
+    require_c_contiguous(a, what);
+    // only read: ScoresView is the view type joint_partial takes
+    v.emplace_back(static_cast<float*>(const_cast<void*>(a.data())), std::int64_t(a.shape(0)),
+                   std::int64_t(a.shape(1)), std::int64_t(a.shape(1)));
+  }
+  return v;
+}
+
+kvscore::BlockJointOptions block_options(std::int64_t sinks, std::int64_t recent, const std::string& aggregate,
+                                         const std::string& block_aggregate, int threads) {
+  kvscore::BlockJointOptions o;
+  o.sinks = sinks;
+  o.recent = recent;
+  o.aggregate = kvscore::parse_joint_aggregate(aggregate);
+  o.block_aggregate = kvscore::parse_block_aggregate(block_aggregate);
+  o.num_threads = threads;
+  return o;
+}
+
+}  // namespace
+
+void bind_vllm(nb::module_& m) {
+  const kvscore::BlockJointOptions def{};
+  const std::string agg(kvscore::joint_aggregate_name(def.aggregate));
+  const std::string bagg(kvscore::block_aggregate_name(def.block_aggregate));
+
+  m.def("protected_blocks", &kvscore::protected_blocks, "tokens"_a, "block_size"_a, "sinks"_a, "recent"_a,
+        "kvscore::protected_blocks: blocks select_blocks always keeps (sinks, recent, a partial last block).");
+
+  m.def(
+      "vllm_cpu_keys",
+      [](const Any& kv_cache, const Any& block_ids, std::int64_t tokens) {
+        const Layer L = vllm_layer(kv_cache, "kv_cache");
+        const std::vector<std::int64_t> ids = block_ids_of(block_ids, "block_ids");
+        const kvscore::BlockTable t(std::span<const std::int64_t>(ids), L.block_size, L.blocks, tokens);
+        std::vector<float> out(std::size_t(L.heads * tokens * L.head_dim));
+        with_view(L, t, [&](const auto& v) {
+          for (std::int64_t h = 0; h < v.heads(); ++h)
+            v.for_each_run(h, [&](const auto* rows, std::int64_t t0, std::int64_t n, std::int64_t stride) {
+              for (std::int64_t i = 0; i < n; ++i)
+                for (std::int64_t j = 0; j < L.head_dim; ++j)
+                  out[std::size_t((h * tokens + t0 + i) * L.head_dim + j)] = kvscore::to_float(rows[i * stride + j]);
+            });
+          return 0;
+        });
+        return to_numpy(std::move(out), {std::size_t(L.heads), std::size_t(tokens), std::size_t(L.head_dim)});
+      },
+      "kv_cache"_a, "block_ids"_a, "tokens"_a,
+      "The keys of one sequence read back from one layer of vLLM CPU's cache, as float32 [kv_heads, tokens, head_dim].");
+
+  m.def(
+      "vllm_cpu_partial",
+      [](nb::handle scorer, const std::vector<Any>& kv_caches, const Any& block_ids, std::int64_t tokens,
+         int threads) {
+        if (kv_caches.empty()) bad("kv_caches: no layers");
+        // one scorer for every layer, or one per layer (SnapKV: each layer's own window queries)
+        std::vector<kvscore::AnyScorer> scorers;
+        if (nb::isinstance<nb::list>(scorer) || nb::isinstance<nb::tuple>(scorer)) {
+          for (nb::handle h : scorer) scorers.push_back(nb::cast<const kvscore::AnyScorer&>(h));
+          if (scorers.size() != kv_caches.size())
+            bad("scorer: " + std::to_string(scorers.size()) + " scorers for " + std::to_string(kv_caches.size()) +
+                " layers (one, or one per layer)");
+        } else {
+          scorers.push_back(nb::cast<const kvscore::AnyScorer&>(scorer));
+        }
+        if (threads < 0) bad("threads must be >= 0 (got " + std::to_string(threads) + ")");
+        std::vector<Layer> layers;
+        for (std::size_t l = 0; l < kv_caches.size(); ++l)
+          layers.push_back(vllm_layer(kv_caches[l], "kv_caches[" + std::to_string(l) + "]"));
+        const std::vector<std::int64_t> ids = block_ids_of(block_ids, "block_ids");
+        std::vector<kvscore::BlockTable> tables;
+        for (const Layer& L : layers) tables.emplace_back(std::span<const std::int64_t>(ids), L.block_size, L.blocks, tokens);
+        std::vector<kvscore::Scores> scores(layers.size());
+        kvscore::BlockJointOptions o;
+        o.num_threads = threads;
+        kvscore::JointPartial p;
+        {
+          nb::gil_scoped_release unlocked;
+          // layers in parallel; each scorer call serial over its few heads
+          for (kvscore::AnyScorer& sc : scorers) sc.options().num_threads = 1;
+          kvscore::detail::parallel_for(std::int64_t(layers.size()), threads, [&](std::int64_t l) {
+            const kvscore::AnyScorer& sc = scorers[scorers.size() == 1 ? 0 : std::size_t(l)];
+            scores[std::size_t(l)] =
+                with_view(layers[std::size_t(l)], tables[std::size_t(l)], [&](const auto& v) { return sc.score(v); });
+          });
+          p = kvscore::joint_partial(scores, o);
+        }
+        return partial_out(std::move(p));
+      },
+      "scorer"_a, "kv_caches"_a, "block_ids"_a, "tokens"_a, "threads"_a = def.num_threads,
+      "Scores the first `tokens` keys of one sequence in every layer of vLLM CPU's cache in place (`scorer`: one\n"
+      "AnyScorer for every layer, or a list with one per layer) and returns this rank's joint_partial:\n"
+      "(max float32 [T], sum float64 [T], count int64 [T]).");
+
+  m.def(
+      "joint_partial",
+      [](const std::vector<Any>& layers, int threads) {
+        const std::vector<kvscore::ScoresView> v = score_views(layers);
+        kvscore::BlockJointOptions o;
+        o.num_threads = threads;
+        kvscore::JointPartial p;
+        {
+          nb::gil_scoped_release unlocked;
+          p = kvscore::joint_partial(std::span<const kvscore::ScoresView>(v), o);
+        }
+        return partial_out(std::move(p));
+      },
+      "layers"_a, nb::kw_only(), "threads"_a = def.num_threads,
+      "kvscore::joint_partial of fp32 [heads, tokens] score arrays: (max, sum, count).");
+
+  m.def(
+      "select_blocks_from_partials",
+      [](const std::vector<nb::handle>& parts, std::int64_t block_size, std::int64_t budget, std::int64_t sinks,
+         std::int64_t recent, const std::string& aggregate, const std::string& block_aggregate) {
+        const kvscore::BlockJointOptions o = block_options(sinks, recent, aggregate, block_aggregate, 1);
+        std::vector<kvscore::JointPartial> ps;
+        for (std::size_t i = 0; i < parts.size(); ++i) ps.push_back(partial_in(parts[i], "partials[" + std::to_string(i) + "]"));
+        std::vector<std::int64_t> kept;
+        {
+          nb::gil_scoped_release unlocked;
+          const std::vector<float> J = kvscore::combine_partials(ps, o);
+          const std::vector<float> B = kvscore::block_scores(J, block_size, o);
+          kept = kvscore::select_blocks(B, std::int64_t(J.size()), block_size, budget, o);
+        }
+        const std::size_t n = kept.size();
+        return to_numpy(std::move(kept), {n});
+      },
+      "partials"_a, "block_size"_a, "budget"_a, nb::kw_only(), "sinks"_a = def.sinks, "recent"_a = def.recent,
+      "aggregate"_a = agg, "block_aggregate"_a = bagg,
+      "The kept blocks (int64, ascending) from every rank's partial: combine_partials, block_scores, select_blocks.");
+
+  m.def(
+      "select_joint_blocks",
+      [](const std::vector<Any>& layers, std::int64_t block_size, std::int64_t budget, std::int64_t sinks,
+         std::int64_t recent, const std::string& aggregate, const std::string& block_aggregate, int threads) {
+        const kvscore::BlockJointOptions o = block_options(sinks, recent, aggregate, block_aggregate, threads);
+        const std::vector<kvscore::ScoresView> v = score_views(layers);
+        std::vector<std::int64_t> kept;
+        {
+          nb::gil_scoped_release unlocked;
+          kept = kvscore::select_joint_blocks(std::span<const kvscore::ScoresView>(v), block_size, budget, o);
+        }
+        const std::size_t n = kept.size();
+        return to_numpy(std::move(kept), {n});
+      },
+      "layers"_a, "block_size"_a, "budget"_a, nb::kw_only(), "sinks"_a = def.sinks, "recent"_a = def.recent,
+      "aggregate"_a = agg, "block_aggregate"_a = bagg, "threads"_a = def.num_threads,
+      "kvscore::select_joint_blocks: kept blocks (int64, ascending) for every row of every layer.");
+}

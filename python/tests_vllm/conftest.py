@@ -1,0 +1,71 @@
+"""python/tests_vllm: kvscore inside vLLM's CPU build (docs/vllm.md), run by scripts/test_vllm.sh in
+.venv-vllm. Every test skips with a clear message where vLLM cannot be imported; the engine tests
+need SmolLM2 as safetensors (KVSCORE_VLLM_MODEL, made by scripts/smollm2_safetensors.sh)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except Exception as e:  # noqa: BLE001 (any import failure means: no vLLM here)
+    HAVE_VLLM = False
+    WHY = f"vLLM is not importable here ({type(e).__name__}: {e}); scripts/test_vllm.sh installs it"
+
+HERE = pathlib.Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if not HAVE_VLLM:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=WHY))
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    d = os.environ.get("KVSCORE_VLLM_MODEL")
+    if not d or not pathlib.Path(d, "config.json").exists():
+        pytest.skip("KVSCORE_VLLM_MODEL is not a model folder (scripts/smollm2_safetensors.sh makes one)")
+    return d
+
+
+def run_engine(spec, timeout=900):
+    """One engine in its own process (engine_run.py); returns its JSON result."""
+    p = subprocess.run([sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)], capture_output=True,
+                       text=True, timeout=timeout)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"engine_run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+
+
+def engine_error(spec, timeout=600):
+    """The stderr of an engine that must fail to start."""
+    p = subprocess.run([sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)], capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode != 0, "the engine started"
+    return p.stdout + p.stderr
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_dir, tmp_path_factory):
+    """A random-weight Llama whose heads split over 2 ranks (4 query, 2 KV heads, head_dim 64, 4
+    layers; SmolLM2's 9 query heads cannot be split in 2): made here with transformers, SmolLM2's
+    tokenizer; safetensors."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)

@@ -1,0 +1,124 @@
+"""Runs one vLLM engine (CPU, in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) on SmolLM2 and prints a
+JSON line with what the tests compare; one process per engine, since vLLM's KV-connector agent
+is a process-wide global. Used by python/tests_vllm/test_engine.py.
+
+    python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
+                                          capture: bool, block_size)
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+
+def external(req_id: str) -> str:
+    """The id a request was added with (vLLM 0.32 appends "-<random>" internally)."""
+    return req_id.rsplit("-", 1)[0]
+
+
+def main(spec):
+    os.environ.update(spec.get("env", {}))
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import kvscore
+    from kvscore import _kvscore as _k
+
+    plugin = spec.get("plugin")
+    kw = {}
+    if plugin is not None:
+        from kvscore.vllm import kv_transfer_config
+        kw["kv_transfer_config"] = kv_transfer_config(**plugin)
+        if spec.get("by_name"):  # the name the vllm.general_plugins entry point registers, no module path
+            del kw["kv_transfer_config"]["kv_connector_module_path"]
+    if spec.get("raw_extra") is not None:  # unvalidated settings: the engine must refuse them
+        kw["kv_transfer_config"] = {"kv_connector": "KvscoreConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "kvscore.vllm.connector",
+                                    "kv_connector_extra_config": spec["raw_extra"]}
+    captured = []
+    if spec.get("capture"):
+        # the keys each worker scored, read back from vLLM's cache at the moment of scoring
+        from kvscore.vllm import connector as C
+        orig = C.KvscoreConnector.wait_for_save
+
+        def wait_for_save(self):
+            if self.has_connector_metadata():
+                meta = self._get_connector_metadata()
+                for req_id, ids, tokens in meta.score:
+                    keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens) for c in self._caches]
+                    q = self._queries.get(req_id, {})  # SnapKV's window queries, per layer
+                    captured.append((req_id, tokens, keys, [q[n].permute(1, 0, 2).numpy() for n in q]))
+            return orig(self)
+
+        C.KvscoreConnector.wait_for_save = wait_for_save
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
+              block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
+              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1), **kw)
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    out = {"tokens": [], "decisions": [], "blocks": []}
+    prompts = spec["prompts"]
+    for batch, s in [(b, s) for b in spec.get("batches", [len(prompts)]) for s in range(0, len(prompts), b)]:
+        chunk = prompts[s:s + batch]
+        if spec.get("stepwise"):
+            eng = llm.llm_engine
+            ids = []
+            for j, p in enumerate(chunk):
+                rid = f"b{batch}r{s + j}"
+                eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+                ids.append(rid)
+            res = {}
+            step = 0
+            while eng.has_unfinished_requests():
+                free_before = pool.get_num_free_blocks()
+                outs = eng.step()
+                step += 1
+                per_req = {}
+                for internal, blocks in mgr.req_to_blocks.items():  # vLLM appends "-<random>" to ids
+                    rid = external(internal)
+                    per_req[rid] = {"held": sum(1 for b in blocks if not b.is_null), "table": len(blocks),
+                                    "ids": [b.block_id for b in blocks if not b.is_null]}
+                out["blocks"].append({"step": step, "free_before": free_before,
+                                      "free_after": pool.get_num_free_blocks(), "per_req": per_req})
+                for o in outs:
+                    if o.finished:
+                        res[o.request_id] = list(o.outputs[0].token_ids)
+            out["tokens"] += [res[r] for r in ids]
+        else:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in chunk], sp, use_tqdm=False)
+            out["tokens"] += [list(o.outputs[0].token_ids) for o in outs]
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    layers = get_layers_from_vllm_config(llm.llm_engine.vllm_config, Attention)
+    out["wrapped"] = sum(1 for l in layers.values() if getattr(l.impl, "_kvscore_wrapped", False))
+    out["layers"] = len(layers)
+    conn = sched.connector
+    if conn is not None:
+        out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]
+        out["freed_total"] = conn._freed_total
+    if captured:
+        # kvscore's own decision on the keys read back: scores per layer, select_joint_blocks
+        from kvscore.vllm import Config
+        cfg = Config(**plugin)
+        bs = spec.get("block_size", 32)
+        out["reference"] = {}
+        for req_id, tokens, keys, queries in captured:
+            if cfg.query_window:
+                scores = [kvscore.SnapKV(q, window=cfg.query_window).score(k) for k, q in zip(keys, queries)]
+            else:
+                scores = [kvscore.make_scorer(cfg.method).score(k) for k in keys]
+            kept = kvscore.select_joint_blocks(scores, bs, cfg.budget(tokens, bs), sinks=cfg.sinks, recent=cfg.recent,
+                                               aggregate=cfg.aggregate, block_aggregate=cfg.block_aggregate)
+            out["reference"][external(req_id)] = [int(b) for b in kept]
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

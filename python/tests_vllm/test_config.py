@@ -1,0 +1,61 @@
+"""kvscore.vllm.Config and kv_transfer_config: every bad setting is a ValueError naming it (the same
+checks the connector runs at engine start), budgets in whole blocks, the registry's methods."""
+import pytest
+
+import kvscore
+from kvscore.vllm import METHODS, Config, kv_transfer_config
+
+
+def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data_and_snapkv():
+    want = [m["name"] for m in kvscore.REGISTRY
+            if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["cls"] == "SnapKV"]
+    assert list(METHODS) == want and len(want) >= 4
+    assert Config("snapkv", 0.5).query_window == Config("snapkv", 0.5).recent > 0
+    assert Config("keydiff", 0.5).query_window == 0
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"method": "no_such_method", "ratio": 0.5}, "unknown method 'no_such_method'"),
+    ({"method": "protokv", "ratio": 0.5}, "method 'protokv' is not one the vLLM plugin runs"),
+    ({"method": "qfilter", "ratio": 0.5}, "method 'qfilter' is not one the vLLM plugin runs"),
+    ({"method": "snapkv", "ratio": 0.5, "recent": 0}, "recent 0 must be >= 1"),
+    ({"method": "keydiff", "ratio": 1.0}, r"ratio 1.0 must be a number in \[0, 1\)"),
+    ({"method": "keydiff", "ratio": -0.1}, r"ratio -0.1 must be"),
+    ({"method": "keydiff", "ratio": 0.5, "sinks": -1}, "sinks -1 must be an integer >= 0"),
+    ({"method": "keydiff", "ratio": 0.5, "aggregate": "vote"}, "aggregate 'vote' must be 'max' or 'mean'"),
+    ({"method": "keydiff", "ratio": 0.5, "block_aggregate": "sum"}, "block_aggregate 'sum'"),
+])
+def test_bad_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        Config(**settings)
+
+
+def test_extra_config_needs_method_and_ratio_and_knows_its_keys():
+    with pytest.raises(ValueError, match="needs 'ratio'"):
+        Config.from_extra({"method": "knorm"})
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['ration'\]"):
+        Config.from_extra({"method": "knorm", "ratio": 0.5, "ration": 1})
+    c = kv_transfer_config("knorm", 0.5)
+    assert c["kv_connector"] == "KvscoreConnector" and c["kv_connector_extra_config"]["method"] == "knorm"
+
+
+def test_budget_in_whole_blocks_never_below_the_protected_ones():
+    c = Config("keydiff", 0.5, sinks=4, recent=64)
+    assert c.budget(2048, 32) == 32                 # 64 blocks, 32 evicted
+    assert c.budget(2047, 32) == 32                 # 64 blocks (the last partial), floor(32) evicted
+    assert c.budget(40, 32) == 2                    # 2 blocks, both protected: left whole
+    assert Config("keydiff", 0.0).budget(1000, 32) == 32
+    assert Config("keydiff", 0.9, sinks=1, recent=0).budget(3200, 32) == 10
+
+
+def test_the_general_plugins_entry_point_registers_the_connector_name():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvscore"]
+    assert [e.value for e in eps] == ["kvscore.vllm:register"]
+    eps[0].load()()
+    eps[0].load()()  # loaded in every vLLM process, possibly twice: no error
+    from kvscore.vllm.connector import KvscoreConnector
+    assert KVConnectorFactory.get_connector_class_by_name("KvscoreConnector") is KvscoreConnector

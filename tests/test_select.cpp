@@ -678,9 +678,9 @@ TEST_CASE("select: the ISA pin governs SelectKernels::best", "[select][simd]") {
     simd::set_active_isa(t->name);
     const std::string got = kvscore::select_kernels_name();
     INFO("table " << t->name);
-    const int level = simd::isa_level(t->name);
-    if (level <= 1) CHECK(got == "portable");
-    if (level == 2) CHECK(got != "avx512");
+    const kvscore::IsaLevel level = t->level;
+    if (level <= kvscore::IsaLevel::baseline) CHECK(got == "portable");
+    if (level == kvscore::IsaLevel::avx2) CHECK(got != "avx512");
   }
   simd::set_active_isa(before);
 }

@@ -136,7 +136,9 @@ namespace detail {
 #if defined(KVSCORE_X86) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_HAVE_F16C_PATH 1
 /// F16C is in reach: the CPU has it and the ISA pin is at AVX2 level or above.
-inline bool f16c_allowed() noexcept { return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= 2; }
+inline bool f16c_allowed() noexcept {
+  return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= IsaLevel::avx2;
+}
 __attribute__((target("avx,f16c"))) inline void half_to_float_f16c(const half* src, float* dst,
                                                                  std::size_t n) noexcept {
   std::size_t i = 0;

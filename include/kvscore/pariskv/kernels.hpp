@@ -69,6 +69,15 @@ inline constexpr bool neon_ok() noexcept {
 #endif
 }
 
+/// The search's set for an ISA level: the widest set this CPU has at or below it (`neon` is
+/// at IsaLevel::baseline, as the `neon` row table).
+inline KernelSet kernel_set_for(IsaLevel level) noexcept {
+  if (level >= IsaLevel::avx512 && avx512_ok()) return KernelSet::avx512;
+  if (level >= IsaLevel::avx2 && avx2_ok()) return KernelSet::avx2;
+  if (level >= IsaLevel::baseline && neon_ok()) return KernelSet::neon;
+  return KernelSet::portable;
+}
+
 inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
   switch (k) {
     case Kernels::portable:
@@ -86,11 +95,7 @@ inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
     case Kernels::best:
       break;
   }
-  const int cap = simd::isa_cap();
-  if (cap >= 3 && avx512_ok()) return KernelSet::avx512;
-  if (cap >= 2 && avx2_ok()) return KernelSet::avx2;
-  if (cap >= 1 && neon_ok()) return KernelSet::neon;  // the pin: `neon` is level 1, `scalar` 0
-  return KernelSet::portable;
+  return kernel_set_for(simd::isa_cap());
 }
 
 inline const char* kernel_set_name(KernelSet s) noexcept {

@@ -488,6 +488,7 @@ template <class P>
 const KernelTable& make_table(const char* name) noexcept {
   static const KernelTable table{name,
                                  int(P::W),
+                                 kvscore::detail::isa_level(name),
                                  RowKernels<P>::template ops<float>(),
                                  RowKernels<P>::template ops<half>(),
                                  RowKernels<P>::template ops<bfloat16>(),

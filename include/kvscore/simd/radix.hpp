@@ -844,13 +844,6 @@ inline bool avx2_usable() noexcept {
 #endif
 }
 
-/// What SelectKernels::best runs: the widest set this CPU has, capped by the ISA pin
-/// (KVSCORE_ISA / simd::set_active_isa, simd::isa_cap) like every kernel family.
-inline int best_select_set() {
-  const int cap = simd::isa_cap();
-  return cap >= 3 && avx512_usable() ? 3 : cap >= 2 && avx2_usable() ? 2 : 0;
-}
-
 }  // namespace kvscore::detail::sel
 
 namespace kvscore {
@@ -859,6 +852,18 @@ namespace kvscore {
 /// then portable C++ from CPUID, no wider than a KVSCORE_ISA pin; the others force one set (for tests and comparisons) and
 /// throw std::invalid_argument when this CPU cannot run it. Every set gives the same result.
 enum class SelectKernels { best, avx512, avx2, portable };
+
+namespace detail::sel {
+/// The selector's set for an ISA level: the widest set this CPU has at or below it.
+inline SelectKernels select_kernels_for(IsaLevel level) noexcept {
+  if (level >= IsaLevel::avx512 && avx512_usable()) return SelectKernels::avx512;
+  if (level >= IsaLevel::avx2 && avx2_usable()) return SelectKernels::avx2;
+  return SelectKernels::portable;
+}
+/// What SelectKernels::best runs: the set of the pinned level (KVSCORE_ISA /
+/// simd::set_active_isa, simd::isa_cap), like every kernel family.
+inline SelectKernels best_select_kernels() { return select_kernels_for(simd::isa_cap()); }
+}  // namespace detail::sel
 
 /// Whether this CPU (and build) can run `k`.
 inline bool select_kernels_supported(SelectKernels k) noexcept {
@@ -871,10 +876,7 @@ inline bool select_kernels_supported(SelectKernels k) noexcept {
 
 /// Name of the set `best` resolves to on this CPU ("avx512", "avx2" or "portable").
 inline const char* select_kernels_name(SelectKernels k = SelectKernels::best) {
-  if (k == SelectKernels::best) {
-    const int set = detail::sel::best_select_set();
-    k = set == 3 ? SelectKernels::avx512 : set == 2 ? SelectKernels::avx2 : SelectKernels::portable;
-  }
+  if (k == SelectKernels::best) k = detail::sel::best_select_kernels();
   return k == SelectKernels::avx512 ? "avx512" : k == SelectKernels::avx2 ? "avx2" : "portable";
 }
 
@@ -895,10 +897,7 @@ const Passes<Src>& passes(SelectKernels k) {
   static const Passes<Src> avx2{&minmax_avx2, &keep_digit_avx2, &fill_portable, &lane_sums_portable,
                                 &hist_top_avx2<Src>, &window_avx2<Src>, &collect_avx2<Src>,
                                 &count_avx2<Src>, &tally_avx2<Src>, "avx2"};
-  if (k == SelectKernels::best) {
-    const int set = best_select_set();
-    k = set == 3 ? SelectKernels::avx512 : set == 2 ? SelectKernels::avx2 : SelectKernels::portable;
-  }
+  if (k == SelectKernels::best) k = best_select_kernels();
   if (k == SelectKernels::avx512) return avx512;
   if (k == SelectKernels::avx2) return avx2;
 #endif

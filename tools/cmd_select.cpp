@@ -127,7 +127,7 @@ int cmd_select(const Args& args) {
 
   Selection sel;
   try {
-    sel = select(ScoresView(const_cast<float*>(scores.as<float>()), heads, tokens, std::max<std::int64_t>(tokens, 1)),
+    sel = select(ConstScoresView(scores.as<float>(), heads, tokens, std::max<std::int64_t>(tokens, 1)),
                  Budget::per_head(keep), opt);
   } catch (const std::invalid_argument& e) {
     std::string m = e.what();

@@ -144,16 +144,6 @@ struct SelectionPlan {
 
 namespace detail::sel {
 
-/// Read-only scores [heads][tokens] with a head stride (from a ScoresView or a Scores).
-struct Input {
-  const float* data = nullptr;
-  std::int64_t heads = 0, tokens = 0, head_stride = 0;
-  const float* head(std::int64_t h) const noexcept { return data + h * head_stride; }
-};
-
-inline Input input_of(const ScoresView& v) noexcept { return {v.data(), v.heads(), v.tokens(), v.head_stride()}; }
-inline Input input_of(const Scores& s) noexcept { return {s.data(), s.heads(), s.tokens(), s.tokens()}; }
-
 inline int default_threads() noexcept {
 #if defined(_OPENMP)
   return omp_get_max_threads();
@@ -305,7 +295,7 @@ void parallel_heads(std::int64_t heads, int threads, F&& f) {
       heads, threads, [](int) { return 0; }, [&](int, std::int64_t h, int tid) { f(h, tid); });
 }
 
-inline void run_per_head(const Plan& p, const Input& in, const SelectOptions& opt, std::uint32_t* const* cand,
+inline void run_per_head(const Plan& p, const ConstScoresView& in, const SelectOptions& opt, std::uint32_t* const* cand,
                          std::int64_t* offsets, std::int64_t* positions) {
   const Passes<float>& P = passes<float>(opt.kernels);
   const std::int64_t n = p.per_head, N = p.tokens, s0 = p.sink_end, e0 = p.recent_begin;
@@ -327,7 +317,7 @@ inline void run_per_head(const Plan& p, const Input& in, const SelectOptions& op
   });
 }
 
-inline void run_adakv(const Plan& p, const Input& in, const SelectOptions& opt, std::byte* ws, std::int64_t* offsets,
+inline void run_adakv(const Plan& p, const ConstScoresView& in, const SelectOptions& opt, std::byte* ws, std::int64_t* offsets,
                       std::int64_t* positions) {
   const std::int64_t H = p.heads, N = p.tokens, s0 = p.sink_end, e0 = p.recent_begin, L = e0 - s0;
   offsets[0] = 0;
@@ -426,10 +416,10 @@ inline std::size_t select_workspace_bytes(std::int64_t heads, std::int64_t token
 
 namespace detail::sel {
 
-inline std::int64_t select_into_impl(const Input& in, Budget budget, const SelectOptions& opt, void* workspace,
+inline std::int64_t select_into_impl(const ConstScoresView& in, Budget budget, const SelectOptions& opt, void* workspace,
                                      std::size_t workspace_bytes, std::int64_t* offsets_out,
                                      std::int64_t* positions_out, std::size_t positions_capacity) {
-  Plan p = make_plan(in.heads, in.tokens, budget, opt);
+  Plan p = make_plan(in.heads(), in.tokens(), budget, opt);
   const std::string who = "kvscore::select_into: ";
   if (workspace == nullptr) workspace_bytes = 0;
   if (workspace_bytes < p.bytes(1))
@@ -440,9 +430,6 @@ inline std::int64_t select_into_impl(const Input& in, Budget budget, const Selec
     throw_invalid(who + "positions capacity " + std::to_string(positions_capacity) + " is smaller than the " +
                   std::to_string(p.layer) + " positions selected (see select_total)");
   if (positions_out == nullptr && p.layer > 0) throw_invalid(who + "positions_out is null");
-  if (in.heads > 1 && in.head_stride < in.tokens)
-    throw_invalid(who + "head_stride " + std::to_string(in.head_stride) + " < tokens " + std::to_string(in.tokens));
-  if (in.data == nullptr && in.heads > 0 && in.tokens > 0) throw_invalid(who + "scores data is null");
   p.threads = int(std::min<std::size_t>(std::size_t(p.threads), (workspace_bytes - 64 - p.fixed) / p.per_thread));
 
   auto* base = static_cast<std::byte*>(workspace);
@@ -458,14 +445,14 @@ inline std::int64_t select_into_impl(const Input& in, Budget budget, const Selec
   return p.layer;
 }
 
-inline Selection select_impl(const Input& in, Budget budget, const SelectOptions& opt) {
-  const Plan p = make_plan(in.heads, in.tokens, budget, opt);
+inline Selection select_impl(const ConstScoresView& in, Budget budget, const SelectOptions& opt) {
+  const Plan p = make_plan(in.heads(), in.tokens(), budget, opt);
   const std::size_t bytes = p.bytes(p.threads);
   const auto ws = std::make_unique_for_overwrite<std::byte[]>(bytes);
   Selection s;
-  s.heads = in.heads;
-  s.tokens = in.tokens;
-  s.offsets.assign(std::size_t(in.heads + 1), 0);
+  s.heads = in.heads();
+  s.tokens = in.tokens();
+  s.offsets.assign(std::size_t(in.heads() + 1), 0);
   s.positions.resize(std::size_t(p.layer));
   select_into_impl(in, budget, opt, ws.get(), bytes, s.offsets.data(), s.positions.data(), s.positions.size());
   return s;
@@ -473,28 +460,29 @@ inline Selection select_impl(const Input& in, Budget budget, const SelectOptions
 
 }  // namespace detail::sel
 
-/// Selects the tokens to keep from scores [heads][tokens] (see the top of this file).
-inline Selection select(const ScoresView& scores, Budget budget, const SelectOptions& opt = {}) {
-  return detail::sel::select_impl(detail::sel::input_of(scores), budget, opt);
+/// Selects the tokens to keep from scores [heads][tokens] (see the top of this file). A
+/// ScoresView or a Scores converts (Scores::view()).
+inline Selection select(const ConstScoresView& scores, Budget budget, const SelectOptions& opt = {}) {
+  return detail::sel::select_impl(scores, budget, opt);
 }
 inline Selection select(const Scores& scores, Budget budget, const SelectOptions& opt = {}) {
-  return detail::sel::select_impl(detail::sel::input_of(scores), budget, opt);
+  return select(scores.view(), budget, opt);
 }
 
 /// No-allocation form: writes offsets_out[heads + 1] and positions_out[select_total(...)]
 /// (CSR, ascending positions per head) using the caller's workspace of
 /// select_workspace_bytes(...) bytes (any alignment). Returns the number of positions written.
-inline std::int64_t select_into(const ScoresView& scores, Budget budget, const SelectOptions& opt, void* workspace,
+inline std::int64_t select_into(const ConstScoresView& scores, Budget budget, const SelectOptions& opt, void* workspace,
                                 std::size_t workspace_bytes, std::int64_t* offsets_out, std::int64_t* positions_out,
                                 std::size_t positions_capacity) {
-  return detail::sel::select_into_impl(detail::sel::input_of(scores), budget, opt, workspace, workspace_bytes,
-                                       offsets_out, positions_out, positions_capacity);
+  return detail::sel::select_into_impl(scores, budget, opt, workspace, workspace_bytes, offsets_out, positions_out,
+                                       positions_capacity);
 }
 inline std::int64_t select_into(const Scores& scores, Budget budget, const SelectOptions& opt, void* workspace,
                                 std::size_t workspace_bytes, std::int64_t* offsets_out, std::int64_t* positions_out,
                                 std::size_t positions_capacity) {
-  return detail::sel::select_into_impl(detail::sel::input_of(scores), budget, opt, workspace, workspace_bytes,
-                                       offsets_out, positions_out, positions_capacity);
+  return select_into(scores.view(), budget, opt, workspace, workspace_bytes, offsets_out, positions_out,
+                     positions_capacity);
 }
 
 }  // namespace kvscore

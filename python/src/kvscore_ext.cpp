@@ -608,9 +608,8 @@ void bind_select(nb::module_& m) {
         kvscore::Selection s;
         {
           nb::gil_scoped_release unlocked;
-          // select() only reads the scores; ScoresView is the mutable view type it takes.
-          kvscore::ScoresView v(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
-          s = kvscore::select(v, kvscore::Budget::per_head(budget), o);
+          s = kvscore::select(kvscore::ConstScoresView(r.data, r.rows, r.cols, r.row_stride),
+                              kvscore::Budget::per_head(budget), o);
         }
         return selection_out(std::move(s), o.alloc == kvscore::Alloc::per_head);
       },
@@ -666,11 +665,10 @@ void bind_joint(nb::module_& m) {
         o.recent = recent;
         o.aggregate = kvscore::parse_joint_aggregate(aggregate);
         o.num_threads = threads;
-        std::vector<kvscore::ScoresView> views;
+        std::vector<kvscore::ConstScoresView> views;
         for (std::size_t l = 0; l < layers.size(); ++l) {
           const F32Rows r = f32_rows(layers[l], "scores[" + std::to_string(l) + "] [heads, tokens]");
-          // select_joint only reads; ScoresView is the mutable view type it takes.
-          views.emplace_back(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
+          views.emplace_back(r.data, r.rows, r.cols, r.row_stride);
         }
         std::vector<std::int64_t> kept;
         {

@@ -626,7 +626,7 @@ class ParisKV {
     if (ws.select_ws.size() < bytes) ws.select_ws.resize(bytes);
     ws.offsets.resize(2);
     ws.top.resize(std::size_t(take));
-    select_into(ScoresView(const_cast<float*>(vals), 1, n), bud, so, ws.select_ws.data(), ws.select_ws.size(),
+    select_into(ConstScoresView(vals, 1, n), bud, so, ws.select_ws.data(), ws.select_ws.size(),
                 ws.offsets.data(), ws.top.data(), ws.top.size());
   }
 

@@ -623,7 +623,7 @@ TEST_CASE("select: long ranges on every path (sampled window, fallback, tally)",
 }
 
 TEST_CASE("select: sampled window guesses that miss are caught", "[select][properties]") {
-  // The selector guesses the threshold from a strided sample (kvscore/simd/radix.hpp);
+  // The selector guesses the threshold from a strided sample (kvscore/select/radix.hpp);
   // these inputs put chosen values exactly at the sampled positions.
   std::mt19937_64 rng(2024);
   std::normal_distribution<float> nd;

@@ -60,7 +60,7 @@ inline const CpuFeatures& cpu() noexcept {
 namespace kvscore {
 
 /// The one scale of instruction sets every kernel family maps to its own sets (faiss's
-/// SIMDLevel): the row tables (simd/dispatch.hpp), the selector's passes (simd/radix.hpp),
+/// SIMDLevel): the row tables (simd/dispatch.hpp), the selector's passes (select/radix.hpp),
 /// ParisKV's search (pariskv/kernels.hpp) and the fp16 conversion (core/dtype.hpp).
 enum class IsaLevel : int {
   scalar = 0,    ///< no vector code

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
+#include "kvscore/core/names.hpp"
 #include "kvscore/core/view.hpp"
 
 namespace kvscore {
@@ -22,6 +24,13 @@ enum class Alloc {
   per_head,  ///< every head keeps the same number of tokens
   adakv,     ///< AdaKV: per-head safeguard + one global top-k over all heads (ragged)
 };
+
+inline constexpr Alloc kAllocs[] = {Alloc::per_head, Alloc::adakv};
+
+inline const char* to_string(Alloc a) noexcept { return a == Alloc::adakv ? "adakv" : "per_head"; }
+
+/// "per_head" (the CLI: "per-head") or "adakv"; anything else is std::invalid_argument naming it.
+inline Alloc parse_alloc(std::string_view s) { return detail::parse_enum(s, kAllocs, "alloc"); }
 
 /// An integer token budget, per head or per layer.
 class Budget {
@@ -58,6 +67,15 @@ enum class BudgetRounding {
   nearest,  ///< the nearest integer, halves up (default)
   floor,    ///< ⌊keep_ratio · tokens⌋: the papers' M = ⌊(1−ρ)N⌋ and kvpress's compute_n_kept
 };
+
+inline constexpr BudgetRounding kBudgetRoundings[] = {BudgetRounding::nearest, BudgetRounding::floor};
+
+inline const char* to_string(BudgetRounding r) noexcept { return r == BudgetRounding::floor ? "floor" : "nearest"; }
+
+/// "nearest" or "floor"; anything else is std::invalid_argument naming it.
+inline BudgetRounding parse_budget_rounding(std::string_view s) {
+  return detail::parse_enum(s, kBudgetRoundings, "budget rounding");
+}
 
 /// Tokens to keep per head for a keep ratio (fraction of the cache kept, = 1 - kvpress's
 /// compression ratio): the integer nearest to the double product keep_ratio * tokens (halves

@@ -25,6 +25,10 @@
 // q̄·k; protected tokens (sinks, the window) are masked by the selector, so a cluster's size
 // is its unprotected members. Invalid keys (fp32 squared norm not finite) take no part and
 // score -inf. The budget never enters the scores.
+//
+// Why this file is long (~600 lines): one scorer whose assignment, cluster statistics, ψ and
+// rank scores share ProtoKV's per-head state (ProtoKV::analyze exposes it to the tests); its
+// heavy non-template parts are already compiled once (detail/compiled.hpp).
 #pragma once
 
 #include <algorithm>

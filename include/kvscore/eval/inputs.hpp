@@ -80,16 +80,7 @@ inline std::vector<LayerInput> layer_inputs(const EvalInputs& in) {
                                 "positions and the cache has " + std::to_string(N) + " tokens");
   std::vector<LayerInput> layers;
   for (std::int64_t l = 0; l < L; ++l) {
-    LayerInput li;
-    li.keys = K.data + l * H * N * d;
-    li.values = V.data + l * H * N * dv;
-    li.queries = Q.data + l * Hq * nq * d;
-    li.kv_heads = H;
-    li.tokens = N;
-    li.head_dim = d;
-    li.value_dim = dv;
-    li.q_heads = Hq;
-    li.n_queries = nq;
+    LayerInput li{K.data + l * H * N * d, V.data + l * H * N * dv, Q.data + l * Hq * nq * d, H, N, d, dv, Hq, nq};
     if (nw > 0) li.window_queries = W.data + l * Hq * nw * d, li.n_window = nw;
     if (nc > 0) li.calib_queries = C.data + l * Hq * nc * d, li.n_calib = nc;
     layers.push_back(li);

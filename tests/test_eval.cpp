@@ -561,6 +561,7 @@ TEST_CASE("names: every option enum round-trips through to_string / parse, the C
   round_trip(kvscore::kWindowTails, [](std::string_view s) { return kvscore::parse_window_tail(s); });
   round_trip(kvscore::eval::kProtocols, [](std::string_view s) { return kvscore::eval::parse_protocol(s); });
   round_trip(kvscore::eval::kMixMetrics, [](std::string_view s) { return kvscore::eval::parse_mix_metric(s); });
+  round_trip(kvscore::kPsis, [](std::string_view s) { return kvscore::parse_psi(s); });
   CHECK(std::string(to_string(kvscore::Alloc::per_head)) == "per_head");
   CHECK(cli_spelling(to_string(kvscore::eval::Protocol::leak_free)) == "leak-free");
   CHECK(kvscore::detail::spellings(kvscore::eval::kMixMetrics) == "'recall', 'error' or 'overlap'");

@@ -181,7 +181,7 @@ Request parse_request(const Args& args) {
     try {
       a.psi = parse_psi(p);
     } catch (const std::invalid_argument&) {
-      throw UsageError("score: --psi must be sum, mean or attention (got '" + p + "')");
+      throw UsageError("score: --psi must be " + kvscore::detail::spellings(kPsis, true) + " (got '" + p + "')");
     }
   }
   return r;

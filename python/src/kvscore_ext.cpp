@@ -278,14 +278,8 @@ nb::object selection_out(kvscore::Selection&& s, bool dense) {
 
 // ------------------------------------------------------------------ registry
 
-/// ProtoKV's psi by name.
-kvscore::ProtoKV::Psi parse_psi(const std::string& psi) {
-  for (auto p : {kvscore::ProtoKV::Psi::sum, kvscore::ProtoKV::Psi::mean, kvscore::ProtoKV::Psi::attention})
-    if (psi == kvscore::to_string(p)) return p;
-  bad("ProtoKV: psi '" + psi + "' must be 'sum', 'mean' or 'attention'");
-}
-// Alloc, BudgetRounding, WindowTail, QueryPlacement, eval's Protocol and MixMetric: the
-// library's to_string / parse_* (kvscore/core/names.hpp).
+// Alloc, BudgetRounding, WindowTail, QueryPlacement, ProtoKV's Psi, eval's Protocol and
+// MixMetric by name: the library's to_string / parse_* (kvscore/core/names.hpp).
 
 /// A dict of (name, value) pairs.
 template <class... V>
@@ -419,7 +413,7 @@ void bind_scorer_args(nb::module_& m) {
       .def_rw("bandwidth", &A::bandwidth)
       .def_prop_rw(
           "psi", [](const A& a) -> std::string { return kvscore::to_string(a.psi); },
-          [](A& a, const std::string& s) { a.psi = parse_psi(s); });
+          [](A& a, const std::string& s) { a.psi = kvscore::parse_psi(s); });
 }
 
 /// An array argument passed as a handle (optional ones); a TypeError naming it otherwise.

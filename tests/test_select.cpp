@@ -623,7 +623,7 @@ TEST_CASE("select: long ranges on every path (sampled window, fallback, tally)",
 }
 
 TEST_CASE("select: sampled window guesses that miss are caught", "[select][properties]") {
-  // The selector guesses the threshold from a strided sample (kvscore/simd/radix.hpp);
+  // The selector guesses the threshold from a strided sample (kvscore/select/radix.hpp);
   // these inputs put chosen values exactly at the sampled positions.
   std::mt19937_64 rng(2024);
   std::normal_distribution<float> nd;
@@ -678,9 +678,9 @@ TEST_CASE("select: the ISA pin governs SelectKernels::best", "[select][simd]") {
     simd::set_active_isa(t->name);
     const std::string got = kvscore::select_kernels_name();
     INFO("table " << t->name);
-    const int level = simd::isa_level(t->name);
-    if (level <= 1) CHECK(got == "portable");
-    if (level == 2) CHECK(got != "avx512");
+    const kvscore::IsaLevel level = t->level;
+    if (level <= kvscore::IsaLevel::baseline) CHECK(got == "portable");
+    if (level == kvscore::IsaLevel::avx2) CHECK(got != "avx512");
   }
   simd::set_active_isa(before);
 }

@@ -134,6 +134,23 @@ TEST_CASE("set_active_isa pins a table - unknown names throw with the list", "[s
   REQUIRE(&simd::active_table() == &before);
 }
 
+TEST_CASE("each table carries its ISA level - pinning it caps every kernel family at that level", "[simd]") {
+  using kvscore::IsaLevel;
+  CHECK(kvscore::detail::isa_level("scalar") == IsaLevel::scalar);
+  CHECK(kvscore::detail::isa_level("sse2") == IsaLevel::baseline);
+  CHECK(kvscore::detail::isa_level("neon") == IsaLevel::baseline);
+  CHECK(kvscore::detail::isa_level("fma3+avx2") == IsaLevel::avx2);
+  CHECK(kvscore::detail::isa_level("avx512bw") == IsaLevel::avx512);
+  const simd::KernelTable& before = simd::active_table();
+  for (const simd::KernelTable* t : simd::available_tables()) {
+    INFO("table " << t->name);
+    CHECK(t->level == kvscore::detail::isa_level(t->name));
+    simd::set_active_isa(t->name);
+    CHECK(simd::isa_cap() == t->level);
+  }
+  simd::set_active_isa(before.name);
+}
+
 namespace {
 
 // project / unproject (OjaKV's codes and reconstructions) on table t against the scalar table,

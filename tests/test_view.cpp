@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "kvscore/core/view.hpp"
@@ -86,4 +87,18 @@ TEST_CASE("fuzz findings F1/F3: no pointer is formed from an unchecked offset", 
   CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, -4, 4), Contains("seq must be >= 0 (got -4)"));
   CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, 4, 0), Contains("head_dim must be in [1, 4096] (got 0)"));
   CHECK_THROWS_WITH(kvscore::KeysView<float>::hf(buf.data(), 1, 2, 1, 4, 4, huge), Contains("overflows int64"));
+}
+
+TEST_CASE("ConstScoresView: the read-only twin a ScoresView and a const Scores convert to", "[view]") {
+  static_assert(std::is_convertible_v<kvscore::ScoresView, kvscore::ConstScoresView>);
+  static_assert(!std::is_convertible_v<kvscore::ConstScoresView, kvscore::ScoresView>);
+  static_assert(std::is_same_v<decltype(kvscore::ConstScoresView().data()), const float*>);
+  std::vector<float> buf(2 * 8);
+  const kvscore::ScoresView w(buf.data(), 2, 5, 8);
+  const kvscore::ConstScoresView r = w;
+  CHECK((r.data() == buf.data() && r.heads() == 2 && r.tokens() == 5 && r.head_stride() == 8));
+  CHECK(r.head(1) == buf.data() + 8);
+  const kvscore::Scores s(3, 4);
+  CHECK(s.view().data() == s.data());
+  CHECK_THROWS_WITH(kvscore::ConstScoresView(buf.data(), 2, 10, 5), Catch::Contains("ConstScoresView: head_stride 5"));
 }

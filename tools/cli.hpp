@@ -10,12 +10,14 @@
 // `kvscore: ...` line on stderr and exit code 2.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kvscore/core/names.hpp"
 #include "kvscore/core/scorer_options.hpp"
 
 namespace kvscore::cli {
@@ -71,14 +73,22 @@ std::string help_num(double v);
 /// --isa NAME: pins the SIMD kernel table (simd::set_active_isa); UsageError naming the value.
 void set_isa(const Args& args, const std::string& command);
 
+/// An enum-valued flag: one of `values` in the CLI's spelling (the library's to_string with '-'
+/// for '_', kvscore/core/names.hpp), `fallback` when absent; otherwise UsageError
+/// "<prefix>'<value>' (expected a or b)".
+template <class E, std::size_t N>
+E get_enum(const Args& args, const std::string& flag, E fallback, const E (&values)[N], const std::string& prefix) {
+  if (!args.has(flag)) return fallback;
+  const std::string v = args.required(flag);
+  for (const E e : values)
+    if (v == kvscore::detail::cli_spelling(to_string(e))) return e;
+  throw UsageError(prefix + "'" + v + "' (expected " + kvscore::detail::spellings(values, true) + ")");
+}
+
 /// --query-placement in-cache|after-cache (snapkv, protokv, ojakv), `fallback` when absent;
 /// UsageError naming the value otherwise.
 inline QueryPlacement get_query_placement(const Args& args, const std::string& command, QueryPlacement fallback) {
-  if (!args.has("--query-placement")) return fallback;
-  const std::string v = args.required("--query-placement");
-  if (v != "in-cache" && v != "after-cache")
-    throw UsageError(command + ": --query-placement: '" + v + "' (expected in-cache or after-cache)");
-  return parse_query_placement(v);
+  return get_enum(args, "--query-placement", fallback, kQueryPlacements, command + ": --query-placement: ");
 }
 
 /// Writes to `path` through a temporary file in the same directory and a rename, so a

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -98,7 +99,7 @@ std::vector<double> eval_parse_keep(const std::string& list) {
   return out;
 }
 
-/// An .npy of float32 / float16 / bfloat16 as fp32, with its shape.
+/// An .npy of float32 / float16 / bfloat16 as fp32, with its shape (the evaluator's precision).
 struct Tensor {
   std::vector<std::int64_t> shape;
   std::vector<float> data;
@@ -108,26 +109,12 @@ Tensor eval_load(const std::string& path, const char* what) {
   const npy::Array a = npy::load(path);
   Tensor t;
   t.shape = a.shape;
-  std::int64_t n = 1;
-  for (const auto s : a.shape) n *= s;
-  t.data.resize(std::size_t(n));
-  if (a.descr == npy::descr_of<float>()) {
-    std::copy(a.as<float>(), a.as<float>() + n, t.data.begin());
-  } else if (a.descr == npy::descr_of<half>()) {
-    for (std::int64_t i = 0; i < n; ++i) t.data[std::size_t(i)] = to_float(a.as<half>()[i]);
-  } else if (a.descr == npy::descr_of<bfloat16>()) {
-    for (std::int64_t i = 0; i < n; ++i) t.data[std::size_t(i)] = to_float(a.as<bfloat16>()[i]);
-  } else {
-    throw std::invalid_argument(path + ": " + what + " dtype '" + a.descr +
-                                "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
-  }
+  t.data.resize(std::size_t(a.size()));
+  visit_dtype(npy::element_dtype(a, path + ": " + what), [&]<class T>(std::type_identity<T>) {
+    const T* p = a.as<T>();
+    for (std::size_t i = 0; i < t.data.size(); ++i) t.data[i] = to_float(p[i]);
+  });
   return t;
-}
-
-std::string eval_shape(const std::vector<std::int64_t>& s) {
-  std::string o = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
 }
 
 void eval_write_atomic(const std::string& path, const std::string& text) {
@@ -146,17 +133,6 @@ bool eval_file_exists(const std::string& path) {
   if (f == nullptr) return false;
   std::fclose(f);
   return true;
-}
-
-/// Window or calibration queries: the rank of the keys, the layers, query heads and head_dim of Q.
-Tensor eval_load_queries_like(const std::string& path, const char* what, const Tensor& Q, const std::string& qp) {
-  Tensor t = eval_load(path, what);
-  const std::size_t rank = Q.shape.size(), o = rank - 3;
-  if (t.shape.size() != rank || (rank == 4 && t.shape[0] != Q.shape[0]) || t.shape[o] != Q.shape[o] ||
-      t.shape[o + 2] != Q.shape[o + 2] || t.shape[o + 1] < 1)
-    throw std::invalid_argument(path + ": " + what + " " + eval_shape(t.shape) + " do not match queries " +
-                                eval_shape(Q.shape) + " of " + qp + " (same layers, q_heads and head_dim; n >= 1)");
-  return t;
 }
 
 }  // namespace
@@ -185,94 +161,41 @@ int cmd_eval(const Args& args) {
   if (args.has("--keep")) opt.keep = eval_parse_keep(args.required("--keep"));
   opt.method.select.sinks = args.get_int("--sinks", 0, 0, INT64_MAX);
   opt.method.select.recent = args.get_int("--recent", 0, 0, INT64_MAX);
-  const std::string alloc = args.get("--alloc", "per-head");
-  if (alloc == "adakv") opt.method.select.alloc = Alloc::adakv;
-  else if (alloc != "per-head") throw UsageError("eval: --alloc: '" + alloc + "' (expected per-head or adakv)");
+  opt.method.select.alloc = get_enum(args, "--alloc", opt.method.select.alloc, kAllocs, "eval: --alloc: ");
   opt.method.window = args.get_int("--window", opt.method.window, 1, INT64_MAX);
-  const std::string rounding = args.get("--budget-rounding", "nearest");
-  if (rounding != "nearest" && rounding != "floor")
-    throw UsageError("eval: --budget-rounding: '" + rounding + "' (expected nearest or floor)");
-  opt.rounding = rounding == "floor" ? BudgetRounding::floor : BudgetRounding::nearest;
-  const std::string tail = args.get("--window-tail", "merge");
-  if (tail != "own" && tail != "merge") throw UsageError("eval: --window-tail: '" + tail + "' (expected own or merge)");
-  opt.method.window_tail = parse_window_tail(tail);
-  const std::string protocol = args.get("--protocol", wp.empty() ? "shared" : "leak-free");
-  if (protocol != "leak-free" && protocol != "shared")
-    throw UsageError("eval: --protocol: '" + protocol + "' (expected leak-free or shared)");
-  if (protocol == "leak-free" && wp.empty())
+  opt.rounding = get_enum(args, "--budget-rounding", opt.rounding, kBudgetRoundings, "eval: --budget-rounding: ");
+  opt.method.window_tail = get_enum(args, "--window-tail", opt.method.window_tail, kWindowTails, "eval: --window-tail: ");
+  opt.method.protocol = get_enum(args, "--protocol", wp.empty() ? eval::Protocol::shared : eval::Protocol::leak_free,
+                                 eval::kProtocols, "eval: --protocol: ");
+  const bool leak_free = opt.method.protocol == eval::Protocol::leak_free;
+  if (leak_free && wp.empty())
     throw UsageError("eval: --protocol leak-free needs the cache's last-window queries (--window-queries, or a "
                      "--dump made by dump_kv.py --following)");
-  if (protocol == "leak-free" && args.has("--query-placement"))
+  if (leak_free && args.has("--query-placement"))
     throw UsageError("eval: --query-placement is for --protocol shared (leak-free places the window in the cache)");
-  opt.method.protocol = protocol == "leak-free" ? eval::Protocol::leak_free : eval::Protocol::shared;
-  opt.method.placement = protocol == "leak-free" ? QueryPlacement::in_cache
-                                                 : get_query_placement(args, "eval", QueryPlacement::after_cache);
-  const std::string mix = args.get("--mix-metric", "recall");
-  if (mix != "recall" && mix != "error" && mix != "overlap")
-    throw UsageError("eval: --mix-metric: '" + mix + "' (expected recall, error or overlap)");
-  opt.mix_metric = mix == "recall" ? eval::MixMetric::recall
-                   : mix == "error" ? eval::MixMetric::output_error
-                                    : eval::MixMetric::overlap;
+  opt.method.placement = leak_free ? QueryPlacement::in_cache
+                                   : get_query_placement(args, "eval", QueryPlacement::after_cache);
+  opt.mix_metric = get_enum(args, "--mix-metric", opt.mix_metric, eval::kMixMetrics, "eval: --mix-metric: ");
   const int threads = int(args.get_int("--threads", 1, 0, kMaxThreads));
   opt.threads = threads;
   opt.method.threads = threads;
   opt.method.select.num_threads = threads;
   const std::int64_t group = args.get_int("--group", 0, 1, INT64_MAX);
 
-  const Tensor K = eval_load(kp, "keys"), V = eval_load(vp, "values"), Q = eval_load(qp, "queries");
-  const std::size_t rank = K.shape.size();
-  if (rank != 3 && rank != 4)
-    throw std::invalid_argument(kp + ": keys must be [kv_heads, tokens, d] or [layers, kv_heads, tokens, d], got " +
-                                eval_shape(K.shape));
-  if (V.shape.size() != rank)
-    throw std::invalid_argument(vp + ": values " + eval_shape(V.shape) + " must have the rank of keys " +
-                                eval_shape(K.shape));
-  if (Q.shape.size() != rank)
-    throw std::invalid_argument(qp + ": queries " + eval_shape(Q.shape) + " must have the rank of keys " +
-                                eval_shape(K.shape) + " (" + (rank == 3 ? "[q_heads, n_q, d]" : "[layers, q_heads, n_q, d]") +
-                                ")");
-  const std::size_t o = rank - 3;  // offset of the per-layer dims
-  const std::int64_t L = rank == 4 ? K.shape[0] : 1, H = K.shape[o], N = K.shape[o + 1], d = K.shape[o + 2];
-  const std::int64_t dv = V.shape[o + 2], Hq = Q.shape[o], nq = Q.shape[o + 1];
-  if (L < 1 || H < 1 || N < 1 || d < 1)
-    throw std::invalid_argument(kp + ": keys " + eval_shape(K.shape) + " must have no empty dimension");
-  if ((rank == 4 && V.shape[0] != L) || V.shape[o] != H || V.shape[o + 1] != N || dv < 1)
-    throw std::invalid_argument(vp + ": values " + eval_shape(V.shape) + " do not match keys " + eval_shape(K.shape) +
-                                " (same layers, kv_heads and tokens; dv >= 1)");
-  if ((rank == 4 && Q.shape[0] != L) || Q.shape[o + 2] != d || nq < 1)
-    throw std::invalid_argument(qp + ": queries " + eval_shape(Q.shape) + " do not match keys " + eval_shape(K.shape) +
-                                " (same layers and head_dim, n_q >= 1)");
-  if (Hq < 1 || Hq % H != 0)
-    throw std::invalid_argument(qp + ": q_heads " + std::to_string(Hq) + " is not a multiple of the " +
-                                std::to_string(H) + " kv_heads of " + kp);
-  if (group != 0 && group != Hq / H)
-    throw std::invalid_argument("eval: --group " + std::to_string(group) + " does not match q_heads / kv_heads = " +
-                                std::to_string(Hq) + " / " + std::to_string(H) + " = " + std::to_string(Hq / H));
-
   // shared protocol: the window and calibration queries are not read (nothing would see them)
-  const bool leak_free = opt.method.protocol == eval::Protocol::leak_free;
-  const Tensor W = leak_free ? eval_load_queries_like(wp, "window queries", Q, qp) : Tensor{};
-  const Tensor C = leak_free && !cp.empty() ? eval_load_queries_like(cp, "calibration queries", Q, qp) : Tensor{};
-  const std::int64_t nw = W.shape.empty() ? 0 : W.shape[o + 1], nc = C.shape.empty() ? 0 : C.shape[o + 1];
-  if (nw > N)
-    throw std::invalid_argument(wp + ": " + std::to_string(nw) + " window queries, but they are the cache's last "
-                                "positions and the cache has " + std::to_string(N) + " tokens");
-  std::vector<eval::LayerInput> layers;
-  for (std::int64_t l = 0; l < L; ++l) {
-    eval::LayerInput in;
-    in.keys = K.data.data() + l * H * N * d;
-    in.values = V.data.data() + l * H * N * dv;
-    in.queries = Q.data.data() + l * Hq * nq * d;
-    in.kv_heads = H;
-    in.tokens = N;
-    in.head_dim = d;
-    in.value_dim = dv;
-    in.q_heads = Hq;
-    in.n_queries = nq;
-    if (nw > 0) in.window_queries = W.data.data() + l * Hq * nw * d, in.n_window = nw;
-    if (nc > 0) in.calib_queries = C.data.data() + l * Hq * nc * d, in.n_calib = nc;
-    layers.push_back(in);
-  }
+  const Tensor K = eval_load(kp, "keys"), V = eval_load(vp, "values"), Q = eval_load(qp, "queries");
+  const Tensor W = leak_free ? eval_load(wp, "window queries") : Tensor{};
+  const Tensor C = leak_free && !cp.empty() ? eval_load(cp, "calibration queries") : Tensor{};
+  const auto tensor = [](const Tensor& t, const std::string& path, bool read = true) {
+    return eval::EvalTensor{read ? t.data.data() : nullptr, t.shape, path};
+  };
+  const std::vector<eval::LayerInput> layers = eval::layer_inputs(
+      {tensor(K, kp), tensor(V, vp), tensor(Q, qp), tensor(W, wp, leak_free), tensor(C, cp, leak_free && !cp.empty())});
+  const std::int64_t kv_heads = layers[0].kv_heads, q_heads = layers[0].q_heads;
+  if (group != 0 && group != q_heads / kv_heads)
+    throw std::invalid_argument("eval: --group " + std::to_string(group) + " does not match q_heads / kv_heads = " +
+                                std::to_string(q_heads) + " / " + std::to_string(kv_heads) + " = " +
+                                std::to_string(q_heads / kv_heads));
   const eval::Report rep = eval::evaluate(layers, opt);
   if (rep.results.empty())
     throw std::invalid_argument("eval: every method x keep was skipped; first: " + rep.skipped[0].method + " at keep " +

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <kvscore/io/npy.hpp>
@@ -187,12 +188,8 @@ int cmd_oja(const Args& args) {
 
   Result res;
   try {
-    if (keys.descr == npy::descr_of<float>()) res = run<float>(args, keys, vptr, rank);
-    else if (keys.descr == npy::descr_of<half>()) res = run<half>(args, keys, vptr, rank);
-    else if (keys.descr == npy::descr_of<bfloat16>()) res = run<bfloat16>(args, keys, vptr, rank);
-    else
-      throw std::invalid_argument(keys_path + ": keys dtype '" + keys.descr +
-                                  "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
+    res = visit_dtype(npy::element_dtype(keys, keys_path + ": keys"),
+                      [&]<class T>(std::type_identity<T>) { return run<T>(args, keys, vptr, rank); });
   } catch (const std::invalid_argument& e) {
     std::string m = e.what();
     if (m.compare(0, 9, "kvscore::") == 0) m = "oja: " + m.substr(9);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <system_error>
 #include <vector>
 
@@ -129,11 +130,7 @@ int cmd_retrieve(const Args& args) {
   if (keys.shape.size() != 3)
     throw std::invalid_argument(kp + ": keys must have shape [kv_heads, tokens, head_dim], got " +
                                 std::to_string(keys.shape.size()) + " dimensions");
-  const bool f32 = keys.descr == npy::descr_of<float>(), f16 = keys.descr == npy::descr_of<half>(),
-             bf16 = keys.descr == npy::descr_of<bfloat16>();
-  if (!f32 && !f16 && !bf16)
-    throw std::invalid_argument(kp + ": keys dtype '" + keys.descr +
-                                "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
+  const dtype key_dtype = npy::element_dtype(keys, kp + ": keys");
   const std::int64_t H = keys.shape[0], N = keys.shape[1], d = keys.shape[2];
   if (H < 1 || d < 1 || d > kMaxHeadDim)
     throw std::invalid_argument(kp + ": keys [" + std::to_string(H) + ", " + std::to_string(N) + ", " +
@@ -167,9 +164,7 @@ int cmd_retrieve(const Args& args) {
                                 std::to_string(Hq) + " / " + std::to_string(H) + " = " + std::to_string(G));
 
   std::vector<std::int64_t> idx;
-  if (f32) idx = run<float>(keys, q, G, opt, threads, S, L);
-  else if (f16) idx = run<half>(keys, q, G, opt, threads, S, L);
-  else idx = run<bfloat16>(keys, q, G, opt, threads, S, L);
+  idx = visit_dtype(key_dtype, [&]<class T>(std::type_identity<T>) { return run<T>(keys, q, G, opt, threads, S, L); });
   save_i64_atomic(out, {Hq, nq, S + topk + L}, idx.data());
   return kExitOk;
 }

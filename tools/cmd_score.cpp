@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <string_view>
 #include <vector>
 
@@ -155,11 +156,7 @@ Request parse_request(const Args& args) {
   a.threads = int(args.get_int("--threads", a.threads, 0, kMaxThreads));
   a.window = args.get_int("--window", a.window, 1, INT64_MAX);
   r.window_given = args.has("--window");
-  if (args.has("--window-tail")) {
-    const std::string t = args.required("--window-tail");
-    if (t != "own" && t != "merge") throw UsageError("score: --window-tail '" + t + "' (expected own or merge)");
-    a.window_tail = parse_window_tail(t);
-  }
+  a.window_tail = get_enum(args, "--window-tail", a.window_tail, kWindowTails, "score: --window-tail ");
   r.layer = args.get_int("--layer", r.layer, 0, INT64_MAX);
   if (args.has("--filters-convention")) {
     const std::string c = args.required("--filters-convention");
@@ -184,7 +181,7 @@ Request parse_request(const Args& args) {
     try {
       a.psi = parse_psi(p);
     } catch (const std::invalid_argument&) {
-      throw UsageError("score: --psi must be sum, mean or attention (got '" + p + "')");
+      throw UsageError("score: --psi must be " + kvscore::detail::spellings(kPsis, true) + " (got '" + p + "')");
     }
   }
   return r;
@@ -300,12 +297,8 @@ int cmd_score(const Args& args) {
   Scores scores;
   try {
     check_against_keys(r, keys.shape[0], keys.shape[1], dim);
-    if (keys.descr == npy::descr_of<float>()) scores = run<float>(*scorer, keys);
-    else if (keys.descr == npy::descr_of<half>()) scores = run<half>(*scorer, keys);
-    else if (keys.descr == npy::descr_of<bfloat16>()) scores = run<bfloat16>(*scorer, keys);
-    else
-      throw std::invalid_argument("keys dtype '" + keys.descr +
-                                  "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
+    scores = visit_dtype(npy::element_dtype(keys, "keys"),
+                         [&]<class T>(std::type_identity<T>) { return run<T>(*scorer, keys); });
   } catch (const npy::error&) {
     throw;
   } catch (const std::invalid_argument& e) {

@@ -88,13 +88,10 @@ int cmd_select(const Args& args) {
   const std::int64_t keep = args.get_int("--keep", 0, 0, INT64_MAX);
   const std::int64_t sinks = args.get_int("--sinks", 0, 0, INT64_MAX);
   const std::int64_t recent = args.get_int("--recent", 0, 0, INT64_MAX);
-  const std::string alloc = args.get("--alloc", "per-head");
   SelectOptions opt;
   opt.sinks = sinks;
   opt.recent = recent;
-  if (alloc == "per-head") opt.alloc = Alloc::per_head;
-  else if (alloc == "adakv") opt.alloc = Alloc::adakv;
-  else throw UsageError("select: unknown alloc '" + alloc + "' (expected per-head or adakv)");
+  opt.alloc = get_enum(args, "--alloc", opt.alloc, kAllocs, "select: unknown alloc ");
   // Flags that per-head selection would silently ignore are errors.
   if (opt.alloc != Alloc::adakv && (args.has("--alpha") || args.has("--normalize")))
     throw UsageError(std::string("select: ") + (args.has("--alpha") ? "--alpha" : "--normalize") +
@@ -127,7 +124,7 @@ int cmd_select(const Args& args) {
 
   Selection sel;
   try {
-    sel = select(ScoresView(const_cast<float*>(scores.as<float>()), heads, tokens, std::max<std::int64_t>(tokens, 1)),
+    sel = select(ConstScoresView(scores.as<float>(), heads, tokens, std::max<std::int64_t>(tokens, 1)),
                  Budget::per_head(keep), opt);
   } catch (const std::invalid_argument& e) {
     std::string m = e.what();

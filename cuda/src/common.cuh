@@ -70,7 +70,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;  // every lane holds the same value (butterfly: the same order on every lane)
 }
 
-/// The CPU selector's order-preserving key (kvscore/simd/radix.hpp key_of): -0 == +0, NaN = 1.
+/// The CPU selector's order-preserving key (kvscore/select/radix_portable.hpp key_of): -0 == +0, NaN = 1.
 __host__ __device__ __forceinline__ std::uint32_t key_of_bits(std::uint32_t u) {
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 1u;
   return (u >> 31) != 0 ? 0u - u : u | 0x80000000u;

@@ -1,6 +1,6 @@
 // cuda/src/topk.cu — batched deterministic top-k and the selector (per-head and AdaKV) on the GPU.
 //
-// Keys: the CPU selector's order-preserving uint32 of every score (simd/radix.hpp: -0 == +0,
+// Keys: the CPU selector's order-preserving uint32 of every score (select/radix.hpp: -0 == +0,
 // every NaN below -inf). A row's selection of m is a threshold {K, need_eq}: keep key > K, and
 // the first need_eq keys equal to K in position order — "higher score first, equal scores lower
 // position first", the CPU's total order — found by a radix select over three digits

@@ -143,7 +143,7 @@ void compare_select(const std::vector<float>& scores, std::int64_t H, std::int64
   INFO("H " << H << " N " << N << " budget " << b.count() << " adakv " << (opt.alloc == kvscore::Alloc::adakv)
             << " sinks " << opt.sinks << " recent " << opt.recent << " alpha " << opt.alpha << " path "
             << int(path));
-  const kvscore::Selection cpu = kvscore::select(kvscore::ScoresView(const_cast<float*>(scores.data()), H, N), b, opt);
+  const kvscore::Selection cpu = kvscore::select(kvscore::ConstScoresView(scores.data(), H, N), b, opt);
   const kc::DeviceBuffer d = upload(scores);
   const kvscore::Selection gpu = kc::select(kc::DeviceScoresView(d.as<float>(), H, N), b, opt, nullptr, path);
   REQUIRE(gpu.offsets == cpu.offsets);
@@ -383,7 +383,7 @@ TEST_CASE("cuda: protection and AdaKV allocation equal the CPU selector", "[cuda
 TEST_CASE("cuda: topk_into writes [rows][k] ascending positions", "[cuda][gpu]") {
   const std::int64_t R = 7, N = 20000, k = 1234;
   const auto s = random_scores(R, N, 3);
-  const kvscore::Selection cpu = kvscore::select(kvscore::ScoresView(const_cast<float*>(s.data()), R, N),
+  const kvscore::Selection cpu = kvscore::select(kvscore::ConstScoresView(s.data(), R, N),
                                                  kvscore::Budget::per_head(k));
   const kc::DeviceBuffer d = upload(s);
   const kc::DeviceScoresView v(d.as<float>(), R, N);
@@ -409,7 +409,7 @@ void compare_compact(std::int64_t H, std::int64_t N, std::int64_t d, const Layou
   o.recent = 8;
   if (adakv) o.alloc = kvscore::Alloc::adakv;
   const kvscore::Budget b = adakv ? kvscore::Budget::per_layer(H * N / 3) : kvscore::Budget::per_head(N / 3);
-  const kvscore::Selection sel = kvscore::select(kvscore::ScoresView(const_cast<float*>(scores.data()), H, N), b, o);
+  const kvscore::Selection sel = kvscore::select(kvscore::ConstScoresView(scores.data(), H, N), b, o);
   std::vector<T> k = make_keys<T>(H, N, d, L, 1, false), v = make_keys<T>(H, N, d, L, 2, false);
   const kc::DeviceBuffer dk = upload(k), dv = upload(v);
   kvscore::CompactOptions co;

@@ -364,7 +364,7 @@ void compare_residual(std::int64_t H, std::int64_t G, std::int64_t w, std::int64
     INFO("head " << h << " cut " << v[std::size_t(k - 1)] << " / " << v[std::size_t(k)]);
     REQUIRE(double(v[std::size_t(k - 1)]) - double(v[std::size_t(k)]) > 1e-5 * std::fabs(double(v[std::size_t(k)])));
   }
-  const kvscore::Selection ref = kvscore::select(kvscore::ScoresView(const_cast<float*>(cpu.values().data()), H, N),
+  const kvscore::Selection ref = kvscore::select(kvscore::ConstScoresView(cpu.values().data(), H, N),
                                                  kvscore::Budget::per_head(k));
   const kvscore::Selection got = kc::select(sv, kvscore::Budget::per_head(k));
   REQUIRE(got.offsets == ref.offsets);

@@ -92,12 +92,12 @@ namespace detail::joint {
 inline constexpr const char* kWho = "kvscore::select_joint";
 
 /// Row pointers of every (layer, head), validated: all layers have the same tokens.
-inline std::vector<const float*> rows_of(std::span<const ScoresView> layers, std::int64_t* tokens) {
+inline std::vector<const float*> rows_of(std::span<const ConstScoresView> layers, std::int64_t* tokens) {
   if (layers.empty()) throw_invalid(std::string(kWho) + ": no layers (needs at least one score row)");
   const std::int64_t T = layers[0].tokens();
   std::vector<const float*> rows;
   for (std::size_t l = 0; l < layers.size(); ++l) {
-    const ScoresView& v = layers[l];
+    const ConstScoresView& v = layers[l];
     if (v.tokens() != T)
       throw_invalid(std::string(kWho) + ": layer " + std::to_string(l) + " has " + std::to_string(v.tokens()) +
                     " tokens, layer 0 has " + std::to_string(T) + " (one set of positions for every layer)");
@@ -168,7 +168,7 @@ struct VoteOrder {
   }
 };
 
-inline std::vector<std::int64_t> select_joint_impl(std::span<const ScoresView> layers, std::int64_t budget,
+inline std::vector<std::int64_t> select_joint_impl(std::span<const ConstScoresView> layers, std::int64_t budget,
                                                     const JointOptions& opt) {
   const std::string who = kWho;
   if (opt.aggregate != JointAggregate::max && opt.aggregate != JointAggregate::mean &&
@@ -227,8 +227,7 @@ inline std::vector<std::int64_t> select_joint_impl(std::span<const ScoresView> l
   // 3. vote: every row's own select(), counted on the unprotected positions.
   std::vector<std::vector<std::int64_t>> kept(static_cast<std::size_t>(R));
   parallel_for(R, R * T < (std::int64_t(1) << 16) ? 1 : threads, [&](std::int64_t r) {
-    ScoresView v(const_cast<float*>(rows[std::size_t(r)]), 1, T);  // select() only reads
-    kept[std::size_t(r)] = select(v, Budget::per_head(budget), so).positions;
+    kept[std::size_t(r)] = select(ConstScoresView(rows[std::size_t(r)], 1, T), Budget::per_head(budget), so).positions;
   });
   std::vector<std::int32_t> votes(std::size_t(T), 0);
   for (const auto& k : kept)
@@ -253,22 +252,21 @@ inline std::vector<std::int64_t> select_joint_impl(std::span<const ScoresView> l
 
 /// One set of kept positions (ascending) for every head of every layer: `layers[l]` holds the
 /// scores [heads][tokens] of layer l (heads may differ between layers; tokens may not).
-inline std::vector<std::int64_t> select_joint(std::span<const ScoresView> layers, std::int64_t budget,
+inline std::vector<std::int64_t> select_joint(std::span<const ConstScoresView> layers, std::int64_t budget,
                                               const JointOptions& opt = {}) {
   return detail::joint::select_joint_impl(layers, budget, opt);
 }
 inline std::vector<std::int64_t> select_joint(std::span<const Scores> layers, std::int64_t budget,
                                               const JointOptions& opt = {}) {
-  std::vector<ScoresView> views;
+  std::vector<ConstScoresView> views;
   views.reserve(layers.size());
-  for (const Scores& s : layers)  // select_joint only reads
-    views.emplace_back(const_cast<float*>(s.data()), s.heads(), s.tokens(), s.tokens());
+  for (const Scores& s : layers) views.push_back(s.view());
   return detail::joint::select_joint_impl(views, budget, opt);
 }
 /// One layer (or all rows stacked in one [rows][tokens] view).
-inline std::vector<std::int64_t> select_joint(const ScoresView& rows, std::int64_t budget,
+inline std::vector<std::int64_t> select_joint(const ConstScoresView& rows, std::int64_t budget,
                                               const JointOptions& opt = {}) {
-  return detail::joint::select_joint_impl(std::span<const ScoresView>(&rows, 1), budget, opt);
+  return detail::joint::select_joint_impl(std::span<const ConstScoresView>(&rows, 1), budget, opt);
 }
 
 // ---------------------------------------------------------------- whole blocks (paged caches)

@@ -704,9 +704,7 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
         methods = ",".join(methods)
     if protocol is None:
         protocol = "leak_free" if window_queries is not None else _METHOD_OPTS["protocol"]
-    protocol = protocol.replace("-", "_")
-    if protocol not in ("leak_free", "shared"):
-        raise ValueError(f"protocol '{protocol}' must be 'leak_free' or 'shared'")
+    protocol = protocol.replace("-", "_")  # any other spelling: the library's parse_protocol names it
     if protocol == "leak_free" and window_queries is None:
         raise ValueError("protocol 'leak_free' needs window_queries (the queries of the cache's last tokens)")
     Kf, Vf, Qf = _f32_4d(K, "K"), _f32_4d(V, "V"), _f32_4d(Q, "Q")

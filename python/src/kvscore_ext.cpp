@@ -58,7 +58,7 @@ struct ArgTypeError : std::invalid_argument {
 
 // ------------------------------------------------------------------ arrays in
 
-enum class DT { f32, f16, bf16 };
+using DT = kvscore::dtype;
 
 /// "float64", "int32", "bool", ... for a DLPack dtype (messages).
 std::string dtype_name(const nb::dlpack::dtype& t) {
@@ -142,14 +142,9 @@ auto with_keys(const A& a, const std::string& what, F&& f) {
                            "kvscore reads each key row in place and needs stride 1 (no silent copy: pass a tensor "
                            "whose last dimension is contiguous, e.g. .contiguous())");
   const void* p = a.data();
-  switch (dtype_of(a, what)) {
-    case DT::f32: return f(kvscore::KeysView<float>(static_cast<const float*>(p), s.H, s.N, s.D, s.hs, s.ts));
-    case DT::f16:
-      return f(kvscore::KeysView<kvscore::half>(static_cast<const kvscore::half*>(p), s.H, s.N, s.D, s.hs, s.ts));
-    default:
-      return f(kvscore::KeysView<kvscore::bfloat16>(static_cast<const kvscore::bfloat16*>(p), s.H, s.N, s.D, s.hs,
-                                                    s.ts));
-  }
+  return kvscore::visit_dtype(dtype_of(a, what), [&]<class T>(std::type_identity<T>) {
+    return f(kvscore::KeysView<T>(static_cast<const T*>(p), s.H, s.N, s.D, s.hs, s.ts));
+  });
 }
 
 /// Mutable form (compaction).
@@ -157,13 +152,9 @@ template <class F>
 auto with_mut_keys(const Mut& a, const std::string& what, F&& f) {
   const HND s = keys_shape(a, what, "compaction needs stride 1");
   void* p = a.data();
-  switch (dtype_of(a, what)) {
-    case DT::f32: return f(kvscore::MutKeysView<float>(static_cast<float*>(p), s.H, s.N, s.D, s.hs, s.ts));
-    case DT::f16:
-      return f(kvscore::MutKeysView<kvscore::half>(static_cast<kvscore::half*>(p), s.H, s.N, s.D, s.hs, s.ts));
-    default:
-      return f(kvscore::MutKeysView<kvscore::bfloat16>(static_cast<kvscore::bfloat16*>(p), s.H, s.N, s.D, s.hs, s.ts));
-  }
+  return kvscore::visit_dtype(dtype_of(a, what), [&]<class T>(std::type_identity<T>) {
+    return f(kvscore::MutKeysView<T>(static_cast<T*>(p), s.H, s.N, s.D, s.hs, s.ts));
+  });
 }
 
 /// The element at `e` (any alignment) of dtype dt, widened to fp32.
@@ -287,45 +278,8 @@ nb::object selection_out(kvscore::Selection&& s, bool dense) {
 
 // ------------------------------------------------------------------ registry
 
-/// Enum options by name, both ways (the C++ parse_* where one exists).
-kvscore::ProtoKV::Psi parse_psi(const std::string& psi) {
-  for (auto p : {kvscore::ProtoKV::Psi::sum, kvscore::ProtoKV::Psi::mean, kvscore::ProtoKV::Psi::attention})
-    if (psi == kvscore::to_string(p)) return p;
-  bad("ProtoKV: psi '" + psi + "' must be 'sum', 'mean' or 'attention'");
-}
-const char* to_string(kvscore::WindowTail t) { return t == kvscore::WindowTail::own ? "own" : "merge"; }
-const char* to_string(kvscore::Alloc a) { return a == kvscore::Alloc::adakv ? "adakv" : "per_head"; }
-kvscore::Alloc parse_alloc(const std::string& a) {
-  if (a == "per_head" || a == "per-head") return kvscore::Alloc::per_head;
-  if (a == "adakv") return kvscore::Alloc::adakv;
-  bad("alloc '" + a + "' must be 'per_head' or 'adakv'");
-}
-const char* to_string(kvscore::BudgetRounding r) { return r == kvscore::BudgetRounding::floor ? "floor" : "nearest"; }
-kvscore::BudgetRounding parse_rounding(const std::string& who, const std::string& r) {
-  if (r == "nearest") return kvscore::BudgetRounding::nearest;
-  if (r == "floor") return kvscore::BudgetRounding::floor;
-  bad(who + ": rounding '" + r + "' must be 'nearest' or 'floor'");
-}
-
-// The evaluator's protocol and per-layer metric, in Python's spelling (kvscore eval's --protocol
-// leak-free is 'leak_free' here, as alloc's per-head is 'per_head').
-const char* protocol_name(kvscore::eval::Protocol p) {
-  return p == kvscore::eval::Protocol::leak_free ? "leak_free" : "shared";
-}
-kvscore::eval::Protocol parse_protocol(const std::string& p) {
-  if (p == "leak_free" || p == "leak-free") return kvscore::eval::Protocol::leak_free;
-  if (p == "shared") return kvscore::eval::Protocol::shared;
-  bad("evaluate: protocol '" + p + "' must be 'leak_free' or 'shared'");
-}
-const char* mix_metric_name(kvscore::eval::MixMetric m) {
-  return m == kvscore::eval::MixMetric::recall ? "recall" : m == kvscore::eval::MixMetric::output_error ? "error" : "overlap";
-}
-kvscore::eval::MixMetric parse_mix_metric(const std::string& m) {
-  if (m == "recall") return kvscore::eval::MixMetric::recall;
-  if (m == "error") return kvscore::eval::MixMetric::output_error;
-  if (m == "overlap") return kvscore::eval::MixMetric::overlap;
-  bad("evaluate: mix_metric '" + m + "' must be 'recall', 'error' or 'overlap'");
-}
+// Alloc, BudgetRounding, WindowTail, QueryPlacement, ProtoKV's Psi, eval's Protocol and
+// MixMetric by name: the library's to_string / parse_* (kvscore/core/names.hpp).
 
 /// A dict of (name, value) pairs.
 template <class... V>
@@ -347,11 +301,11 @@ nb::dict struct_defaults() {
   d["CompactOptions"] = fields(f("tail", co.tail == kvscore::CompactTail::zero ? "zero" : "keep"));
   const kvscore::eval::EvalOptions ev;
   d["EvalOptions"] = fields(f("keep", ev.keep), f("rounding", to_string(ev.rounding)),
-                            f("mix_metric", mix_metric_name(ev.mix_metric)));
+                            f("mix_metric", to_string(ev.mix_metric)));
   const kvscore::eval::MethodOptions mo;
   d["MethodOptions"] = fields(f("window", mo.window), f("window_tail", to_string(mo.window_tail)),
                               f("placement", kvscore::to_string(mo.placement)),
-                              f("streaming_sinks", mo.streaming_sinks), f("protocol", protocol_name(mo.protocol)));
+                              f("streaming_sinks", mo.streaming_sinks), f("protocol", to_string(mo.protocol)));
   const kvscore::synth::Spec sp;
   d["synth.Spec"] = fields(f("kind", kvscore::synth::kind_name(sp.kind)), f("layers", sp.layers),
                            f("kv_heads", sp.kv_heads), f("group", sp.group), f("tokens", sp.tokens),
@@ -459,7 +413,7 @@ void bind_scorer_args(nb::module_& m) {
       .def_rw("bandwidth", &A::bandwidth)
       .def_prop_rw(
           "psi", [](const A& a) -> std::string { return kvscore::to_string(a.psi); },
-          [](A& a, const std::string& s) { a.psi = parse_psi(s); });
+          [](A& a, const std::string& s) { a.psi = kvscore::parse_psi(s); });
 }
 
 /// An array argument passed as a handle (optional ones); a TypeError naming it otherwise.
@@ -587,7 +541,7 @@ void bind_select(nb::module_& m) {
   m.def(
       "budget_from_ratio",
       [](std::int64_t tokens, double keep, const std::string& rounding) {
-        return kvscore::budget_from_ratio(tokens, keep, parse_rounding("budget_from_ratio", rounding));
+        return kvscore::budget_from_ratio(tokens, keep, kvscore::parse_budget_rounding(rounding));
       },
       "tokens"_a, "keep_ratio"_a, "rounding"_a = to_string(kvscore::BudgetRounding::nearest),
       "Tokens kept per head for a keep ratio: the nearest integer, or 'floor' (the papers' and kvpress's\n"
@@ -601,16 +555,15 @@ void bind_select(nb::module_& m) {
         kvscore::SelectOptions o;
         o.sinks = sinks;
         o.recent = recent;
-        o.alloc = parse_alloc(alloc);
+        o.alloc = kvscore::parse_alloc(alloc);
         o.alpha = alpha;
         o.normalize = normalize;
         o.num_threads = threads;
         kvscore::Selection s;
         {
           nb::gil_scoped_release unlocked;
-          // select() only reads the scores; ScoresView is the mutable view type it takes.
-          kvscore::ScoresView v(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
-          s = kvscore::select(v, kvscore::Budget::per_head(budget), o);
+          s = kvscore::select(kvscore::ConstScoresView(r.data, r.rows, r.cols, r.row_stride),
+                              kvscore::Budget::per_head(budget), o);
         }
         return selection_out(std::move(s), o.alloc == kvscore::Alloc::per_head);
       },
@@ -666,11 +619,10 @@ void bind_joint(nb::module_& m) {
         o.recent = recent;
         o.aggregate = kvscore::parse_joint_aggregate(aggregate);
         o.num_threads = threads;
-        std::vector<kvscore::ScoresView> views;
+        std::vector<kvscore::ConstScoresView> views;
         for (std::size_t l = 0; l < layers.size(); ++l) {
           const F32Rows r = f32_rows(layers[l], "scores[" + std::to_string(l) + "] [heads, tokens]");
-          // select_joint only reads; ScoresView is the mutable view type it takes.
-          views.emplace_back(const_cast<float*>(r.data), r.rows, r.cols, r.row_stride);
+          views.emplace_back(r.data, r.rows, r.cols, r.row_stride);
         }
         std::vector<std::int64_t> kept;
         {
@@ -693,48 +645,33 @@ void bind_evaluator(nb::module_& m) {
          const std::string& window_tail, const std::string& rounding, const std::string& placement, int threads,
          const std::optional<Any>& W, const std::optional<Any>& C, const std::string& protocol,
          const std::string& mix_metric) {
-        const float* k = c_f32_4d(K, "K");
-        const float* v = c_f32_4d(V, "V");
-        const float* q = c_f32_4d(Q, "Q");
-        const auto L = std::int64_t(K.shape(0));
-        if (std::int64_t(V.shape(0)) != L || std::int64_t(Q.shape(0)) != L)
-          bad("evaluate: K, V and Q must have the same number of layers");
-        if (V.shape(1) != K.shape(1) || V.shape(2) != K.shape(2)) bad("evaluate: V must have K's heads and tokens");
-        if (Q.shape(3) != K.shape(3)) bad("evaluate: Q's head_dim must equal K's");
-        std::vector<kvscore::eval::LayerInput> layers(static_cast<std::size_t>(L));
-        const std::int64_t H = K.shape(1), N = K.shape(2), D = K.shape(3), DV = V.shape(3), HQ = Q.shape(1),
-                           NQ = Q.shape(2);
-        // leak-free protocol: the cache's last-window queries and other text's (both like Q)
-        auto like_q = [&](const std::optional<Any>& a, const char* what) -> std::int64_t {
-          if (!a) return 0;
-          c_f32_4d(*a, what);
-          if (std::int64_t(a->shape(0)) != L || a->shape(1) != Q.shape(1) || a->shape(3) != Q.shape(3))
-            bad(std::string("evaluate: ") + what + " must have Q's layers, q_heads and head_dim");
-          return std::int64_t(a->shape(2));
+        // K, V, Q (and the leak-free protocol's window / calibration queries): 4-D fp32 in C
+        // order, checked against each other and cut into layers by the library (kvscore/eval/inputs.hpp)
+        const auto tensor = [](const std::optional<Any>& a, const char* what) {
+          kvscore::eval::EvalTensor t;
+          t.name = what;
+          if (!a) return t;
+          t.data = c_f32_4d(*a, what);
+          for (std::size_t i = 0; i < a->ndim(); ++i) t.shape.push_back(std::int64_t(a->shape(i)));
+          return t;
         };
-        const std::int64_t NW = like_q(W, "window_queries"), NC = like_q(C, "calib_queries");
-        for (std::int64_t l = 0; l < L; ++l) {
-          layers[std::size_t(l)] = {k + l * H * N * D, v + l * H * N * DV, q + l * HQ * NQ * D, H, N, D, DV, HQ, NQ};
-          if (W) layers[std::size_t(l)].window_queries = static_cast<const float*>(W->data()) + l * HQ * NW * D;
-          if (C) layers[std::size_t(l)].calib_queries = static_cast<const float*>(C->data()) + l * HQ * NC * D;
-          layers[std::size_t(l)].n_window = NW;
-          layers[std::size_t(l)].n_calib = NC;
-        }
+        const std::vector<kvscore::eval::LayerInput> layers = kvscore::eval::layer_inputs(
+            {tensor(K, "K"), tensor(V, "V"), tensor(Q, "Q"), tensor(W, "window_queries"), tensor(C, "calib_queries")});
         kvscore::eval::EvalOptions o;
         o.methods = kvscore::eval::resolve_methods(methods);
         o.keep = keep;
         o.method.select.sinks = sinks;
         o.method.select.recent = recent;
-        o.method.select.alloc = parse_alloc(alloc);
+        o.method.select.alloc = kvscore::parse_alloc(alloc);
         o.method.select.alpha = alpha;
         o.method.window = window;
         o.method.window_tail = kvscore::parse_window_tail(window_tail);
         o.method.placement = kvscore::parse_query_placement(placement);
-        o.rounding = parse_rounding("evaluate: budget_rounding", rounding);
+        o.rounding = kvscore::parse_budget_rounding(rounding);
         o.method.threads = threads;
         o.threads = threads;
-        o.method.protocol = parse_protocol(protocol);
-        o.mix_metric = parse_mix_metric(mix_metric);
+        o.method.protocol = kvscore::eval::parse_protocol(protocol);
+        o.mix_metric = kvscore::eval::parse_mix_metric(mix_metric);
         std::string json;
         {
           nb::gil_scoped_release unlocked;
@@ -744,8 +681,8 @@ void bind_evaluator(nb::module_& m) {
       },
       "K"_a, "V"_a, "Q"_a, "methods"_a, "keep"_a, "sinks"_a, "recent"_a, "alloc"_a, "alpha"_a, "window"_a,
       "window_tail"_a, "budget_rounding"_a, "query_placement"_a, "threads"_a, "window_queries"_a = nb::none(),
-      "calib_queries"_a = nb::none(), "protocol"_a = protocol_name(kvscore::eval::MethodOptions{}.protocol),
-      "mix_metric"_a = mix_metric_name(kvscore::eval::EvalOptions{}.mix_metric),
+      "calib_queries"_a = nb::none(), "protocol"_a = to_string(kvscore::eval::MethodOptions{}.protocol),
+      "mix_metric"_a = to_string(kvscore::eval::EvalOptions{}.mix_metric),
       "kvscore::eval::evaluate's report as JSON (`kvscore eval`; window_queries / calib_queries: the leak-free\n"
       "protocol's inputs).");
 
@@ -926,11 +863,7 @@ void bind_pariskv(nb::module_& m) {
             const void* p = keys.data();
             const DT dt = dtype_of(keys, "ParisKV.append: keys");
             nb::gil_scoped_release unlocked;
-            switch (dt) {
-              case DT::f32: idx.append(static_cast<const float*>(p), n, rs); break;
-              case DT::f16: idx.append(static_cast<const kvscore::half*>(p), n, rs); break;
-              default: idx.append(static_cast<const kvscore::bfloat16*>(p), n, rs); break;
-            }
+            kvscore::visit_dtype(dt, [&]<class T>(std::type_identity<T>) { idx.append(static_cast<const T*>(p), n, rs); });
           },
           "keys"_a)
       .def(

@@ -1,6 +1,6 @@
 // kvscore/core/cpu.hpp — x86 CPU feature detection (cpuid + XGETBV, so a feature
 // the OS does not save registers for counts as absent). Compiler-neutral: g++ and clang.
-// Also the one ISA pin as a level (isa_cap_slot), so that every floor, the ground floor's
+// Also the one ISA level scale (IsaLevel) and the one pin on it (isa_cap_slot), so that every floor, the ground floor's
 // fp16 conversion included, obeys KVSCORE_ISA / simd::set_active_isa.
 #pragma once
 
@@ -55,23 +55,47 @@ inline const CpuFeatures& cpu() noexcept {
   return f;
 }
 
-/// Instruction-set level of a kernel table name: 0 scalar, 1 up to SSE4/AVX (no AVX2), 2 AVX2
-/// + FMA, 3 AVX-512 (xsimd arch names such as "fma3+avx2" or "avx512bw" map by what they contain).
-inline int isa_level(std::string_view name) noexcept {
-  if (name == "scalar") return 0;
-  if (name.find("avx512") != std::string_view::npos) return 3;
-  if (name.find("avx2") != std::string_view::npos) return 2;
-  return 1;
+}  // namespace kvscore::detail
+
+namespace kvscore {
+
+/// The one scale of instruction sets every kernel family maps to its own sets (faiss's
+/// SIMDLevel): the row tables (simd/dispatch.hpp), the selector's passes (select/radix.hpp),
+/// ParisKV's search (pariskv/kernels.hpp) and the fp16 conversion (core/dtype.hpp).
+enum class IsaLevel : int {
+  scalar = 0,    ///< no vector code
+  baseline = 1,  ///< SSE2 up to AVX (no AVX2) on x86-64; NEON on AArch64
+  avx2 = 2,      ///< AVX2 + FMA
+  avx512 = 3,    ///< AVX-512
+};
+
+}  // namespace kvscore
+
+namespace kvscore::detail {
+
+/// The level of a kernel table name: "scalar", then by what the name contains ("avx512",
+/// "avx2"; xsimd arch names such as "fma3+avx2" or "avx512bw" included), else `baseline`.
+inline IsaLevel isa_level(std::string_view name) noexcept {
+  if (name == "scalar") return IsaLevel::scalar;
+  if (name.find("avx512") != std::string_view::npos) return IsaLevel::avx512;
+  if (name.find("avx2") != std::string_view::npos) return IsaLevel::avx2;
+  return IsaLevel::baseline;
+}
+
+/// KVSCORE_ISA, read once at first use ("" when unset or empty). An unknown name is reported
+/// by simd::active_table(), which is the one reader that checks it.
+inline std::string_view isa_env() noexcept {
+  static const std::string_view env = [] {
+    const char* e = std::getenv("KVSCORE_ISA");
+    return e != nullptr ? std::string_view(e) : std::string_view();
+  }();
+  return env;
 }
 
 /// The highest ISA level any kernel may use: KVSCORE_ISA's level at first use, then the level
-/// of the table simd::set_active_isa() pins; 3 (no limit) when nothing pins it. An unknown
-/// KVSCORE_ISA name is reported by simd::active_table(), not here.
-inline std::atomic<int>& isa_cap_slot() noexcept {
-  static std::atomic<int> cap{[] {
-    const char* env = std::getenv("KVSCORE_ISA");
-    return env != nullptr && *env != '\0' ? isa_level(env) : 3;
-  }()};
+/// of the table simd::set_active_isa() pins; IsaLevel::avx512 (no limit) when nothing pins it.
+inline std::atomic<IsaLevel>& isa_cap_slot() noexcept {
+  static std::atomic<IsaLevel> cap{isa_env().empty() ? IsaLevel::avx512 : isa_level(isa_env())};
   return cap;
 }
 

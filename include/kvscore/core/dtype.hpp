@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "kvscore/core/cpu.hpp"
 
@@ -44,6 +45,19 @@ constexpr dtype dtype_of() {
   if constexpr (std::is_same_v<T, float>) return dtype::f32;
   else if constexpr (std::is_same_v<T, half>) return dtype::f16;
   else return dtype::bf16;
+}
+
+/// f(std::type_identity<T>{}) for the element type T of `t` (float, half, bfloat16): the one
+/// switch from a run-time dtype to a compile-time type, for every front end.
+///   visit_dtype(dt, [&]<class T>(std::type_identity<T>) { return run<T>(...); });
+template <class F>
+constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f16: return std::forward<F>(f)(std::type_identity<half>{});
+    case dtype::bf16: return std::forward<F>(f)(std::type_identity<bfloat16>{});
+    case dtype::f32: break;
+  }
+  return std::forward<F>(f)(std::type_identity<float>{});
 }
 
 constexpr const char* dtype_name(dtype t) {
@@ -136,7 +150,9 @@ namespace detail {
 #if defined(KVSCORE_X86) && (defined(__GNUC__) || defined(__clang__))
 #define KVSCORE_HAVE_F16C_PATH 1
 /// F16C is in reach: the CPU has it and the ISA pin is at AVX2 level or above.
-inline bool f16c_allowed() noexcept { return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= 2; }
+inline bool f16c_allowed() noexcept {
+  return cpu().f16c && isa_cap_slot().load(std::memory_order_relaxed) >= IsaLevel::avx2;
+}
 __attribute__((target("avx,f16c"))) inline void half_to_float_f16c(const half* src, float* dst,
                                                                  std::size_t n) noexcept {
   std::size_t i = 0;

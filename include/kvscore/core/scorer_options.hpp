@@ -6,6 +6,9 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
+
+#include "kvscore/core/names.hpp"
 
 namespace kvscore {
 
@@ -23,15 +26,15 @@ struct KernelTable;  // kvscore/simd/table.hpp
 ///                beyond the caller's own `recent`, and the window may exceed the cache.
 enum class QueryPlacement { in_cache, after_cache };
 
+inline constexpr QueryPlacement kQueryPlacements[] = {QueryPlacement::in_cache, QueryPlacement::after_cache};
+
 inline const char* to_string(QueryPlacement p) noexcept {
   return p == QueryPlacement::in_cache ? "in_cache" : "after_cache";
 }
 
-/// "in-cache" / "after-cache" (the CLI's spelling) or "in_cache" / "after_cache" (C++, Python).
-inline QueryPlacement parse_query_placement(const std::string& s) {
-  if (s == "in-cache" || s == "in_cache") return QueryPlacement::in_cache;
-  if (s == "after-cache" || s == "after_cache") return QueryPlacement::after_cache;
-  throw std::invalid_argument("kvscore: query placement '" + s + "' must be 'in-cache' or 'after-cache'");
+/// "in_cache" / "after_cache" (C++, Python) or "in-cache" / "after-cache" (the CLI's spelling).
+inline QueryPlacement parse_query_placement(std::string_view s) {
+  return detail::parse_enum(s, kQueryPlacements, "query placement");
 }
 
 /// Execution options common to every scorer.

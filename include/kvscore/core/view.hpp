@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -165,13 +166,18 @@ class KeysView {
   std::int64_t heads_ = 0, tokens_ = 0, dim_ = 1, hs_ = 0, ts_ = 0;
 };
 
-/// Mutable view of fp32 scores [heads][tokens] (token stride 1), caller-owned memory.
-class ScoresView {
+/// View of fp32 scores [heads][tokens] (token stride 1), caller-owned memory: writable
+/// (`ScoresView`, what a scorer writes) or read-only (`ConstScoresView`, what the selectors
+/// read), as KeysView / MutKeysView. A ScoresView converts to a ConstScoresView.
+template <class F>
+class BasicScoresView {
+  static_assert(std::is_same_v<std::remove_const_t<F>, float>, "scores are fp32");
+
  public:
-  ScoresView() = default;
-  ScoresView(float* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_stride = -1)
+  BasicScoresView() = default;
+  BasicScoresView(F* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_stride = -1)
       : data_(data), heads_(heads), tokens_(tokens), hs_(head_stride < 0 ? tokens : head_stride) {
-    constexpr const char* ctx = "kvscore::ScoresView";
+    constexpr const char* ctx = std::is_const_v<F> ? "kvscore::ConstScoresView" : "kvscore::ScoresView";
     if (heads < 0 || tokens < 0)
       detail::throw_invalid(std::string(ctx) + ": negative shape (" + std::to_string(heads) + ", " +
                             std::to_string(tokens) + ")");
@@ -182,17 +188,28 @@ class ScoresView {
       detail::throw_invalid(std::string(ctx) + ": head_stride " + std::to_string(hs_) + " < tokens " +
                             std::to_string(tokens) + " makes heads overlap");
   }
-  float* data() const noexcept { return data_; }
+  /// A writable view read as a read-only one (already validated).
+  template <class G>
+    requires(std::is_const_v<F> && std::is_same_v<G, float>)
+  BasicScoresView(const BasicScoresView<G>& v) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(v.data()), heads_(v.heads()), tokens_(v.tokens()), hs_(v.head_stride()) {}
+
+  F* data() const noexcept { return data_; }
   std::int64_t heads() const noexcept { return heads_; }
   std::int64_t tokens() const noexcept { return tokens_; }
   std::int64_t head_stride() const noexcept { return hs_; }
-  float* head(std::int64_t h) const noexcept { return data_ + h * hs_; }
-  float& operator()(std::int64_t h, std::int64_t t) const noexcept { return data_[h * hs_ + t]; }
+  F* head(std::int64_t h) const noexcept { return data_ + h * hs_; }
+  F& operator()(std::int64_t h, std::int64_t t) const noexcept { return data_[h * hs_ + t]; }
 
  private:
-  float* data_ = nullptr;
+  F* data_ = nullptr;
   std::int64_t heads_ = 0, tokens_ = 0, hs_ = 0;
 };
+
+/// Writable fp32 scores [heads][tokens]: what a scorer writes.
+using ScoresView = BasicScoresView<float>;
+/// Read-only fp32 scores [heads][tokens]: what select(), select_into() and select_joint() read.
+using ConstScoresView = BasicScoresView<const float>;
 
 /// Owning fp32 scores [heads][tokens], contiguous.
 class Scores {
@@ -213,6 +230,7 @@ class Scores {
   const float* head(std::int64_t h) const noexcept { return data_.data() + h * tokens_; }
   float operator()(std::int64_t h, std::int64_t t) const noexcept { return data_[std::size_t(h * tokens_ + t)]; }
   ScoresView view() noexcept { return ScoresView(data_.data(), heads_, tokens_, tokens_); }
+  ConstScoresView view() const noexcept { return ConstScoresView(data_.data(), heads_, tokens_, tokens_); }
   const std::vector<float>& values() const noexcept { return data_; }
 
  private:

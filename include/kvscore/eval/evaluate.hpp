@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kvscore/eval/inputs.hpp"
 #include "kvscore/eval/methods.hpp"
 #include "kvscore/eval/metrics.hpp"
 
@@ -32,7 +33,17 @@ namespace kvscore::eval {
 /// The metric a per-layer choice maximises (output error: minimises).
 enum class MixMetric { recall, output_error, overlap };
 
+inline constexpr MixMetric kMixMetrics[] = {MixMetric::recall, MixMetric::output_error, MixMetric::overlap};
+
+/// "recall", "error" or "overlap": the option's spelling (--mix-metric, mix_metric=).
 inline const char* to_string(MixMetric m) noexcept {
+  return m == MixMetric::recall ? "recall" : m == MixMetric::output_error ? "error" : "overlap";
+}
+inline MixMetric parse_mix_metric(std::string_view s) {
+  return kvscore::detail::parse_enum(s, kMixMetrics, "mix_metric");
+}
+/// The report's name of the metric: "attention_mass_recall", "output_rel_error", "topk_overlap".
+inline const char* metric_name(MixMetric m) noexcept {
   return m == MixMetric::recall ? "attention_mass_recall" : m == MixMetric::output_error ? "output_rel_error" : "topk_overlap";
 }
 

@@ -68,7 +68,11 @@ struct LayerInput {
 ///    it answers, as at decode time); the oracle stays the ceiling on the evaluation queries.
 enum class Protocol { shared, leak_free };
 
-inline const char* to_string(Protocol p) noexcept { return p == Protocol::leak_free ? "leak-free" : "shared"; }
+inline constexpr Protocol kProtocols[] = {Protocol::leak_free, Protocol::shared};
+
+/// "leak_free" (the CLI and the report: "leak-free") or "shared".
+inline const char* to_string(Protocol p) noexcept { return p == Protocol::leak_free ? "leak_free" : "shared"; }
+inline Protocol parse_protocol(std::string_view s) { return kvscore::detail::parse_enum(s, kProtocols, "protocol"); }
 
 /// Options shared by every method (from the command line).
 struct MethodOptions {

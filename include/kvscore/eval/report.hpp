@@ -60,7 +60,6 @@ inline std::string fmt(const char* f, double v) {
   return b;
 }
 
-inline const char* alloc_name(Alloc a) { return a == Alloc::adakv ? "adakv" : "per-head"; }
 
 }  // namespace detail
 
@@ -76,13 +75,13 @@ inline std::string to_json(const Report& r) {
        ", \"calib_queries\": " + std::to_string(r.n_calib) + "},\n";
   const MethodOptions& m = r.options.method;
   o += "  \"options\": {\"sinks\": " + std::to_string(m.select.sinks) + ", \"recent\": " +
-       std::to_string(m.select.recent) + ", \"alloc\": " + json_str(detail::alloc_name(m.select.alloc)) +
+       std::to_string(m.select.recent) + ", \"alloc\": " + json_str(kvscore::detail::cli_spelling(to_string(m.select.alloc))) +
        ", \"window\": " + std::to_string(m.window) +
-       ", \"window_tail\": " + json_str(m.window_tail == WindowTail::merge ? "merge" : "own") +
-       ", \"budget_rounding\": " + json_str(r.options.rounding == BudgetRounding::floor ? "floor" : "nearest") +
+       ", \"window_tail\": " + json_str(to_string(m.window_tail)) +
+       ", \"budget_rounding\": " + json_str(to_string(r.options.rounding)) +
        ", \"query_placement\": " +  // leak-free: the window queries, always in the cache
-       json_str(m.placement == QueryPlacement::in_cache || m.protocol == Protocol::leak_free ? "in-cache" : "after-cache") +
-       ", \"protocol\": " + json_str(to_string(m.protocol)) + ", \"mix_metric\": " + json_str(to_string(r.options.mix_metric)) +
+       json_str(kvscore::detail::cli_spelling(to_string(m.protocol == Protocol::leak_free ? QueryPlacement::in_cache : m.placement))) +
+       ", \"protocol\": " + json_str(kvscore::detail::cli_spelling(to_string(m.protocol))) + ", \"mix_metric\": " + json_str(metric_name(r.options.mix_metric)) +
        ", \"keep\": [";
   for (std::size_t i = 0; i < r.options.keep.size(); ++i) o += (i ? ", " : "") + json_num(r.options.keep[i]);
   o += "], \"methods\": [";
@@ -112,7 +111,7 @@ inline std::string to_json(const Report& r) {
   const std::vector<LayerChoice> best = per_layer_best(r, r.options.mix_metric);
   for (std::size_t i = 0; i < best.size(); ++i) {
     o += std::string(i ? "," : "") + "\n    {\"keep\": " + json_num(best[i].keep) + ", \"metric\": " +
-         json_str(to_string(best[i].metric)) + ", \"methods\": [";
+         json_str(metric_name(best[i].metric)) + ", \"methods\": [";
     for (std::size_t l = 0; l < best[i].methods.size(); ++l) o += (l ? ", " : "") + json_str(best[i].methods[l]);
     o += "], \"values\": [";
     for (std::size_t l = 0; l < best[i].values.size(); ++l) o += (l ? ", " : "") + json_num(best[i].values[l]);
@@ -127,7 +126,7 @@ inline std::string to_table(const Report& r) {
   std::string o = "kvscore eval: " + std::to_string(r.layers) + " layer(s), " + std::to_string(r.kv_heads) +
                   " KV heads x " + std::to_string(r.tokens) + " tokens, " + std::to_string(r.q_heads) +
                   " query heads x " + std::to_string(r.n_queries) + " queries, head_dim " +
-                  std::to_string(r.head_dim) + ", protocol " + to_string(r.options.method.protocol) +
+                  std::to_string(r.head_dim) + ", protocol " + kvscore::detail::cli_spelling(to_string(r.options.method.protocol)) +
                   (r.n_window ? ", " + std::to_string(r.n_window) + " window queries" : std::string()) +
                   (r.n_calib ? ", " + std::to_string(r.n_calib) + " calibration queries" : std::string()) + "\n";
   char line[256];

@@ -322,6 +322,17 @@ struct Array {
   }
 };
 
+/// The kvscore element type of `a` ('<f4' float32, '<f2' float16, '<u2' bfloat16 bits), for
+/// kvscore::visit_dtype; any other dtype is std::invalid_argument "<what> dtype '<descr>' not
+/// supported (...)".
+inline kvscore::dtype element_dtype(const Array& a, const std::string& what) {
+  if (a.descr == descr_of<float>()) return kvscore::dtype::f32;
+  if (a.descr == descr_of<kvscore::half>()) return kvscore::dtype::f16;
+  if (a.descr == descr_of<kvscore::bfloat16>()) return kvscore::dtype::bf16;
+  throw std::invalid_argument(what + " dtype '" + a.descr +
+                              "' not supported (expected '<f4' float32, '<f2' float16 or '<u2' bfloat16 bits)");
+}
+
 /// Parses a complete .npy image. `what` (e.g. the path) prefixes error messages.
 inline Array parse(const void* data, std::size_t size, const std::string& what) {
   const unsigned char* p = static_cast<const unsigned char*>(data);

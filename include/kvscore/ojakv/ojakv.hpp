@@ -21,6 +21,9 @@
 // reference attention. Numerics: covariances, bases and updates in fp64; the stored bases
 // and codes are fp32.
 // Errors: std::invalid_argument naming the offending value.
+// Why this file is long (~520 lines): the projectors (build, Oja update, rebase) and the
+// residual rule are one method's maths; the store lives apart (ojakv/cache.hpp), the fp64
+// definitions in ojakv_impl.hpp.
 #pragma once
 
 #include <algorithm>

@@ -69,6 +69,15 @@ inline constexpr bool neon_ok() noexcept {
 #endif
 }
 
+/// The search's set for an ISA level: the widest set this CPU has at or below it (`neon` is
+/// at IsaLevel::baseline, as the `neon` row table).
+inline KernelSet kernel_set_for(IsaLevel level) noexcept {
+  if (level >= IsaLevel::avx512 && avx512_ok()) return KernelSet::avx512;
+  if (level >= IsaLevel::avx2 && avx2_ok()) return KernelSet::avx2;
+  if (level >= IsaLevel::baseline && neon_ok()) return KernelSet::neon;
+  return KernelSet::portable;
+}
+
 inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
   switch (k) {
     case Kernels::portable:
@@ -86,11 +95,7 @@ inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
     case Kernels::best:
       break;
   }
-  const int cap = simd::isa_cap();
-  if (cap >= 3 && avx512_ok()) return KernelSet::avx512;
-  if (cap >= 2 && avx2_ok()) return KernelSet::avx2;
-  if (cap >= 1 && neon_ok()) return KernelSet::neon;  // the pin: `neon` is level 1, `scalar` 0
-  return KernelSet::portable;
+  return kernel_set_for(simd::isa_cap());
 }
 
 inline const char* kernel_set_name(KernelSet s) noexcept {
@@ -222,6 +227,43 @@ inline void collide_neon(const std::uint8_t* ids, std::int64_t blocks, std::int6
   }
 }
 #endif
+
+/// Stage I's collision scores of n keys from the weight table tbl [B][ncentroids] (the
+/// enumeration's output, ParisKV::weight_table): byte scores into s8 when m <= 8 and 6·B <= 255
+/// (returns true; at m = 8 the `set`'s lookup kernel, else portable), otherwise 16-bit scores
+/// into s16 (returns false). `scratch` holds the AVX2 kernel's slice lists.
+inline bool collide_scores([[maybe_unused]] KernelSet set, const std::uint8_t* ids8, const std::uint16_t* ids16,
+                           std::int64_t n, std::int64_t B, std::int64_t m, std::int64_t ncentroids,
+                           const std::uint8_t* tbl, std::vector<std::uint8_t>& s8, std::vector<std::uint16_t>& s16,
+                           [[maybe_unused]] std::vector<std::uint8_t>& scratch) {
+  const std::int64_t blocks = (n + 63) / 64;
+  const bool small = m <= 8 && 6 * B <= 255;
+  if (small) {
+    s8.resize(std::size_t(blocks * 64));
+#if defined(KVSCORE_PARISKV_X86)
+    if (m == 8 && set == KernelSet::avx512) {
+      collide_avx512(ids8, blocks, B, tbl, s8.data());
+      return true;
+    }
+    if (m == 8 && set == KernelSet::avx2) {
+      collide_avx2(ids8, blocks, B, tbl, s8.data(), scratch);
+      return true;
+    }
+#endif
+#if defined(KVSCORE_PARISKV_NEON)
+    if (m == 8 && set == KernelSet::neon) {
+      collide_neon(ids8, blocks, B, tbl, s8.data());
+      return true;
+    }
+#endif
+    collide_portable(ids8, blocks, B, ncentroids, tbl, s8.data());
+    return true;
+  }
+  s16.resize(std::size_t(blocks * 64));
+  if (m <= 8) collide_portable(ids8, blocks, B, ncentroids, tbl, s16.data());
+  else collide_portable(ids16, blocks, B, ncentroids, tbl, s16.data());
+  return false;
+}
 
 // ------------------------------------------------------------------ Stage I: bucket top-C
 // Deterministic top-C on small-range integer scores: the threshold T and the number of keys

@@ -530,8 +530,9 @@ class ParisKV {
     return {rec_.data(), stride_, groups_, len_, cb_, ws.qt.data(), value_.data(), wlane_.data(), qn};
   }
 
-  /// Stage I into ws.s8 (returns true) or ws.s16 (false), for `collided` = ⌈ρN⌉ keys per subspace.
-  bool collide(Workspace& ws, std::int64_t collided, [[maybe_unused]] pariskv::detail::KernelSet set) const {
+  /// Stage I's weight table ws.tbl [B][2^m]: each subspace's patterns best-first by inner product
+  /// with the query, tier weights until ⌈ρN⌉ = `collided` keys are covered.
+  void weight_table(Workspace& ws, std::int64_t collided) const {
     // tier limits: tier t holds the clusters whose better-ranked clusters hold < ⌈collided·r_t⌉ keys
     std::int64_t limit[pariskv::kTiers];
     for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;
@@ -611,33 +612,15 @@ class ParisKV {
         }
       }
     }
-    const std::int64_t blocks = (n_ + 63) / 64;
-    const bool small = m_ <= 8 && 6 * B_ <= 255;
-    if (small) {
-      ws.s8.resize(std::size_t(blocks * 64));
-#if defined(KVSCORE_PARISKV_X86)
-      if (m_ == 8 && set == pariskv::detail::KernelSet::avx512) {
-        pariskv::detail::collide_avx512(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
-        return true;
-      }
-      if (m_ == 8 && set == pariskv::detail::KernelSet::avx2) {
-        pariskv::detail::collide_avx2(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data(), ws.lists);
-        return true;
-      }
-#endif
-#if defined(KVSCORE_PARISKV_NEON)
-      if (m_ == 8 && set == pariskv::detail::KernelSet::neon) {
-        pariskv::detail::collide_neon(ids8_.data(), blocks, B_, ws.tbl.data(), ws.s8.data());
-        return true;
-      }
-#endif
-      pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s8.data());
-      return true;
-    }
-    ws.s16.resize(std::size_t(blocks * 64));
-    if (m_ <= 8) pariskv::detail::collide_portable(ids8_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s16.data());
-    else pariskv::detail::collide_portable(ids16_.data(), blocks, B_, nc_, ws.tbl.data(), ws.s16.data());
-    return false;
+  }
+
+  /// Stage I into ws.s8 (returns true) or ws.s16 (false), for `collided` = ⌈ρN⌉ keys per
+  /// subspace: the weight table (weight_table), then the collision sums on `set`'s kernel
+  /// (pariskv/kernels.hpp).
+  bool collide(Workspace& ws, std::int64_t collided, pariskv::detail::KernelSet set) const {
+    weight_table(ws, collided);
+    return pariskv::detail::collide_scores(set, ids8_.data(), ids16_.data(), n_, B_, m_, nc_, ws.tbl.data(), ws.s8,
+                                           ws.s16, ws.lists);
   }
 
   /// Top `take` of vals[0..n) (ties: lower index), ascending indices into ws.top.
@@ -649,7 +632,7 @@ class ParisKV {
     if (ws.select_ws.size() < bytes) ws.select_ws.resize(bytes);
     ws.offsets.resize(2);
     ws.top.resize(std::size_t(take));
-    select_into(ScoresView(const_cast<float*>(vals), 1, n), bud, so, ws.select_ws.data(), ws.select_ws.size(),
+    select_into(ConstScoresView(vals, 1, n), bud, so, ws.select_ws.data(), ws.select_ws.size(),
                 ws.offsets.data(), ws.top.data(), ws.top.size());
   }
 

@@ -25,6 +25,10 @@
 // q̄·k; protected tokens (sinks, the window) are masked by the selector, so a cluster's size
 // is its unprotected members. Invalid keys (fp32 squared norm not finite) take no part and
 // score -inf. The budget never enters the scores.
+//
+// Why this file is long (~600 lines): one scorer whose assignment, cluster statistics, ψ and
+// rank scores share ProtoKV's per-head state (ProtoKV::analyze exposes it to the tests); its
+// heavy non-template parts are already compiled once (detail/compiled.hpp).
 #pragma once
 
 #include <algorithm>
@@ -33,6 +37,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -40,6 +45,7 @@
 
 #include "kvscore/core/splitmix.hpp"
 #include "kvscore/core/dtype.hpp"
+#include "kvscore/core/names.hpp"
 #include "kvscore/methods.hpp"
 #include "kvscore/scorers/scorer_base.hpp"
 
@@ -579,16 +585,14 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   std::int64_t q_heads_, window_, dim_, group_;
 };
 
+inline constexpr ProtoKV::Psi kPsis[] = {ProtoKV::Psi::sum, ProtoKV::Psi::mean, ProtoKV::Psi::attention};
+
 /// "sum", "mean" or "attention".
 inline const char* to_string(ProtoKV::Psi p) noexcept {
   return p == ProtoKV::Psi::sum ? "sum" : p == ProtoKV::Psi::mean ? "mean" : "attention";
 }
 
 /// "sum" / "mean" / "attention"; anything else throws std::invalid_argument naming it.
-inline ProtoKV::Psi parse_psi(const std::string& s) {
-  for (const ProtoKV::Psi p : {ProtoKV::Psi::sum, ProtoKV::Psi::mean, ProtoKV::Psi::attention})
-    if (s == to_string(p)) return p;
-  detail::throw_invalid("kvscore: psi '" + s + "' must be sum, mean or attention");
-}
+inline ProtoKV::Psi parse_psi(std::string_view s) { return detail::parse_enum(s, kPsis, "psi"); }
 
 }  // namespace kvscore

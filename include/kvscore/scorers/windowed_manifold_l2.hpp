@@ -11,7 +11,10 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <utility>
+
+#include "kvscore/core/names.hpp"
 
 #include "kvscore/methods.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
@@ -24,12 +27,12 @@ enum class WindowTail {
   own,    ///< its own window (the paper's Algorithm 2)
 };
 
+inline constexpr WindowTail kWindowTails[] = {WindowTail::own, WindowTail::merge};
+
+inline const char* to_string(WindowTail t) noexcept { return t == WindowTail::own ? "own" : "merge"; }
+
 /// "own" / "merge"; anything else throws std::invalid_argument naming it.
-inline WindowTail parse_window_tail(const std::string& s) {
-  if (s == "own") return WindowTail::own;
-  if (s == "merge") return WindowTail::merge;
-  detail::throw_invalid("kvscore: window tail '" + s + "' must be 'own' or 'merge'");
-}
+inline WindowTail parse_window_tail(std::string_view s) { return detail::parse_enum(s, kWindowTails, "window tail"); }
 
 struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
   static constexpr const char* name = "windowed-l2";

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -20,9 +19,6 @@
 #include "kvscore/simd/table.hpp"
 
 namespace kvscore::simd {
-
-/// Instruction-set level of a table name (0 scalar .. 3 AVX-512): kvscore/core/cpu.hpp.
-using kvscore::detail::isa_level;
 
 #ifdef KVSCORE_RUNTIME_DISPATCH
 namespace detail {
@@ -80,25 +76,24 @@ inline const KernelTable& checked_table(std::string_view name, const char* who) 
 inline const KernelTable& active_table() {
   const KernelTable* t = detail::active_slot().load(std::memory_order_acquire);
   if (t != nullptr) return *t;
-  const char* env = std::getenv("KVSCORE_ISA");
-  const bool pinned = env != nullptr && *env != '\0';
-  t = pinned ? &detail::checked_table(env, "KVSCORE_ISA") : available_tables().back();
+  const std::string_view env = kvscore::detail::isa_env();
+  t = !env.empty() ? &detail::checked_table(env, "KVSCORE_ISA") : available_tables().back();
   detail::active_slot().store(t, std::memory_order_release);
   return *t;
 }
 
 /// Pin the table by name; throws std::invalid_argument naming the available ones.
 inline void set_active_isa(std::string_view name) {
-  detail::active_slot().store(&detail::checked_table(name, "kvscore::simd::set_active_isa"),
-                              std::memory_order_release);
-  kvscore::detail::isa_cap_slot().store(isa_level(name), std::memory_order_relaxed);
+  const KernelTable& t = detail::checked_table(name, "kvscore::simd::set_active_isa");
+  detail::active_slot().store(&t, std::memory_order_release);
+  kvscore::detail::isa_cap_slot().store(t.level, std::memory_order_relaxed);
 }
 
 /// The highest instruction-set level the kernel families outside the row tables (ParisKV's
 /// search, the selector passes) may use: the active table's when KVSCORE_ISA / set_active_isa()
 /// pinned it, otherwise unlimited (each family then takes the best its CPU check allows, also
 /// in header-only builds whose own table is only as wide as their compile flags).
-inline int isa_cap() {
+inline IsaLevel isa_cap() {
   (void)active_table();  // an unknown KVSCORE_ISA is an error here, as for the row tables
   return kvscore::detail::isa_cap_slot().load(std::memory_order_relaxed);
 }

@@ -8,6 +8,8 @@
 // fp16/bf16 widening: xsimd 8 has no 16-bit float batches, so loads use F16C /
 // AVX-512 conversions (or the SSE2 unpack trick for bf16) when the translation unit
 // is compiled for them, and convert element by element otherwise.
+// Just over 500 lines: every row kernel of the table is here once, over the policy, so that
+// the scalar and vector paths cannot drift apart.
 #pragma once
 
 #include <cstdint>
@@ -488,6 +490,7 @@ template <class P>
 const KernelTable& make_table(const char* name) noexcept {
   static const KernelTable table{name,
                                  int(P::W),
+                                 kvscore::detail::isa_level(name),
                                  RowKernels<P>::template ops<float>(),
                                  RowKernels<P>::template ops<half>(),
                                  RowKernels<P>::template ops<bfloat16>(),

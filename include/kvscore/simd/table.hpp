@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kvscore/core/cpu.hpp"
 #include "kvscore/core/dtype.hpp"
 
 namespace kvscore::simd {
@@ -43,6 +44,7 @@ struct RowOps {
 struct KernelTable {
   const char* name;  ///< "scalar", "sse2", "avx2", "avx512", or an xsimd arch name
   int width;         ///< fp32 lanes per vector (1 for scalar)
+  IsaLevel level;    ///< the level it pins the other kernel families to (set_active_isa)
   RowOps<float> f32;
   RowOps<half> f16;
   RowOps<bfloat16> bf16;

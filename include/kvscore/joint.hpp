@@ -350,7 +350,7 @@ inline void check_block_options(const BlockJointOptions& opt, const char* who) {
 }  // namespace detail::joint
 
 /// This rank's partial over its rows (layers[l]: [heads][tokens] of layer l, as select_joint).
-inline JointPartial joint_partial(std::span<const ScoresView> layers, const BlockJointOptions& opt = {}) {
+inline JointPartial joint_partial(std::span<const ConstScoresView> layers, const BlockJointOptions& opt = {}) {
   using namespace detail::joint;
   check_block_options(opt, "kvscore::joint_partial");
   std::int64_t T = 0;
@@ -386,10 +386,10 @@ inline JointPartial joint_partial(std::span<const ScoresView> layers, const Bloc
   return out;
 }
 inline JointPartial joint_partial(std::span<const Scores> layers, const BlockJointOptions& opt = {}) {
-  std::vector<ScoresView> views;
+  std::vector<ConstScoresView> views;
   views.reserve(layers.size());
-  for (const Scores& s : layers) views.emplace_back(const_cast<float*>(s.data()), s.heads(), s.tokens(), s.tokens());
-  return joint_partial(std::span<const ScoresView>(views), opt);
+  for (const Scores& s : layers) views.push_back(s.view());
+  return joint_partial(std::span<const ConstScoresView>(views), opt);
 }
 
 /// J(t) of all ranks' partials (same tokens): max of the maxima, or float(sum of sums / sum of
@@ -506,7 +506,7 @@ inline std::vector<std::int64_t> select_blocks(std::span<const float> scores, st
 }
 
 /// All of it on one process's rows: the kept blocks of `budget` (see the top of this section).
-inline std::vector<std::int64_t> select_joint_blocks(std::span<const ScoresView> layers, std::int64_t block_size,
+inline std::vector<std::int64_t> select_joint_blocks(std::span<const ConstScoresView> layers, std::int64_t block_size,
                                                      std::int64_t budget, const BlockJointOptions& opt = {}) {
   using namespace detail::joint;
   check_block_options(opt, kBlockWho);
@@ -519,10 +519,10 @@ inline std::vector<std::int64_t> select_joint_blocks(std::span<const ScoresView>
 }
 inline std::vector<std::int64_t> select_joint_blocks(std::span<const Scores> layers, std::int64_t block_size,
                                                      std::int64_t budget, const BlockJointOptions& opt = {}) {
-  std::vector<ScoresView> views;
+  std::vector<ConstScoresView> views;
   views.reserve(layers.size());
-  for (const Scores& s : layers) views.emplace_back(const_cast<float*>(s.data()), s.heads(), s.tokens(), s.tokens());
-  return select_joint_blocks(std::span<const ScoresView>(views), block_size, budget, opt);
+  for (const Scores& s : layers) views.push_back(s.view());
+  return select_joint_blocks(std::span<const ConstScoresView>(views), block_size, budget, opt);
 }
 
 }  // namespace kvscore

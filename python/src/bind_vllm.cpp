@@ -137,16 +137,15 @@ kvscore::JointPartial partial_in(nb::handle h, const std::string& what) {
 }
 
 /// fp32 [heads, tokens] score arrays (C order), one per layer.
-std::vector<kvscore::ScoresView> score_views(const std::vector<Any>& layers) {
-  std::vector<kvscore::ScoresView> v;
+std::vector<kvscore::ConstScoresView> score_views(const std::vector<Any>& layers) {
+  std::vector<kvscore::ConstScoresView> v;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const std::string what = "scores[" + std::to_string(l) + "] [heads, tokens]";
     const Any& a = layers[l];
     if (a.ndim() != 2) bad(what + ": expected 2 dimensions (got " + std::to_string(a.ndim()) + ")");
     if (dtype_of(a, what) != DT::f32) bad(what + ": must be float32 (kvscore's scores are fp32)");
     require_c_contiguous(a, what);
-    // only read: ScoresView is the view type joint_partial takes
-    v.emplace_back(static_cast<float*>(const_cast<void*>(a.data())), std::int64_t(a.shape(0)),
+    v.emplace_back(static_cast<const float*>(a.data()), std::int64_t(a.shape(0)),
                    std::int64_t(a.shape(1)), std::int64_t(a.shape(1)));
   }
   return v;
@@ -241,13 +240,13 @@ void bind_vllm(nb::module_& m) {
   m.def(
       "joint_partial",
       [](const std::vector<Any>& layers, int threads) {
-        const std::vector<kvscore::ScoresView> v = score_views(layers);
+        const std::vector<kvscore::ConstScoresView> v = score_views(layers);
         kvscore::BlockJointOptions o;
         o.num_threads = threads;
         kvscore::JointPartial p;
         {
           nb::gil_scoped_release unlocked;
-          p = kvscore::joint_partial(std::span<const kvscore::ScoresView>(v), o);
+          p = kvscore::joint_partial(std::span<const kvscore::ConstScoresView>(v), o);
         }
         return partial_out(std::move(p));
       },
@@ -280,11 +279,11 @@ void bind_vllm(nb::module_& m) {
       [](const std::vector<Any>& layers, std::int64_t block_size, std::int64_t budget, std::int64_t sinks,
          std::int64_t recent, const std::string& aggregate, const std::string& block_aggregate, int threads) {
         const kvscore::BlockJointOptions o = block_options(sinks, recent, aggregate, block_aggregate, threads);
-        const std::vector<kvscore::ScoresView> v = score_views(layers);
+        const std::vector<kvscore::ConstScoresView> v = score_views(layers);
         std::vector<std::int64_t> kept;
         {
           nb::gil_scoped_release unlocked;
-          kept = kvscore::select_joint_blocks(std::span<const kvscore::ScoresView>(v), block_size, budget, o);
+          kept = kvscore::select_joint_blocks(std::span<const kvscore::ConstScoresView>(v), block_size, budget, o);
         }
         const std::size_t n = kept.size();
         return to_numpy(std::move(kept), {n});

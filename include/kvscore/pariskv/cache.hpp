@@ -270,7 +270,7 @@ class ParisKVCache {
     if (ws.select_ws.size() < bytes) ws.select_ws.resize(bytes);
     std::int64_t offsets[2];
     ws.result.positions.resize(std::size_t(k));
-    select_into(ScoresView(ws.dots.data(), 1, R), bud, so, ws.select_ws.data(), ws.select_ws.size(), offsets,
+    select_into(ConstScoresView(ws.dots.data(), 1, R), bud, so, ws.select_ws.data(), ws.select_ws.size(), offsets,
                 ws.result.positions.data(), ws.result.positions.size());
   }
 

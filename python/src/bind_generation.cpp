@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "kvscore/core/dtype.hpp"
 #include "kvscore/ojakv/layer.hpp"
 #include "kvscore/pariskv/layer.hpp"
 
@@ -26,20 +28,15 @@ using Out = nb::ndarray<float, nb::device::cpu>;
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument(what); }
 
-enum class Elem { f32, f16, bf16 };
-
 template <class A>
-Elem elem_of(const A& a, const std::string& what) {
+kvscore::dtype elem_of(const A& a, const std::string& what) {
   const nb::dlpack::dtype t = a.dtype();
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return Elem::f32;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return Elem::f16;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return Elem::bf16;
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return kvscore::dtype::f32;
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return kvscore::dtype::f16;
+  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return kvscore::dtype::bf16;
   fail(what + ": dtype must be float32, float16 or bfloat16 (DLPack code " + std::to_string(t.code) + ", " +
        std::to_string(t.bits) + " bits)");
 }
-
-template <class T>
-constexpr Elem elem_v = std::is_same_v<T, float> ? Elem::f32 : std::is_same_v<T, kvscore::half> ? Elem::f16 : Elem::bf16;
 
 /// The strides of a [batch, heads, tokens, head_dim] array, checked against the expected sizes
 /// (-1: any).
@@ -65,7 +62,7 @@ kvscore::LayerStrides layer_strides(const A& a, const std::string& what, std::in
 /// dtype, float32 queries [batch, q_heads, n, d], float32 out of the queries' shape), checked
 /// against the cache's sizes.
 struct ForwardArgs {
-  Elem elem;
+  kvscore::dtype elem;
   std::int64_t n, q_heads;
   kvscore::LayerStrides ks, vs, qs, os;
 };
@@ -76,7 +73,7 @@ ForwardArgs forward_args(const C& c, const In& keys, const In& values, const In&
   ForwardArgs a{};
   a.elem = elem_of(keys, who + ": keys");
   if (elem_of(values, who + ": values") != a.elem) fail(who + ": keys and values must have the same dtype");
-  if (elem_of(queries, who + ": queries") != Elem::f32) fail(who + ": queries must be float32");
+  if (elem_of(queries, who + ": queries") != kvscore::dtype::f32) fail(who + ": queries must be float32");
   a.ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
   a.n = std::int64_t(keys.shape(2));
   a.vs = layer_strides(values, who + ": values", c.batch(), c.kv_heads(), a.n, c.head_dim());
@@ -126,7 +123,7 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
           "append",
           [](C& c, const In& keys, const In& values) {
             const std::string who = "ParisKVLayerCache.append";
-            if (elem_of(keys, who + ": keys") != elem_v<T> || elem_of(values, who + ": values") != elem_v<T>)
+            if (elem_of(keys, who + ": keys") != kvscore::dtype_of<T>() || elem_of(values, who + ": values") != kvscore::dtype_of<T>())
               fail(who + ": keys and values must have the cache's dtype");
             const kvscore::LayerStrides ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
             const std::int64_t n = std::int64_t(keys.shape(2));
@@ -142,7 +139,7 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
           [](C& c, const In& keys, const In& values, const In& queries, Out& out) {
             const std::string who = "ParisKVLayerCache.forward";
             const ForwardArgs a = forward_args(c, keys, values, queries, out, who);
-            if (a.elem != elem_v<T>) fail(who + ": keys and values must have the cache's dtype");
+            if (a.elem != kvscore::dtype_of<T>()) fail(who + ": keys and values must have the cache's dtype");
             const T* k = static_cast<const T*>(keys.data());
             const T* v = static_cast<const T*>(values.data());
             const float* q = static_cast<const float*>(queries.data());
@@ -167,15 +164,6 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
 }
 
 // ------------------------------------------------------------------ OjaKV
-
-template <class F>
-void with_elem(Elem e, F&& f) {
-  switch (e) {
-    case Elem::f32: f(float{}); break;
-    case Elem::f16: f(kvscore::half{}); break;
-    case Elem::bf16: f(kvscore::bfloat16{}); break;
-  }
-}
 
 void bind_ojakv_layer(nb::module_& m) {
   using C = kvscore::OjaLayerCache;
@@ -236,17 +224,16 @@ void bind_ojakv_layer(nb::module_& m) {
           "prefill",
           [](C& c, const In& keys, const In& values, const In& queries) {
             const std::string who = "OjaLayerCache.prefill";
-            const Elem e = elem_of(keys, who + ": keys");
+            const kvscore::dtype e = elem_of(keys, who + ": keys");
             if (elem_of(values, who + ": values") != e) fail(who + ": keys and values must have the same dtype");
-            if (elem_of(queries, who + ": queries") != Elem::f32) fail(who + ": queries must be float32");
+            if (elem_of(queries, who + ": queries") != kvscore::dtype::f32) fail(who + ": queries must be float32");
             const kvscore::LayerStrides ks = layer_strides(keys, who + ": keys", c.batch(), c.kv_heads(), -1, c.head_dim());
             const std::int64_t n = std::int64_t(keys.shape(2));
             const kvscore::LayerStrides vs = layer_strides(values, who + ": values", c.batch(), c.kv_heads(), n, c.head_dim());
             const kvscore::LayerStrides qs = layer_strides(queries, who + ": queries", c.batch(), -1, -1, c.head_dim());
             const std::int64_t q_heads = std::int64_t(queries.shape(1)), w = std::int64_t(queries.shape(2));
             const float* q = static_cast<const float*>(queries.data());
-            with_elem(e, [&](auto tag) {
-              using T = decltype(tag);
+            kvscore::visit_dtype(e, [&]<class T>(std::type_identity<T>) {
               const T* k = static_cast<const T*>(keys.data());
               const T* v = static_cast<const T*>(values.data());
               nb::gil_scoped_release unlocked;
@@ -261,8 +248,7 @@ void bind_ojakv_layer(nb::module_& m) {
             const ForwardArgs a = forward_args(c, keys, values, queries, out, "OjaLayerCache.forward");
             const float* q = static_cast<const float*>(queries.data());
             float* o = out.data();
-            with_elem(a.elem, [&](auto tag) {
-              using T = decltype(tag);
+            kvscore::visit_dtype(a.elem, [&]<class T>(std::type_identity<T>) {
               const T* k = static_cast<const T*>(keys.data());
               const T* v = static_cast<const T*>(values.data());
               nb::gil_scoped_release unlocked;

@@ -157,10 +157,6 @@ def _check_model(model, who: str):
     return cfg, cfg.num_hidden_layers, kv, cfg.num_attention_heads, d, base
 
 
-def _element_size(dtype) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2}[str(dtype).replace("torch.", "")]
-
-
 # ------------------------------------------------------------------ the layers
 
 class _Layer(_CacheLayerMixin):
@@ -304,7 +300,7 @@ class _KvscoreCache(_Cache):
                 total += 2 * lay.keys.numel() * lay.keys.element_size()
             elif lay.impl is not None:
                 i = lay.impl
-                total += 2 * i.batch * i.kv_heads * i.size * i.head_dim * _element_size(lay.dtype)
+                total += 2 * i.batch * i.kv_heads * i.size * i.head_dim * lay.dtype.itemsize
         return total
 
 
@@ -472,7 +468,7 @@ class OjaKVCache(_KvscoreCache):
     def memory_bytes(self) -> int:
         """K/V bytes of the hybrid store by the paper's formula at the model's element size
         (docs/ojakv.md, Definitions 11): codes, full-rank rows with a 4-byte position, the bases."""
-        return sum(int(lay.impl.memory(_element_size(lay.dtype))["hybrid_bytes"]) for lay in self.layers
+        return sum(int(lay.impl.memory(lay.dtype.itemsize)["hybrid_bytes"]) for lay in self.layers
                    if lay.impl is not None)
 
     def full_rank_positions(self, layer: int, row: int = 0, kv_head: int = 0):

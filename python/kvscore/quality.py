@@ -398,7 +398,7 @@ class CacheRow:
             local = min(RETRIEVAL_LOCAL, (budget - SINKS) // 2)
             return kg.RetrievalCache(model, self.method, attend=budget, sinks=SINKS, local=local)
         d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        count = ojakv_anchors(n, 1 - self.ratio, d, self.rank, _element_bytes(model), SINKS + kg.OJAKV_WINDOW)
+        count = ojakv_anchors(n, 1 - self.ratio, d, self.rank, model.dtype.itemsize, SINKS + kg.OJAKV_WINDOW)
         if count is None:
             return None
         return kg.OjaKVCache(model, rank=self.rank, anchors=count, sinks=SINKS)
@@ -430,12 +430,6 @@ class CacheRow:
                                   tuple(x[:, -kg.OJAKV_WINDOW:] for x in kw["position_embeddings"]))
             cache.prefill(i, k, v, q.to(torch.float32))
         return cache
-
-
-def _element_bytes(model) -> int:
-    import torch
-
-    return torch.empty(0, dtype=model.dtype).element_size()
 
 
 def ojakv_anchors(n: int, memory: float, head_dim: int, rank: int, bytes_per_scalar: int, protected: int):

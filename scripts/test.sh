@@ -56,8 +56,15 @@ fi
 # at -O1 in the default build (KVSCORE_TEST_CXX_FLAGS): 128 s less CPU on 2 cores (docs/ci.md).
 TEST_FLAGS=()
 [ -z "${BUILD_TYPE:-}" ] && TEST_FLAGS=(-DKVSCORE_TEST_CXX_FLAGS=-O1)
+# Ninja (scripts/deps.sh installs it) where the build folder is new or already Ninja's: it compiles
+# a target's objects while the libraries they link are still building, where make waits for them.
+GEN=()
+if command -v ninja >/dev/null && { [ ! -f "$BUILD/CMakeCache.txt" ] ||
+  grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$BUILD/CMakeCache.txt"; }; then
+  GEN=(-G Ninja)
+fi
 configure() {
-  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
+  cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_DEBUG=-g1" -DKVSCORE_BUILD_BENCH=OFF \
     "${TEST_FLAGS[@]}" "$@" >/dev/null
 }

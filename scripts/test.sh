@@ -75,7 +75,9 @@ if [ "$PYTHON_TESTS" != 0 ]; then
   cmake --build "$BUILD" -j"$(nproc)" --target kvscore_dispatch kvscore_cli
   touch "$READY"
 fi
-step build "the rest of what the tests run: the tests, the examples (no benchmarks: README command 1 builds those; ~5 min on 2 cores alone)"
+what="what the tests run"
+[ "$PYTHON_TESTS" != 0 ] && what="the rest of what the tests run"
+step build "$what: the tests, the examples (no benchmarks: README command 1 builds those; ~5 min on 2 cores alone)"
 cmake --build "$BUILD" -j"$(nproc)"
 if [ "$LLAMA" != 0 ]; then
   step llama.cpp "wait for the llama.cpp sdist and the SmolLM2 GGUF, build llama.cpp (cached when unchanged) and examples/llama_cpp"

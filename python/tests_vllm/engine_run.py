@@ -3,7 +3,8 @@ JSON line with what the tests compare; one process per engine, since vLLM's KV-c
 is a process-wide global. Used by python/tests_vllm/test_engine.py.
 
     python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
-                                          capture: bool, block_size)
+                                          capture: bool, block_size, stepwise: bool, arrive: [step per prompt],
+                                          blocks: pool size, check: bool (kvscore.vllm.check's records))
 """
 import json
 import os
@@ -21,6 +22,10 @@ def external(req_id: str) -> str:
 
 def main(spec):
     os.environ.update(spec.get("env", {}))
+    if spec.get("check"):  # sparse decode's self-check in every worker (kvscore.vllm.check)
+        import tempfile
+        check_prefix = os.path.join(tempfile.mkdtemp(prefix="kvscore-check-"), "check")
+        os.environ["KVSCORE_VLLM_CHECK"] = check_prefix
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -57,7 +62,8 @@ def main(spec):
         C.KvscoreConnector.wait_for_save = wait_for_save
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
-              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1), **kw)
+              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1),
+              **({"num_gpu_blocks_override": spec["blocks"]} if spec.get("blocks") else {}), **kw)
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
@@ -69,14 +75,19 @@ def main(spec):
         chunk = prompts[s:s + batch]
         if spec.get("stepwise"):
             eng = llm.llm_engine
-            ids = []
-            for j, p in enumerate(chunk):
-                rid = f"b{batch}r{s + j}"
-                eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
-                ids.append(rid)
+            arrive = spec.get("arrive", [0] * len(prompts))[s:s + batch]  # the step each prompt is added at
+            ids = [f"b{batch}r{s + j}" for j in range(len(chunk))]
+            added = set()
             res = {}
             step = 0
-            while eng.has_unfinished_requests():
+            while len(added) < len(chunk) or eng.has_unfinished_requests():
+                for j, p in enumerate(chunk):
+                    if j not in added and arrive[j] <= step:
+                        eng.add_request(ids[j], TokensPrompt(prompt_token_ids=p), sp)
+                        added.add(j)
+                if not eng.has_unfinished_requests():
+                    step += 1
+                    continue
                 free_before = pool.get_num_free_blocks()
                 outs = eng.step()
                 step += 1
@@ -117,6 +128,9 @@ def main(spec):
             kept = kvscore.select_joint_blocks(scores, bs, cfg.budget(tokens, bs), sinks=cfg.sinks, recent=cfg.recent,
                                                aggregate=cfg.aggregate, block_aggregate=cfg.block_aggregate)
             out["reference"][external(req_id)] = [int(b) for b in kept]
+    if spec.get("check"):
+        from kvscore.vllm import check
+        out["check"] = check.read(check_prefix)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -22,12 +22,20 @@ Flow of one request (R):
 
 A worker identifies R's row in the batch by the physical id of R's first block: the block of
 position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix caching off).
+
+Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, the first
+blocks of the requests that decode in it; on the worker, the first attention call of a step plans
+it once (kvscore::PagedBlockSelector::begin_step with the step's written slots; which rows decode
+sparsely and how many blocks each attends; their sequence lengths and one attention schedule for
+every layer), then every layer's call chooses that layer's blocks of every sparse row in one C++
+call (PagedBlockSelector::select) into a scratch block table the kernel reads.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import re
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +73,7 @@ class KvscoreMeta(KVConnectorMetadata):
     def __init__(self) -> None:
         self.score: list[tuple[str, list[int], int]] = []    # (req_id, block ids, prompt tokens)
         self.holes: dict[int, tuple[str, list[int]]] = {}     # first block id -> (req_id, evicted logical blocks)
+        self.decoding: list[int] = []                        # sparse decode: first block ids of decoding requests
 
 
 class KvscoreWorkerMeta(KVConnectorWorkerMetadata):
@@ -105,6 +114,11 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._seconds = 0.0
             self._holes: dict[int, tuple[str, list[int]]] = {}
             self._holes_version = 0
+            self._selector = None                               # sparse decode: kvscore's PagedBlockSelector
+            self._decoding: set[int] = set()
+            self._layer_index: dict[str, int] = {}
+            self.sparse_stats = {"steps": 0, "rows": 0, "blocks_attended": 0, "blocks_total": 0, "plan_s": 0.0,
+                                 "select_s": 0.0}
         else:
             self._reqs: dict[str, "Request"] = {}
             self._scoring: dict[str, tuple[list[int], int]] = {}  # req_id -> (block ids, tokens) sent to score
@@ -163,6 +177,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                                  f"[num_blocks, kv_heads, {self.block_size}, 2 * head_dim]")
         self._caches = [kv_caches[n] for n in names]
         self._layer_names = names
+        self._layer_index = {n: i for i, n in enumerate(names)}
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, names)
         for n, layer in layers.items():
             impl = layer.impl
@@ -175,6 +190,15 @@ class KvscoreConnector(KVConnectorBase_V1):
             if impl.sliding_window not in (None, -1):
                 raise ValueError(f"kvscore.vllm: layer {n} has a sliding window; not supported")
             _wrap_impl(impl, self)
+        if self.cfg.sparse and names:
+            c0, impl0 = self._caches[0], layers[names[0]].impl
+            self._selector_scale = float(impl0.scale)
+            from . import check
+            check.install_from_env(sys.modules[__name__])
+            self._selector = _k.PagedBlockSelector(
+                len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
+                sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), threads=self.cfg.threads,
+                probe=self.cfg.probe)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -184,6 +208,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                 self._holes_version += 1
             if self._window:
                 self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
+            self._decoding = set(connector_metadata.decoding)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return
@@ -243,9 +268,16 @@ class KvscoreConnector(KVConnectorBase_V1):
             # vLLM freed all its blocks; its prefill runs again and is scored again
             self._holes_by_req.pop(req_id, None)
             self._done.discard(req_id)
+        mgr = km.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._reqs.get(req_id)
-            if req is None or req_id in self._done:
+            if req is None:
+                continue
+            if self.cfg.sparse and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                blocks = mgr.req_to_blocks.get(req_id)
+                if blocks:
+                    meta.decoding.append(blocks[0].block_id)
+            if req_id in self._done or not self.cfg.evicts:
                 continue
             done_before = req.num_computed_tokens
             P = req.num_prompt_tokens
@@ -307,10 +339,15 @@ class KvscoreConnector(KVConnectorBase_V1):
 
 # ---------------------------------------------------------------------- the attention wrapper
 
+# Tests and the benchmark may set this to observe every layer's sparse choice:
+# f(connector, layer_name, kv_cache, query, step) after the layer's PagedBlockSelector.select.
+SPARSE_OBSERVER = None
+
 
 def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     """impl.forward of this layer (an instance attribute; vLLM's class is untouched) hands the CPU
-    kernel the batch's block table and sequence lengths without the evicted blocks."""
+    kernel the batch's block table and sequence lengths without the evicted blocks, and with
+    sparse decode only the blocks each decode row attends in this layer."""
     if getattr(impl, "_kvscore_wrapped", False):
         return
     orig = impl.forward
@@ -318,8 +355,16 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if attn_metadata is not None and connector._want_queries:
             _capture_queries(layer, query, attn_metadata, connector)
-        if attn_metadata is not None and connector._holes:
-            attn_metadata = _compacted(impl, layer, query, attn_metadata, connector)
+        if attn_metadata is not None and (connector._holes or connector._selector is not None):
+            step = _step(impl, layer, query, attn_metadata, connector)
+            if step.rows is not None:
+                t0 = time.perf_counter()
+                connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query, step.token_index,
+                                           step.src, step.rows, step.tokens, step.attend, step.dst)
+                connector.sparse_stats["select_s"] += time.perf_counter() - t0
+                if SPARSE_OBSERVER is not None:
+                    SPARSE_OBSERVER(connector, layer.layer_name, kv_cache, query, step)
+            attn_metadata = step.md
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
     impl.forward = forward
@@ -339,35 +384,80 @@ def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
         connector._queries.setdefault(rid, {})[layer.layer_name] = q
 
 
-def _compacted(impl, layer, query, md, connector: KvscoreConnector):
-    """The metadata with each holed request's row compacted (cached on the metadata object: every
-    layer of the step shares it)."""
+@dataclasses.dataclass
+class _Step:
+    """One engine step's plan, shared by its layers (cached on the step's metadata object)."""
+    version: int
+    md: Any                              # the metadata the kernel gets (md itself when nothing changes)
+    src: torch.Tensor | None = None      # block table with holes removed
+    dst: torch.Tensor | None = None      # src with each sparse row's chosen blocks (rewritten per layer)
+    rows: np.ndarray | None = None       # sparse rows (None: none this step) and, per row:
+    token_index: np.ndarray | None = None  # its query's token
+    tokens: np.ndarray | None = None     # its length after the holes
+    attend: np.ndarray | None = None     # blocks it attends
+
+
+def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
+    """The step's plan, made by its first attention call: the holes of evicted blocks removed from
+    each row, which decode rows attend sparsely and their shorter sequence lengths, one attention
+    schedule for every layer (the counts do not depend on the layer). Every layer of the step
+    shares one metadata object, which is never edited."""
     cached = md.__dict__.get("_kvscore")
-    if cached is not None and cached[0] == connector._holes_version:
-        return cached[1]
-    bs = connector.block_size
-    bt = md.block_table
-    seq_lens = md.seq_lens
-    num_reqs = md.query_start_loc.shape[0] - 1
-    new_bt, new_sl = None, None
-    for i in range(num_reqs):
-        hole = connector._holes.get(int(bt[i, 0]))
+    if cached is not None and cached.version == connector._holes_version:
+        return cached
+    t0 = time.perf_counter()
+    cfg, bs, sel = connector.cfg, connector.block_size, connector._selector
+    bt, qsl = md.block_table, md.query_start_loc
+    num_reqs = qsl.shape[0] - 1
+    firsts = bt[:num_reqs, 0]
+    if sel is not None:  # every step: the blocks written since the last one lose their summaries
+        sel.begin_step(md.slot_mapping[: md.num_actual_tokens], firsts)
+    firsts = firsts.tolist()
+    lens = md.seq_lens[:num_reqs].tolist()
+    src, new_len = bt, list(lens)
+    for i, first in enumerate(firsts):
+        hole = connector._holes.get(first)
         if hole is None:
             continue
         evicted = hole[1]
-        L = int(seq_lens[i])
-        n_log = -(-L // bs)
+        n_log = -(-lens[i] // bs)
         if evicted[-1] >= n_log:
             continue
-        if new_bt is None:
-            new_bt, new_sl = bt.clone(), seq_lens.clone()
+        if src is bt:
+            src = bt.clone()
         ev = set(evicted)
         keep = [j for j in range(n_log) if j not in ev]
-        new_bt[i, : len(keep)] = bt[i, keep]
-        new_sl[i] = L - len(evicted) * bs
-    if new_bt is None:
-        out = md
-    else:
+        src[i, : len(keep)] = bt[i, keep]
+        new_len[i] = lens[i] - len(evicted) * bs
+    step = _Step(connector._holes_version, md, src)
+    if sel is not None and connector._decoding:
+        starts = qsl[: num_reqs + 1].tolist()
+        rows, tix, toks, att = [], [], [], []
+        for i, first in enumerate(firsts):
+            n = new_len[i]
+            if first not in connector._decoding or starts[i + 1] - starts[i] != 1 or n < cfg.dense_below:
+                continue
+            a = _k.attended_blocks(n, bs, cfg.attend, sinks=cfg.sinks, local=cfg.local)
+            nb = -(-n // bs)
+            if a >= nb:
+                continue
+            rows.append(i)
+            tix.append(starts[i])
+            toks.append(n)
+            att.append(a)
+            new_len[i] = (a - 1) * bs + (n - (nb - 1) * bs)  # the last block may be partial
+        if rows:
+            st = connector.sparse_stats
+            st["steps"] += 1
+            st["rows"] += len(rows)
+            st["blocks_attended"] += sum(att)
+            st["blocks_total"] += sum(-(-n // bs) for n in toks)
+            step.dst = src.clone()
+            step.rows, step.token_index = np.asarray(rows, np.int64), np.asarray(tix, np.int64)
+            step.tokens, step.attend = np.asarray(toks, np.int64), np.asarray(att, np.int64)
+    if new_len != lens:
+        new_sl = md.seq_lens.clone()
+        new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=num_reqs,
             num_heads=impl.num_heads,
@@ -383,7 +473,9 @@ def _compacted(impl, layer, query, md, connector: KvscoreConnector):
             dynamic_causal=md.dynamic_causal,
             kv_cache_dtype=impl.kv_cache_dtype,
         )
-        out = dataclasses.replace(md, block_table=new_bt, seq_lens=new_sl, scheduler_metadata=sched,
-                                  max_seq_len=int(new_sl[:num_reqs].max()) if num_reqs else md.max_seq_len)
-    md.__dict__["_kvscore"] = (connector._holes_version, out)
-    return out
+        table = step.dst if step.dst is not None else src
+        step.md = dataclasses.replace(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
+                                      max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
+    md.__dict__["_kvscore"] = step
+    connector.sparse_stats["plan_s"] += time.perf_counter() - t0
+    return step

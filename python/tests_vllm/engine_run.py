@@ -69,7 +69,14 @@ def main(spec):
     pool = sched.kv_cache_manager.block_pool
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    out = {"tokens": [], "decisions": [], "blocks": []}
+    out = {"tokens": [], "decisions": [], "blocks": [], "preemptions": 0}
+    orig_preempt = sched._preempt_request
+
+    def _preempt(*a, **k):
+        out["preemptions"] += 1
+        return orig_preempt(*a, **k)
+
+    sched._preempt_request = _preempt
     prompts = spec["prompts"]
     for batch, s in [(b, s) for b in spec.get("batches", [len(prompts)]) for s in range(0, len(prompts), b)]:
         chunk = prompts[s:s + batch]
@@ -114,6 +121,7 @@ def main(spec):
     if conn is not None:
         out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]
         out["freed_total"] = conn._freed_total
+        out["swaps"] = dict(conn.swaps)
     if captured:
         # kvscore's own decision on the keys read back: scores per layer, select_joint_blocks
         from kvscore.vllm import Config

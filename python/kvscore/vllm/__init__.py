@@ -43,6 +43,7 @@ BLOCK_SCORES = ("quest", "meanstd", "pariskv", "exact")
 DEFAULT_BLOCK_SCORE = "quest"
 DEFAULT_LOCAL = 64
 DEFAULT_DENSE_BELOW = 1024
+DEFAULT_SWAP_SPACE = 1.0
 
 
 def register() -> None:
@@ -82,12 +83,18 @@ class Config:
                      block always); the first `sinks` positions' blocks too
     dense_below      requests shorter than this many tokens decode densely
     probe            also choose with the exact block score and count the overlap (benchmarks)
+
+  Preemption:
+    swap_space       GiB of host memory per worker for the kept blocks of preempted requests
+                     whose cache a recompute would not reproduce (evicted holes, sparse decode):
+                     they come back as they were; 0 (or full) = vLLM's recompute
     """
 
     def __init__(self, method: str, ratio: float, *, sinks: int = _k.kDefaultSinks,
                  recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
                  threads: int = 0, attend: float = 1.0, block_score: str = DEFAULT_BLOCK_SCORE,
-                 local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False):
+                 local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False,
+                 swap_space: float = DEFAULT_SWAP_SPACE):
         try:
             name = _method_name(method)
         except (ValueError, TypeError, KeyError) as e:
@@ -113,6 +120,10 @@ class Config:
             raise ValueError(f"kvscore.vllm: block_score {block_score!r} must be one of {', '.join(BLOCK_SCORES)}")
         if not isinstance(probe, bool):
             raise ValueError(f"kvscore.vllm: probe {probe!r} must be True or False")
+        if (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0
+                or not math.isfinite(swap_space)):
+            raise ValueError(f"kvscore.vllm: swap_space {swap_space!r} must be a number of GiB >= 0")
+        self.swap_space = float(swap_space)
         self.attend, self.block_score, self.local, self.dense_below, self.probe = (
             float(attend) if attend <= 1 else int(attend), block_score, local, dense_below, probe)
         self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
@@ -140,7 +151,7 @@ class Config:
     def from_extra(cls, extra: dict | None) -> "Config":
         extra = dict(extra or {})
         known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads", "attend",
-                 "block_score", "local", "dense_below", "probe"}
+                 "block_score", "local", "dense_below", "probe", "swap_space"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
@@ -161,7 +172,7 @@ class Config:
         return {"method": self.method, "ratio": self.ratio, "sinks": self.sinks, "recent": self.recent,
                 "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads,
                 "attend": self.attend, "block_score": self.block_score, "local": self.local,
-                "dense_below": self.dense_below, "probe": self.probe}
+                "dense_below": self.dense_below, "probe": self.probe, "swap_space": self.swap_space}
 
 
 def kv_transfer_config(method: str, ratio: float, **settings) -> dict:

@@ -97,3 +97,82 @@ def read(prefix: str) -> list[dict]:
         with open(path) as f:
             out += [json.loads(line) for line in f if line.strip()]
     return out
+
+
+# ---------------------------------------------------------------------- the scheduler's audit
+
+AUDIT_ENV = "KVSCORE_VLLM_AUDIT"
+
+
+class Audit:
+    """With KVSCORE_VLLM_AUDIT=<file> the scheduler side of the connector writes a JSON line for
+    every decision (the request, a hash of its prompt, kept/evicted logical blocks, the physical
+    ids freed), preemption and finished request, and checks the KV pool at every step: no
+    physical block in two requests' tables, every block held by a request has one reference and
+    every other usable block is free (nothing leaked, nothing freed twice), and the holes sent to
+    the workers belong to the requests that hold those first blocks. A step that breaks one of
+    these writes a "violation" line. For tests and load runs (docs/vllm.md#under-load)."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "a", buffering=1)
+        self.steps = 0
+        self.violations = 0
+
+    def _write(self, **rec) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+
+    @staticmethod
+    def prompt_hash(req) -> str:
+        import hashlib
+        return hashlib.sha1(np.asarray(req.prompt_token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+    def decision(self, req, kept, evicted, freed_ids) -> None:
+        self._write(event="decision", req=req.request_id, prompt=self.prompt_hash(req), tokens=req.num_prompt_tokens,
+                    kept=[int(b) for b in kept], evicted=[int(b) for b in evicted], freed=[int(b) for b in freed_ids])
+
+    def preempted(self, req_id: str) -> None:
+        self._write(event="preempted", req=req_id)
+
+    def swap(self, what: str, req_id: str, blocks: int) -> None:
+        self._write(event=what, req=req_id, blocks=blocks)
+
+    def finished(self, req, had_holes: bool) -> None:
+        self._write(event="finished", req=req.request_id, status=str(req.status), holes=had_holes,
+                    output_tokens=len(req.output_token_ids))
+
+    def step(self, mgr, pool, holes: dict) -> None:
+        self.steps += 1
+        owner: dict[int, str] = {}
+        bad = []
+        for rid, blocks in mgr.req_to_blocks.items():
+            for b in blocks:
+                if b.is_null:
+                    continue
+                if b.block_id in owner:
+                    bad.append(f"block {b.block_id} in the tables of {owner[b.block_id]} and {rid}")
+                owner[b.block_id] = rid
+                if b.ref_cnt != 1:
+                    bad.append(f"block {b.block_id} of {rid} has ref_cnt {b.ref_cnt}")
+        usable = pool.num_gpu_blocks - 1  # less vLLM's null block
+        free = pool.get_num_free_blocks()
+        if free + len(owner) != usable:
+            bad.append(f"{free} free + {len(owner)} held != {usable} usable blocks")
+        for first, (rid, _) in holes.items():
+            if owner.get(first) != rid:
+                bad.append(f"holes of {rid} sent under first block {first}, held by {owner.get(first)}")
+        rec = {"event": "step", "step": self.steps, "requests": len(mgr.req_to_blocks), "held": len(owner),
+               "free": free, "holes": len(holes)}
+        if bad:
+            self.violations += 1
+            rec["violations"] = bad[:8]
+        self._write(**rec)
+
+
+def audit_from_env():
+    path = os.environ.get(AUDIT_ENV)
+    return Audit(path) if path else None
+
+
+def read_audit(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

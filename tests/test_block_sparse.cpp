@@ -40,7 +40,7 @@ std::vector<float> normal(std::size_t n, std::uint64_t seed, float scale = 1.f) 
 TEST_CASE("block scores: names both ways, Quest's bound, meanstd and exact against brute force", "[block_sparse]") {
   for (BlockScore s : kvscore::kBlockScores) CHECK(kvscore::parse_block_score(kvscore::to_string(s)) == s);
   CHECK(error_of([] { kvscore::parse_block_score("minmax"); }) ==
-        "kvscore: block score 'minmax' must be 'quest', 'meanstd', 'pariskv' or 'exact'");
+        "kvscore: block score 'minmax' must be 'quest', 'meanstd', 'int4', 'pariskv' or 'exact'");
 
   // E[max of n standard normals]: 1/√π at 2, 3/(2√π) at 3 (closed forms), 0 at 1
   CHECK(kvscore::detail::expected_max_normal(1) == 0.0);
@@ -78,6 +78,28 @@ TEST_CASE("block scores: names both ways, Quest's bound, meanstd and exact again
       m += q[j] * mu;
       var += double(q[j]) * q[j] * (ss / double(n));
     }
+    // int4: q·k̂ of the dequantised keys (double) and within Σ|q_j|·step_j/2 of the exact maximum
+    std::vector<std::uint8_t> codes(std::size_t(kvscore::detail::int4_code_bytes(d, n)));
+    std::vector<float> mn(d), st(d);
+    kvscore::detail::summarize_tile(BlockScore::int4, tile, n, d, mn.data(), st.data(), codes.data());
+    double best4 = -1e300, err = 0;
+    for (std::int64_t j = 0; j < d; ++j) err += std::fabs(double(q[j])) * st[j] / 2;
+    for (std::int64_t t = 0; t < n; ++t) {
+      double s4 = 0;
+      for (std::int64_t j = 0; j < d; ++j) {
+        const int c = (codes[std::size_t(j * (n / 2) + t % (n / 2))] >> (t < n / 2 ? 0 : 4)) & 15;
+        CHECK(std::fabs(mn[j] + st[j] * c - keys[t * d + j]) <= st[j] / 2 * (1 + 1e-5) + 1e-6);
+        s4 += double(q[j]) * (double(mn[j]) + double(st[j]) * c);
+      }
+      best4 = std::max(best4, s4);
+    }
+    const float* qp = q.data();
+    float i4 = 0.f;
+    std::vector<std::int16_t> wq(static_cast<std::size_t>(d));
+    std::vector<std::int32_t> acc4(static_cast<std::size_t>(n));
+    kvscore::detail::int4_tile_scores(&qp, 1, mn.data(), st.data(), codes.data(), n, d, &i4, wq.data(), acc4.data());
+    CHECK(i4 == Approx(best4).epsilon(1e-4).margin(2e-3));  // the 16-bit weights: ~1e-4 relative
+    CHECK(std::fabs(double(i4) - best) <= err + 1e-3);
     const float z = 2.0697f;
     CHECK(kvscore::detail::summary_score(BlockScore::meanstd, q.data(), a.data(), b.data(), d, z) ==
           Approx(m + z * std::sqrt(var)).epsilon(1e-4).margin(1e-4));

@@ -17,14 +17,21 @@
 //            per-dimension standard deviation and z_n the expected maximum of n = block_size
 //            standard normals (2.07 at 32) — what the max of q·k over the block would be if the
 //            keys' coordinates were independent Gaussians.
+//   int4     max_t q·k̂_t over the block's keys quantised to 4 bits per coordinate within Quest's
+//            per-dimension range (k̂_tj = min_j + step_j·c_tj, step_j = (max_j − min_j)/15): the
+//            exact score on keys read at 1/8 of their fp32 bytes, summed in integers (q_j·step_j
+//            rounded to 16 bits per block: the same result on every ISA). Only the blocks among
+//            some query head's best `prefilter`·k by Quest's bound are scored this way (k: the
+//            blocks still to choose), the others of that KV head not at all.
 //   pariskv  max over the block's tokens that ParisKV's index retrieves for q (its RSQ-IP
 //            estimates, pariskv.hpp; one index per sequence and KV head, kept across steps);
 //            blocks with no retrieved token score −inf.
 //   exact    max_t q·k_t over the block's keys: what the bounds approximate. It reads every
 //            key, so it is the ceiling of the others' recall, not a fast path.
-// quest and meanstd read a summary of 2·head_dim floats per block and KV head, made once when
-// the block is first needed full and dropped when any of its slots is written again
-// (begin_step's slot list: a new owner, a preempted sequence recomputed).
+// quest and meanstd read a summary of 2·head_dim floats per block and KV head (int4: that and
+// head_dim·block_size/2 bytes of codes), made once when the block is first needed full and
+// dropped when any of its slots is written again (begin_step's slot list: a new owner, a
+// preempted sequence recomputed).
 //
 // One block table row serves every KV head (vLLM's kernels), so a block is chosen per sequence
 // and layer: each query head turns its block scores into a softmax over the candidate blocks
@@ -49,6 +56,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -63,15 +71,16 @@
 namespace kvscore {
 
 /// How a block is scored for a query (see the file comment).
-enum class BlockScore { quest, meanstd, pariskv, exact };
+enum class BlockScore { quest, meanstd, int4, pariskv, exact };
 
-inline constexpr BlockScore kBlockScores[] = {BlockScore::quest, BlockScore::meanstd, BlockScore::pariskv,
-                                              BlockScore::exact};
+inline constexpr BlockScore kBlockScores[] = {BlockScore::quest, BlockScore::meanstd, BlockScore::int4,
+                                              BlockScore::pariskv, BlockScore::exact};
 
 inline const char* to_string(BlockScore s) noexcept {
   switch (s) {
     case BlockScore::quest: return "quest";
     case BlockScore::meanstd: return "meanstd";
+    case BlockScore::int4: return "int4";
     case BlockScore::pariskv: return "pariskv";
     case BlockScore::exact: return "exact";
   }
@@ -87,6 +96,9 @@ struct BlockSparseOptions {
   /// The attention's softmax scale (0: 1/√head_dim), which turns block scores into each query
   /// head's estimated share of attention per block (see the file comment).
   float scale = 0.f;
+  /// int4: each query head scores exactly (on the codes) its best prefilter·k blocks by Quest's
+  /// bound, k being the blocks still to choose (0: every candidate)
+  std::int64_t prefilter = 2;
   int num_threads = 0;      ///< threads over rows (0 = OpenMP's default); the result is the same for any
   /// Also choose with `exact` and count how many of its chosen blocks the score chose
   /// (PagedBlockSelector::probe()): the recall of the exact block choice, for benchmarks.
@@ -98,6 +110,8 @@ namespace detail {
 inline void check_block_sparse(const BlockSparseOptions& o, const char* who) {
   if (o.sinks < 0) throw_invalid(std::string(who) + ": sinks must be >= 0 (got " + std::to_string(o.sinks) + ")");
   if (o.local < 0) throw_invalid(std::string(who) + ": local must be >= 0 (got " + std::to_string(o.local) + ")");
+  if (o.prefilter < 0)
+    throw_invalid(std::string(who) + ": prefilter must be >= 0 (got " + std::to_string(o.prefilter) + ")");
   if (!(o.scale >= 0) || !std::isfinite(o.scale))
     throw_invalid(std::string(who) + ": scale must be >= 0 and finite (got " + std::to_string(o.scale) + ")");
 }
@@ -151,11 +165,43 @@ KeyTile<typename View::value_type> paged_tile(const View& v, std::int64_t h, std
     return {v.data() + p * v.block_stride() + h * v.head_stride(), 1, v.block_size()};
 }
 
-/// The summary of n keys: quest (min, max) or meanstd (mean, standard deviation) per dimension.
+/// Scratch of one row's choice.
+struct BlockChoiceScratch {
+  std::vector<float> score, agg, acc, summary;
+  std::vector<std::int64_t> cand, order, chosen, exact_chosen;
+};
+
+/// Bytes of int4 codes per (block, KV head): [head_dim][h = ⌈block_size/2⌉], two tokens a byte:
+/// token t < h in the low nibble of byte t, token h + t in its high nibble (so one pass over a
+/// dimension's bytes reads the first half of the tokens, a second the other half: vector loops).
+inline std::int64_t int4_code_bytes(std::int64_t head_dim, std::int64_t block_size) noexcept {
+  return head_dim * ((block_size + 1) / 2);
+}
+
+/// The summary of n keys: quest (min, max), meanstd (mean, standard deviation) or int4 (min,
+/// step, and `codes`: int4_code_bytes) per dimension.
 template <class T>
-void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* a, float* b) {
+void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* a, float* b,
+                    std::uint8_t* codes = nullptr) {
   for (std::int64_t j = 0; j < d; ++j) {
-    if (how == BlockScore::quest) {
+    if (how == BlockScore::int4) {
+      float mn = x.at(0, j), mx = mn;
+      for (std::int64_t t = 1; t < n; ++t) {
+        mn = std::min(mn, x.at(t, j));
+        mx = std::max(mx, x.at(t, j));
+      }
+      const float step = (mx - mn) / 15.f;
+      a[j] = mn;
+      b[j] = step;
+      const std::int64_t half = (n + 1) / 2;
+      std::uint8_t* c = codes + j * half;
+      std::fill(c, c + half, std::uint8_t(0));
+      for (std::int64_t t = 0; t < n; ++t) {
+        const float u = step > 0.f ? (x.at(t, j) - mn) / step : 0.f;
+        const int q = std::min(15, std::max(0, int(std::lround(u))));
+        c[t % half] |= std::uint8_t(t < half ? q : q << 4);
+      }
+    } else if (how == BlockScore::quest) {
       float mn = x.at(0, j), mx = mn;
       for (std::int64_t t = 1; t < n; ++t) {
         const float e = x.at(t, j);
@@ -192,6 +238,88 @@ inline float summary_score(BlockScore how, const float* q, const float* a, const
   return m + z * std::sqrt(var);
 }
 
+/// max_t q·k̂_t over n int4-coded keys (min, step, codes of summarize_tile) for each of `g`
+/// queries (out[g]): q·min in fp32 in dimension order, plus s·max_t Σ_j w_j·c_tj where
+/// w_j = round(q_j·step_j / s) are 16-bit integers (s = max_j |q_j·step_j| / 32767) and the sums
+/// are exact int32: the result does not depend on the ISA or the compiler's vectorisation.
+/// `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
+inline void int4_tile_scores(const float* const* q, std::int64_t g, const float* mn, const float* step,
+                             const std::uint8_t* codes, std::int64_t n, std::int64_t d, float* out,
+                             std::int16_t* w, std::int32_t* acc) noexcept {
+  const std::int64_t half = (n + 1) / 2;
+  for (std::int64_t k = 0; k < g; ++k) {
+    float base = 0.f, top = 0.f;
+    for (std::int64_t j = 0; j < d; ++j) {
+      base += q[k][j] * mn[j];
+      top = std::max(top, std::fabs(q[k][j] * step[j]));
+    }
+    const float sc = top / 32767.f;
+    for (std::int64_t j = 0; j < d; ++j)
+      w[k * d + j] = sc > 0.f ? std::int16_t(std::lround(q[k][j] * step[j] / sc)) : std::int16_t(0);
+    std::int32_t* a = acc + k * 2 * half;
+    std::fill(a, a + 2 * half, 0);
+    for (std::int64_t j = 0; j < d; ++j) {
+      const std::uint8_t* c = codes + j * half;
+      const std::int32_t wj = w[k * d + j];
+      for (std::int64_t t = 0; t < half; ++t) {
+        a[t] += wj * std::int32_t(c[t] & 15);
+        a[half + t] += wj * std::int32_t(c[t] >> 4);
+      }
+    }
+    std::int32_t best = a[0];
+    for (std::int64_t t = 1; t < n; ++t) best = std::max(best, a[t]);  // a[t] is token t (a[n]: padding)
+    out[k] = base + sc * float(best);
+  }
+}
+
+/// int4 scores of the candidates w.cand for every query head (w.score [q_heads][C]), with Quest's
+/// prefilter: each query head ranks the candidates by Quest's bound (from the int4 summary's
+/// min and max), and a (block, KV head) is scored when one of its G query heads has it among its
+/// best `m` (−inf otherwise; m ≤ 0 or m ≥ C: every candidate). `summary(c, h)` gives the
+/// candidate's (min, step, codes) for KV head h.
+template <class Summary>
+void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t d, std::int64_t bs,
+                 std::int64_t m, Summary&& summary, BlockChoiceScratch& w) {
+  const std::int64_t C = std::int64_t(w.cand.size()), G = q_heads / kv_heads, half = (bs + 1) / 2;
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  w.score.assign(std::size_t(q_heads * C), ninf);
+  std::vector<std::uint8_t> keep(static_cast<std::size_t>(kv_heads * C), std::uint8_t(m <= 0 || m >= C));
+  if (m > 0 && m < C) {
+    w.acc.resize(std::size_t(d));
+    for (std::int64_t jq = 0; jq < q_heads; ++jq) {
+      const std::int64_t h = jq / G;
+      const float* q = query + jq * d;
+      w.agg.resize(std::size_t(C));
+      for (std::int64_t c = 0; c < C; ++c) {
+        const auto [mn, st, codes] = summary(c, h);
+        float b = 0.f;
+        for (std::int64_t j = 0; j < d; ++j) b += std::max(q[j] * mn[j], q[j] * (mn[j] + 15.f * st[j]));
+        w.agg[std::size_t(c)] = b;
+      }
+      w.order.resize(std::size_t(C));
+      for (std::int64_t c = 0; c < C; ++c) w.order[std::size_t(c)] = c;
+      std::nth_element(w.order.begin(), w.order.begin() + m, w.order.end(), [&](std::int64_t x, std::int64_t y) {
+        const float a = w.agg[std::size_t(x)], b = w.agg[std::size_t(y)];
+        return a > b || (a == b && x < y);
+      });
+      for (std::int64_t i = 0; i < m; ++i) keep[std::size_t(h * C + w.order[std::size_t(i)])] = 1;
+    }
+  }
+  std::vector<std::int16_t> wq(static_cast<std::size_t>(G * d));
+  std::vector<std::int32_t> acc(static_cast<std::size_t>(G * 2 * half));
+  std::vector<const float*> qs(static_cast<std::size_t>(G));
+  std::vector<float> out(static_cast<std::size_t>(G));
+  for (std::int64_t h = 0; h < kv_heads; ++h) {
+    for (std::int64_t g = 0; g < G; ++g) qs[std::size_t(g)] = query + (h * G + g) * d;
+    for (std::int64_t c = 0; c < C; ++c) {
+      if (!keep[std::size_t(h * C + c)]) continue;
+      const auto [mn, st, codes] = summary(c, h);
+      int4_tile_scores(qs.data(), G, mn, st, codes, bs, d, out.data(), wq.data(), acc.data());
+      for (std::int64_t g = 0; g < G; ++g) w.score[std::size_t((h * G + g) * C + c)] = out[std::size_t(g)];
+    }
+  }
+}
+
 /// max_t q·k_t over n keys (fp32 sums in dimension order); `acc` has n floats of scratch.
 template <class T>
 float exact_tile_score(const float* q, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* acc) noexcept {
@@ -202,12 +330,6 @@ float exact_tile_score(const float* q, const KeyTile<T>& x, std::int64_t n, std:
   }
   return *std::max_element(acc, acc + n);
 }
-
-/// Scratch of one row's choice.
-struct BlockChoiceScratch {
-  std::vector<float> score, agg, acc, summary;
-  std::vector<std::int64_t> cand, order, chosen, exact_chosen;
-};
 
 /// The candidates of a row: every logical block that is not protected.
 inline void candidates(const ProtectedBlocks& pb, std::vector<std::int64_t>& cand) {
@@ -360,6 +482,23 @@ inline std::vector<std::int64_t> block_sparse_reference(const float* keys, std::
                              [&](std::int64_t jq) -> const ParisKV& { return index[std::size_t(jq / G)]; }, w);
       return;
     }
+    if (how == BlockScore::int4) {
+      // every candidate's summary and codes, then the shared prefilter + integer scoring
+      const std::int64_t cb = detail::int4_code_bytes(d, bs);
+      std::vector<float> sums(std::size_t(C * kv_heads * 2 * d));
+      std::vector<std::uint8_t> codes(std::size_t(C * kv_heads * cb));
+      for (std::int64_t c = 0; c < C; ++c)
+        for (std::int64_t h = 0; h < kv_heads; ++h) {
+          float* a = sums.data() + (c * kv_heads + h) * 2 * d;
+          detail::summarize_tile(how, tile(h, w.cand[std::size_t(c)]), bs, d, a, a + d,
+                                 codes.data() + (c * kv_heads + h) * cb);
+        }
+      detail::int4_scores(query, q_heads, kv_heads, d, bs, opt.prefilter * k, [&](std::int64_t c, std::int64_t h) {
+        const float* a = sums.data() + (c * kv_heads + h) * 2 * d;
+        return std::tuple<const float*, const float*, const std::uint8_t*>{a, a + d, codes.data() + (c * kv_heads + h) * cb};
+      }, w);
+      return;
+    }
     const float z = float(detail::expected_max_normal(bs));
     w.score.assign(std::size_t(q_heads * C), 0.f);
     w.summary.resize(std::size_t(2 * d));
@@ -367,12 +506,12 @@ inline std::vector<std::int64_t> block_sparse_reference(const float* keys, std::
     for (std::int64_t c = 0; c < C; ++c)
       for (std::int64_t h = 0; h < kv_heads; ++h) {
         const auto x = tile(h, w.cand[std::size_t(c)]);
+        const float* a = w.summary.data();
         if (how != BlockScore::exact) detail::summarize_tile(how, x, bs, d, w.summary.data(), w.summary.data() + d);
         for (std::int64_t jq = h * G; jq < (h + 1) * G; ++jq)
-          w.score[std::size_t(jq * C + c)] =
-              how == BlockScore::exact
-                  ? detail::exact_tile_score(query + jq * d, x, bs, d, w.acc.data())
-                  : detail::summary_score(how, query + jq * d, w.summary.data(), w.summary.data() + d, d, z);
+          w.score[std::size_t(jq * C + c)] = how == BlockScore::exact
+                                                 ? detail::exact_tile_score(query + jq * d, x, bs, d, w.acc.data())
+                                                 : detail::summary_score(how, query + jq * d, a, a + d, d, z);
       }
   };
   std::vector<std::int64_t> chosen;
@@ -421,6 +560,10 @@ class PagedBlockSelector {
       summary_.resize(std::size_t(L_));
       made_at_.assign(std::size_t(L_), std::vector<std::int64_t>(std::size_t(nb_), -1));
       for (auto& s : summary_) s.reset(new float[std::size_t(nb_ * kh_ * 2 * d_)]);
+      if (opt_.score == BlockScore::int4) {
+        codes_.resize(std::size_t(L_));
+        for (auto& c : codes_) c.reset(new std::uint8_t[std::size_t(nb_ * kh_ * code_bytes())]);
+      }
     }
     if (opt_.score == BlockScore::pariskv) seqs_.resize(std::size_t(L_));
   }
@@ -437,9 +580,12 @@ class PagedBlockSelector {
   std::int64_t kv_heads() const noexcept { return kh_; }
   std::int64_t head_dim() const noexcept { return d_; }
   std::int64_t block_size() const noexcept { return bs_; }
-  /// Bytes of the per-block summaries (quest, meanstd): 2·head_dim floats per block, head, layer.
+  /// Bytes of the per-block summaries (quest, meanstd, int4): 2·head_dim floats per block, head
+  /// and layer, and int4's codes.
   std::int64_t summary_bytes() const noexcept {
-    return uses_summaries() ? L_ * nb_ * kh_ * 2 * d_ * std::int64_t(sizeof(float)) : 0;
+    return uses_summaries() ? L_ * nb_ * kh_ * (2 * d_ * std::int64_t(sizeof(float)) +
+                                                (opt_.score == BlockScore::int4 ? code_bytes() : 0))
+                            : 0;
   }
   /// Summaries made since construction (quest, meanstd), for tests and benchmarks.
   std::int64_t summaries_made() const noexcept { return made_; }
@@ -520,11 +666,13 @@ class PagedBlockSelector {
         }
       }
       float* S = summary_[std::size_t(layer)].get();
+      std::uint8_t* K4 = codes_.empty() ? nullptr : codes_[std::size_t(layer)].get();
       detail::parallel_for(std::int64_t(todo.size()), opt_.num_threads, [&](std::int64_t i) {
         const std::int64_t p = todo[std::size_t(i)];
         for (std::int64_t h = 0; h < kh_; ++h) {
           float* a = S + (p * kh_ + h) * 2 * d_;
-          detail::summarize_tile(opt_.score, detail::paged_tile(keys, h, p), bs_, d_, a, a + d_);
+          detail::summarize_tile(opt_.score, detail::paged_tile(keys, h, p), bs_, d_, a, a + d_,
+                                 K4 ? K4 + (p * kh_ + h) * code_bytes() : nullptr);
         }
       });
       made_ += std::int64_t(todo.size());
@@ -547,7 +695,10 @@ class PagedBlockSelector {
     std::vector<ParisKV> heads;
   };
 
-  bool uses_summaries() const noexcept { return opt_.score == BlockScore::quest || opt_.score == BlockScore::meanstd; }
+  bool uses_summaries() const noexcept {
+    return opt_.score == BlockScore::quest || opt_.score == BlockScore::meanstd || opt_.score == BlockScore::int4;
+  }
+  std::int64_t code_bytes() const noexcept { return detail::int4_code_bytes(d_, bs_); }
   float scale() const noexcept { return opt_.scale > 0 ? opt_.scale : 1.f / std::sqrt(float(d_)); }
 
   void check_row(const BlockSparseRow& r, std::size_t i, std::int64_t q_heads, const std::string& who) const {
@@ -580,9 +731,18 @@ class PagedBlockSelector {
                              [&](std::int64_t jq) -> const ParisKV& { return s.heads[std::size_t(jq / G)]; }, w);
       return;
     }
+    const float* S = uses_summaries() ? summary_[std::size_t(l)].get() : nullptr;
+    if (how == BlockScore::int4) {
+      const std::uint8_t* K4 = codes_[std::size_t(l)].get();
+      detail::int4_scores(r.query, q_heads, kh_, d_, bs_, opt_.prefilter * k, [&](std::int64_t c, std::int64_t h) {
+        const std::int64_t p = r.table[std::size_t(w.cand[std::size_t(c)])];
+        const float* a = S + (p * kh_ + h) * 2 * d_;
+        return std::tuple<const float*, const float*, const std::uint8_t*>{a, a + d_, K4 + (p * kh_ + h) * code_bytes()};
+      }, w);
+      return;
+    }
     w.score.assign(std::size_t(q_heads * C), 0.f);
     w.acc.resize(std::size_t(bs_));
-    const float* S = uses_summaries() ? summary_[std::size_t(l)].get() : nullptr;
     for (std::int64_t c = 0; c < C; ++c) {
       const std::int64_t p = r.table[std::size_t(w.cand[std::size_t(c)])];
       for (std::int64_t h = 0; h < kh_; ++h)
@@ -659,6 +819,7 @@ class PagedBlockSelector {
   BlockSparseOptions opt_;
   float z_ = 0.f;
   std::vector<std::unique_ptr<float[]>> summary_;        // per layer [num_blocks][kv_heads][2][head_dim]
+  std::vector<std::unique_ptr<std::uint8_t[]>> codes_;   // int4, per layer [num_blocks][kv_heads][code_bytes]
   std::vector<std::vector<std::int64_t>> made_at_;       // per layer and block: the write step summarised (-1: none)
   std::vector<std::int64_t> written_;                    // per block: the step it was last written (0: never)
   std::vector<std::unordered_map<std::int64_t, std::unique_ptr<SeqIndex>>> seqs_;  // pariskv, per layer, by first block

@@ -39,7 +39,7 @@ _SCORERS = tuple(m["name"] for m in _REGISTRY
 
 # Sparse decode (docs/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
 # defaults chosen by the benchmark (docs/vllm.md#sparse-decode).
-BLOCK_SCORES = ("quest", "meanstd", "pariskv", "exact")
+BLOCK_SCORES = ("quest", "meanstd", "int4", "pariskv", "exact")
 DEFAULT_BLOCK_SCORE = "quest"
 DEFAULT_LOCAL = 64
 DEFAULT_DENSE_BELOW = 1024
@@ -78,7 +78,7 @@ class Config:
     attend           keys each decode step attends: a fraction in (0, 1] of the request's tokens or a
                      whole count of tokens > 1, rounded up to whole blocks (1.0 = dense, the default)
     block_score      how a block is scored for the step's query: "quest" (default), "meanstd",
-                     "pariskv" or "exact" (BLOCK_SCORES)
+                     "int4", "pariskv" or "exact" (BLOCK_SCORES)
     local            the newest positions whose blocks every decode step attends (the partial last
                      block always); the first `sinks` positions' blocks too
     dense_below      requests shorter than this many tokens decode densely

@@ -39,6 +39,7 @@ std::vector<float> normal(std::size_t n, std::uint64_t seed, float scale = 1.f) 
 
 TEST_CASE("block scores: names both ways, Quest's bound, meanstd and exact against brute force", "[block_sparse]") {
   for (BlockScore s : kvscore::kBlockScores) CHECK(kvscore::parse_block_score(kvscore::to_string(s)) == s);
+  for (auto g : kvscore::kQueryGroups) CHECK(kvscore::parse_query_group(kvscore::to_string(g)) == g);
   CHECK(error_of([] { kvscore::parse_block_score("minmax"); }) ==
         "kvscore: block score 'minmax' must be 'quest', 'meanstd', 'int4', 'pariskv' or 'exact'");
 
@@ -232,12 +233,13 @@ std::vector<float> read_back(const Pool<T>& p, const Seq& s) {
 }
 
 template <class T>
-void check_against_reference(BlockScore how, bool transposed) {
+void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGroup group = kvscore::QueryGroup::heads) {
   const std::int64_t NB = 96, H = 2, G = 2, bs = 32, d = 32, L = 2;
   Pool<T> pool(NB, H, bs, d, transposed);
   BlockSparseOptions o;
   o.score = how;
   o.probe = true;
+  o.group = group;
   PagedBlockSelector sel(L, NB, H, d, bs, o);
   BlockSparseOptions o1 = o;
   o1.num_threads = 1;
@@ -303,7 +305,7 @@ void check_against_reference(BlockScore how, bool transposed) {
     }
     for (auto& s : seqs) write(s, 13);  // the decode steps' tokens (some blocks fill)
   }
-  if (how == BlockScore::exact) CHECK(sel.probe().first == sel.probe().second);
+  if (how == BlockScore::exact && group == kvscore::QueryGroup::heads) CHECK(sel.probe().first == sel.probe().second);
   CHECK(sel.probe().first > 0);
   if (how == BlockScore::quest || how == BlockScore::meanstd) CHECK(sel.summaries_made() > 0);
   if (how == BlockScore::pariskv) CHECK(sel.indexes() == 3 * L);
@@ -318,6 +320,8 @@ TEST_CASE("PagedBlockSelector equals the reference on the keys read back, across
   check_against_reference<kvscore::bfloat16>(BlockScore::quest, true);
   check_against_reference<kvscore::half>(BlockScore::meanstd, true);
   check_against_reference<kvscore::bfloat16>(BlockScore::pariskv, true);
+  check_against_reference<float>(BlockScore::int4, true, kvscore::QueryGroup::mean);
+  check_against_reference<kvscore::half>(BlockScore::quest, false, kvscore::QueryGroup::mean);
 }
 
 TEST_CASE("PagedBlockSelector: a summary is remade only when begin_step names a write to its block",

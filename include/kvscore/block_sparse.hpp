@@ -67,6 +67,7 @@
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/paged.hpp"
 #include "kvscore/pariskv/pariskv.hpp"
+#include "kvscore/simd/dispatch.hpp"
 
 namespace kvscore {
 
@@ -89,6 +90,16 @@ inline const char* to_string(BlockScore s) noexcept {
 
 inline BlockScore parse_block_score(std::string_view s) { return detail::parse_enum(s, kBlockScores, "block score"); }
 
+/// Which queries score the blocks of a KV head: each of its query heads (GQA: G of them), or one,
+/// their mean (G times less scoring; the group's shares of attention are then estimated as one).
+enum class QueryGroup { heads, mean };
+
+inline constexpr QueryGroup kQueryGroups[] = {QueryGroup::heads, QueryGroup::mean};
+
+inline const char* to_string(QueryGroup g) noexcept { return g == QueryGroup::mean ? "mean" : "heads"; }
+
+inline QueryGroup parse_query_group(std::string_view s) { return detail::parse_enum(s, kQueryGroups, "query group"); }
+
 struct BlockSparseOptions {
   BlockScore score = BlockScore::quest;
   std::int64_t sinks = 4;   ///< positions [0, sinks): their blocks are always attended, >= 0
@@ -99,6 +110,7 @@ struct BlockSparseOptions {
   /// int4: each query head scores exactly (on the codes) its best prefilter·k blocks by Quest's
   /// bound, k being the blocks still to choose (0: every candidate)
   std::int64_t prefilter = 2;
+  QueryGroup group = QueryGroup::heads;  ///< the queries that score a KV head's blocks
   int num_threads = 0;      ///< threads over rows (0 = OpenMP's default); the result is the same for any
   /// Also choose with `exact` and count how many of its chosen blocks the score chose
   /// (PagedBlockSelector::probe()): the recall of the exact block choice, for benchmarks.
@@ -167,7 +179,7 @@ KeyTile<typename View::value_type> paged_tile(const View& v, std::int64_t h, std
 
 /// Scratch of one row's choice.
 struct BlockChoiceScratch {
-  std::vector<float> score, agg, acc, summary;
+  std::vector<float> score, agg, acc, summary, meanq;
   std::vector<std::int64_t> cand, order, chosen, exact_chosen;
 };
 
@@ -183,22 +195,25 @@ inline std::int64_t int4_code_bytes(std::int64_t head_dim, std::int64_t block_si
 template <class T>
 void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* a, float* b,
                     std::uint8_t* codes = nullptr) {
+  std::vector<float> row;  // a dimension's n values (contiguous: the loops below vectorise)
+  if (how == BlockScore::int4) row.resize(static_cast<std::size_t>(n));
   for (std::int64_t j = 0; j < d; ++j) {
     if (how == BlockScore::int4) {
-      float mn = x.at(0, j), mx = mn;
+      for (std::int64_t t = 0; t < n; ++t) row[std::size_t(t)] = x.at(t, j);
+      float mn = row[0], mx = mn;
       for (std::int64_t t = 1; t < n; ++t) {
-        mn = std::min(mn, x.at(t, j));
-        mx = std::max(mx, x.at(t, j));
+        mn = std::min(mn, row[std::size_t(t)]);
+        mx = std::max(mx, row[std::size_t(t)]);
       }
-      const float step = (mx - mn) / 15.f;
+      const float step = (mx - mn) / 15.f, inv = step > 0.f ? 1.f / step : 0.f;
       a[j] = mn;
       b[j] = step;
       const std::int64_t half = (n + 1) / 2;
       std::uint8_t* c = codes + j * half;
       std::fill(c, c + half, std::uint8_t(0));
       for (std::int64_t t = 0; t < n; ++t) {
-        const float u = step > 0.f ? (x.at(t, j) - mn) / step : 0.f;
-        const int q = std::min(15, std::max(0, int(std::lround(u))));
+        const float u = (row[std::size_t(t)] - mn) * inv;  // >= 0: rounded half up
+        const int q = std::min(15, int(u + 0.5f));
         c[t % half] |= std::uint8_t(t < half ? q : q << 4);
       }
     } else if (how == BlockScore::quest) {
@@ -248,27 +263,23 @@ inline void int4_tile_scores(const float* const* q, std::int64_t g, const float*
                              std::int16_t* w, std::int32_t* acc) noexcept {
   const std::int64_t half = (n + 1) / 2;
   for (std::int64_t k = 0; k < g; ++k) {
-    float base = 0.f, top = 0.f;
+    float top = 0.f;
+    for (std::int64_t j = 0; j < d; ++j) top = std::max(top, std::fabs(q[k][j] * step[j]));
+    const float inv = top > 0.f ? 32767.f / top : 0.f;
     for (std::int64_t j = 0; j < d; ++j) {
-      base += q[k][j] * mn[j];
-      top = std::max(top, std::fabs(q[k][j] * step[j]));
+      const float u = (q[k][j] * step[j]) * inv;  // in [−32767, 32767]; rounded half away from 0
+      w[k * d + j] = std::int16_t(u >= 0.f ? u + 0.5f : u - 0.5f);
     }
-    const float sc = top / 32767.f;
-    for (std::int64_t j = 0; j < d; ++j)
-      w[k * d + j] = sc > 0.f ? std::int16_t(std::lround(q[k][j] * step[j] / sc)) : std::int16_t(0);
-    std::int32_t* a = acc + k * 2 * half;
-    std::fill(a, a + 2 * half, 0);
-    for (std::int64_t j = 0; j < d; ++j) {
-      const std::uint8_t* c = codes + j * half;
-      const std::int32_t wj = w[k * d + j];
-      for (std::int64_t t = 0; t < half; ++t) {
-        a[t] += wj * std::int32_t(c[t] & 15);
-        a[half + t] += wj * std::int32_t(c[t] >> 4);
-      }
-    }
+    out[k] = top / 32767.f;  // the weights' scale, until the sums are in
+  }
+  simd::active_table().int4_dots(w, g, d, codes, half, acc);  // exact int32 sums on any table
+  for (std::int64_t k = 0; k < g; ++k) {
+    const std::int32_t* a = acc + k * 2 * half;
     std::int32_t best = a[0];
     for (std::int64_t t = 1; t < n; ++t) best = std::max(best, a[t]);  // a[t] is token t (a[n]: padding)
-    out[k] = base + sc * float(best);
+    float base = 0.f;
+    for (std::int64_t j = 0; j < d; ++j) base += q[k][j] * mn[j];
+    out[k] = base + out[k] * float(best);
   }
 }
 
@@ -412,6 +423,24 @@ inline ParisKVConfig block_sparse_pariskv_config() {
   return c;
 }
 
+/// The queries that score: `query` itself ([q_heads][d]) or, for QueryGroup::mean, each KV
+/// head's mean query into `buf` ([kv_heads][d], in head order); returns the pointer, sets `n`.
+inline const float* scoring_queries(const float* query, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t d,
+                                    QueryGroup group, std::vector<float>& buf, std::int64_t& n) {
+  if (group == QueryGroup::heads) {
+    n = q_heads;
+    return query;
+  }
+  const std::int64_t G = q_heads / kv_heads;
+  buf.assign(static_cast<std::size_t>(kv_heads * d), 0.f);
+  for (std::int64_t h = 0; h < kv_heads; ++h)
+    for (std::int64_t g = 0; g < G; ++g)
+      for (std::int64_t j = 0; j < d; ++j) buf[std::size_t(h * d + j)] += query[(h * G + g) * d + j];
+  for (float& x : buf) x /= float(G);
+  n = kv_heads;
+  return buf.data();
+}
+
 inline void check_query(const float* q, std::int64_t n, const std::string& at) {
   if (q == nullptr) throw_invalid(at + ": query is null");
   for (std::int64_t j = 0; j < n; ++j)
@@ -462,6 +491,10 @@ inline std::vector<std::int64_t> block_sparse_reference(const float* keys, std::
   if (attend < pb.count() || attend > pb.blocks)
     detail::throw_invalid(who + ": attend " + std::to_string(attend) + " blocks out of range [" +
                           std::to_string(pb.count()) + ", " + std::to_string(pb.blocks) + "]");
+  std::vector<float> meanq;
+  std::int64_t qn = q_heads;
+  query = detail::scoring_queries(query, q_heads, kv_heads, head_dim, opt.group, meanq, qn);
+  q_heads = qn;
   const std::int64_t G = q_heads / kv_heads, d = head_dim, bs = block_size;
   const std::int64_t k = attend - pb.count();
   detail::BlockChoiceScratch w;
@@ -801,9 +834,12 @@ class PagedBlockSelector {
     w.chosen.clear();
     std::pair<std::int64_t, std::int64_t> probe{0, 0};
     if (k > 0) {
-      score(l, v, r, q_heads, opt_.score, k, w);
-      detail::choose_top(q_heads, k, scale(), w, w.chosen);
-      if (opt_.probe) {
+      std::int64_t qn = q_heads;
+      BlockSparseRow rq = r;
+      rq.query = detail::scoring_queries(r.query, q_heads, kh_, d_, opt_.group, w.meanq, qn);
+      score(l, v, rq, qn, opt_.score, k, w);
+      detail::choose_top(qn, k, scale(), w, w.chosen);
+      if (opt_.probe) {  // the exact choice of every query head
         score(l, v, r, q_heads, BlockScore::exact, k, w);
         detail::choose_top(q_heads, k, scale(), w, w.exact_chosen);
         std::int64_t hit = 0;

@@ -391,7 +391,7 @@ void bind_vllm(nb::module_& m) {
   m.def(
       "block_sparse_reference",
       [](const Any& keys, const Any& query, std::int64_t block_size, std::int64_t attend, const std::string& score,
-         std::int64_t sinks, std::int64_t local, float scale) {
+         std::int64_t sinks, std::int64_t local, float scale, std::int64_t prefilter, const std::string& group) {
         if (keys.ndim() != 3 || dtype_of(keys, "keys") != DT::f32) bad("keys: expected float32 [kv_heads, tokens, head_dim]");
         if (query.ndim() != 2 || dtype_of(query, "query") != DT::f32) bad("query: expected float32 [q_heads, head_dim]");
         require_c_contiguous(keys, "keys");
@@ -402,6 +402,8 @@ void bind_vllm(nb::module_& m) {
         o.sinks = sinks;
         o.local = local;
         o.scale = scale;
+        o.prefilter = prefilter;
+        o.group = kvscore::parse_query_group(group);
         std::vector<std::int64_t> out;
         {
           nb::gil_scoped_release unlocked;
@@ -414,7 +416,8 @@ void bind_vllm(nb::module_& m) {
         return to_numpy(std::move(out), {n});
       },
       "keys"_a, "query"_a, "block_size"_a, "attend"_a, nb::kw_only(), "score"_a = kvscore::to_string(bso.score),
-      "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,
+      "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale, "prefilter"_a = bso.prefilter,
+      "group"_a = kvscore::to_string(bso.group),
       "kvscore::block_sparse_reference: the logical blocks (int64, ascending) one decode step attends, from a\n"
       "sequence's keys float32 [kv_heads, tokens, head_dim] and query float32 [q_heads, head_dim] alone.");
 
@@ -424,19 +427,23 @@ void bind_vllm(nb::module_& m) {
           "__init__",
           [](VllmBlockSelector* self, std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads,
              std::int64_t head_dim, std::int64_t block_size, const std::string& score, std::int64_t sinks,
-             std::int64_t local, float scale, int threads, bool probe) {
+             std::int64_t local, float scale, std::int64_t prefilter, const std::string& group, int threads,
+             bool probe) {
             kvscore::BlockSparseOptions o;
             o.score = kvscore::parse_block_score(score);
             o.sinks = sinks;
             o.local = local;
             o.scale = scale;
+            o.prefilter = prefilter;
+            o.group = kvscore::parse_query_group(group);
             o.num_threads = threads;
             o.probe = probe;
             new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size, o);
           },
           "layers"_a, "num_blocks"_a, "kv_heads"_a, "head_dim"_a, "block_size"_a, nb::kw_only(),
           "score"_a = kvscore::to_string(bso.score), "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,
-          "threads"_a = bso.num_threads, "probe"_a = bso.probe)
+          "prefilter"_a = bso.prefilter, "group"_a = kvscore::to_string(bso.group), "threads"_a = bso.num_threads,
+          "probe"_a = bso.probe)
       .def("begin_step", &VllmBlockSelector::begin_step, "slot_mapping"_a, "live"_a,
            "Once per step: the slots written since the last step (their blocks' summaries and indexes go stale) and\n"
            "the first block of every sequence in the step.")

@@ -31,6 +31,9 @@ def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "block_score": "minmax"}, "block_score 'minmax' must be one of"),
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "local": -1}, "local -1 must be an integer >= 0"),
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 1.5}, "dense_below 1.5 must be an integer"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "query_group": "max"}, "query_group 'max' must be"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "prefilter": -1}, "prefilter -1 must be an integer >= 0"),
+    ({"method": "knorm", "ratio": 0.5, "swap_space": -1}, "swap_space -1 must be a number of GiB >= 0"),
 ])
 def test_bad_settings(settings, match):
     with pytest.raises(ValueError, match=match):

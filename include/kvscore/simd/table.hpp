@@ -59,6 +59,11 @@ struct KernelTable {
   /// whatever the type of the rows they came from.
   void (*unproject)(const float* codes, std::int64_t n, std::int64_t r, const float* basis, std::int64_t d,
                     float* out);
+  /// acc[k·2h + t] = Σ_j w[k·d + j]·code(j, t) for k < g queries and t < 2h tokens, where code(j, t)
+  /// is the low nibble of codes[j·h + t] for t < h and the high nibble of codes[j·h + t − h]
+  /// otherwise (block_sparse.hpp's int4 block score). Integer sums: the same on every table.
+  void (*int4_dots)(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes, std::int64_t h,
+                    std::int32_t* acc);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

@@ -79,6 +79,10 @@ class Config:
                      whole count of tokens > 1, rounded up to whole blocks (1.0 = dense, the default)
     block_score      how a block is scored for the step's query: "quest" (default), "meanstd",
                      "int4", "pariskv" or "exact" (BLOCK_SCORES)
+    query_group      "heads": each query head scores the blocks (default); "mean": one query per KV
+                     head, its group's mean (GQA: G times less scoring)
+    prefilter        int4: each query head scores exactly its best prefilter·k blocks by Quest's
+                     bound (k: the blocks to choose; 0 = every block)
     local            the newest positions whose blocks every decode step attends (the partial last
                      block always); the first `sinks` positions' blocks too
     dense_below      requests shorter than this many tokens decode densely
@@ -94,7 +98,7 @@ class Config:
                  recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
                  threads: int = 0, attend: float = 1.0, block_score: str = DEFAULT_BLOCK_SCORE,
                  local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False,
-                 swap_space: float = DEFAULT_SWAP_SPACE):
+                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = "heads", prefilter: int = 2):
         try:
             name = _method_name(method)
         except (ValueError, TypeError, KeyError) as e:
@@ -105,7 +109,7 @@ class Config:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
             raise ValueError(f"kvscore.vllm: ratio {ratio!r} must be a number in [0, 1)")
         for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads), ("local", local),
-                     ("dense_below", dense_below)):
+                     ("dense_below", dense_below), ("prefilter", prefilter)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kvscore.vllm: {k} {v!r} must be an integer >= 0")
         if aggregate not in ("max", "mean"):
@@ -124,6 +128,9 @@ class Config:
                 or not math.isfinite(swap_space)):
             raise ValueError(f"kvscore.vllm: swap_space {swap_space!r} must be a number of GiB >= 0")
         self.swap_space = float(swap_space)
+        if query_group not in ("heads", "mean"):
+            raise ValueError(f"kvscore.vllm: query_group {query_group!r} must be 'heads' or 'mean'")
+        self.query_group, self.prefilter = query_group, prefilter
         self.attend, self.block_score, self.local, self.dense_below, self.probe = (
             float(attend) if attend <= 1 else int(attend), block_score, local, dense_below, probe)
         self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
@@ -151,7 +158,7 @@ class Config:
     def from_extra(cls, extra: dict | None) -> "Config":
         extra = dict(extra or {})
         known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads", "attend",
-                 "block_score", "local", "dense_below", "probe", "swap_space"}
+                 "block_score", "local", "dense_below", "probe", "swap_space", "query_group", "prefilter"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
@@ -172,7 +179,8 @@ class Config:
         return {"method": self.method, "ratio": self.ratio, "sinks": self.sinks, "recent": self.recent,
                 "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads,
                 "attend": self.attend, "block_score": self.block_score, "local": self.local,
-                "dense_below": self.dense_below, "probe": self.probe, "swap_space": self.swap_space}
+                "dense_below": self.dense_below, "probe": self.probe, "swap_space": self.swap_space,
+                "query_group": self.query_group, "prefilter": self.prefilter}
 
 
 def kv_transfer_config(method: str, ratio: float, **settings) -> dict:

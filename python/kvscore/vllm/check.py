@@ -60,7 +60,7 @@ class Checker:
             keys = _k.vllm_cpu_keys(kv_cache, ids, n)
             q = query[int(ti)].float().contiguous().numpy()
             ref = _k.block_sparse_reference(keys, q, bs, a, score=cfg.block_score, sinks=cfg.sinks, local=cfg.local,
-                                            scale=impl_scale)
+                                            scale=impl_scale, prefilter=cfg.prefilter, group=cfg.query_group)
             got = [int(x) for x in dst[r, :a]]
             want = [int(ids[b]) for b in ref]
             # protected: the sinks' blocks, the local window's and the last block

@@ -222,8 +222,8 @@ class KvscoreConnector(KVConnectorBase_V1):
             check.install_from_env(sys.modules[__name__])
             self._selector = _k.PagedBlockSelector(
                 len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
-                sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), threads=self.cfg.threads,
-                probe=self.cfg.probe)
+                sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
+                group=self.cfg.query_group, threads=self.cfg.threads, probe=self.cfg.probe)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

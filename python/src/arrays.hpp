@@ -22,6 +22,7 @@
 
 #include "kvscore/core/dtype.hpp"
 #include "kvscore/make_scorer.hpp"
+#include "kvscore/select.hpp"
 
 namespace nb = nanobind;
 
@@ -280,6 +281,19 @@ inline kvscore::AnyScorer scorer_from(const std::string& name, const kvscore::Sc
     a.head_dim = std::int64_t(f.shape(1));
   }
   return kvscore::make_scorer(name, a);  // copies what it keeps of the queries
+}
+
+/// kvscore::SelectOptions from select()'s keywords (alloc by name: parse_alloc's error for another).
+inline kvscore::SelectOptions select_options(std::int64_t sinks, std::int64_t recent, const std::string& alloc,
+                                             double alpha, bool normalize, int threads) {
+  kvscore::SelectOptions o;
+  o.sinks = sinks;
+  o.recent = recent;
+  o.alloc = kvscore::parse_alloc(alloc);
+  o.alpha = alpha;
+  o.normalize = normalize;
+  o.num_threads = threads;
+  return o;
 }
 
 // ------------------------------------------------------------------ errors, in one place

@@ -337,18 +337,6 @@ void bind_snapkv(nb::module_& m) {
 
 // ------------------------------------------------------------------ selection and compaction
 
-kvscore::SelectOptions select_options(std::int64_t sinks, std::int64_t recent, const std::string& alloc,
-                                      double alpha, bool normalize, int threads) {
-  kvscore::SelectOptions o;
-  o.sinks = sinks;
-  o.recent = recent;
-  o.alloc = kvscore::parse_alloc(alloc);
-  o.alpha = alpha;
-  o.normalize = normalize;
-  o.num_threads = threads;
-  return o;
-}
-
 kc::DeviceScoresView scores_view(const In& scores) {
   cuda_device_of(scores, "scores [heads, tokens]");
   const F32Rows r = f32_rows(scores, "scores [heads, tokens]");

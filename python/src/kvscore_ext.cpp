@@ -320,13 +320,7 @@ void bind_select(nb::module_& m) {
       [](const Any& scores, std::int64_t budget, std::int64_t sinks, std::int64_t recent, const std::string& alloc,
          double alpha, bool normalize, int threads) -> nb::object {
         const F32Rows r = f32_rows(scores, "scores [heads, tokens]");
-        kvscore::SelectOptions o;
-        o.sinks = sinks;
-        o.recent = recent;
-        o.alloc = kvscore::parse_alloc(alloc);
-        o.alpha = alpha;
-        o.normalize = normalize;
-        o.num_threads = threads;
+        const kvscore::SelectOptions o = select_options(sinks, recent, alloc, alpha, normalize, threads);
         kvscore::Selection s;
         {
           nb::gil_scoped_release unlocked;

@@ -75,6 +75,11 @@ def check(name: str, info: bool = False):
 
 
 DEV = torch.device("cuda")
+# the measured shapes (INFO rows); --dry-run-on-cpu shrinks them
+OVERHEAD_TOKENS = (8192, 32768)
+OVERHEAD_MODEL = dict(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=40000)
+TOPK_SHAPES = ((256, 65536), (32, 1 << 20))
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -375,7 +380,7 @@ def tiny_model(kind, attn="eager"):
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     else:
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    return cls._from_config(cfg, attn_implementation=attn, torch_dtype=torch.float32).eval()
+    return cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
 
 def prefill(model, press, ids):
@@ -499,13 +504,18 @@ def press_check(kind, quick):
 
 # ------------------------------------------------------------------ reported, not asserted
 
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn, reps=5):
     best = float("inf")
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -519,17 +529,16 @@ def check_overhead(quick):
     from kvscore.presses import KvscorePress
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
-                                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=40000)
+    cfg = transformers.LlamaConfig(**OVERHEAD_MODEL)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa",
-                                                       torch_dtype=torch.bfloat16).to(DEV).eval()
+                                                       dtype=torch.bfloat16).to(DEV).eval()
     methods = [("knorm", {}, lambda r: kvpress.KnormPress(compression_ratio=r)),
                ("keydiff", {}, lambda r: kvpress.KeyDiffPress(compression_ratio=r)),
                ("snapkv", {"window": 64}, lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=64)),
                ("streaming_llm", {}, lambda r: kvpress.StreamingLLMPress(compression_ratio=r))]
     out = []
-    for n in ((8192,) if quick else (8192, 32768)):
-        ids = torch.randint(0, 1024, (1, n), device=DEV)
+    for n in (OVERHEAD_TOKENS[:1] if quick else OVERHEAD_TOKENS):
+        ids = torch.randint(0, OVERHEAD_MODEL["vocab_size"], (1, n), device=DEV)
         for method, opts, peer in methods:
             times = {}
             for who, press in (("kvscore", KvscorePress(method, 0.5, **opts)), ("kvpress", peer(0.5))):
@@ -537,10 +546,10 @@ def check_overhead(quick):
                 inner = press.compress
 
                 def compress(*a, _inner=inner, _spent=spent, **k):
-                    torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
                     r = _inner(*a, **k)
-                    torch.cuda.synchronize()
+                    sync()
                     _spent.append(time.perf_counter() - t0)
                     return r
 
@@ -552,20 +561,21 @@ def check_overhead(quick):
                     best = min(best, sum(spent))
                 times[who] = best
             ratio = times["kvscore"] / times["kvpress"]
-            out.append(f"{method}@{n // 1024}K {times['kvscore'] * 1e3:.2f}/{times['kvpress'] * 1e3:.2f} ms "
+            out.append(f"{method}@{n / 1024:g}K {times['kvscore'] * 1e3:.2f}/{times['kvpress'] * 1e3:.2f} ms "
                        f"({ratio:.2f}x)")
-    return "kvscore/kvpress compress() per prefill, 4 layers, bf16: " + "; ".join(out)
+    return (f"kvscore/kvpress compress() per prefill, {OVERHEAD_MODEL['num_hidden_layers']} layers, bf16: "
+            + "; ".join(out))
 
 
 @check("topk", info=True)
 def check_topk(quick):
     out = []
-    for R, N in ((256, 65536), (32, 1 << 20)):
+    for R, N in TOPK_SHAPES:
         s = torch.randn(R, N, device=DEV)
         for k in (N // 10, N // 2):
             t_ours = timed(lambda: kvscore.select(s, k))
             t_torch = timed(lambda: torch.topk(s, k, dim=-1, sorted=False))
-            out.append(f"{R}x{N // 1024}K k=N/{N // k}: {t_ours * 1e6:.0f} vs {t_torch * 1e6:.0f} us "
+            out.append(f"{R}x{N / 1024:g}K k=N/{N // k}: {t_ours * 1e6:.0f} vs {t_torch * 1e6:.0f} us "
                        f"({t_torch / t_ours:.2f}x)")
     return "kvscore.select vs torch.topk(sorted=False), best of 5, wall incl. launch: " + "; ".join(out)
 
@@ -591,15 +601,19 @@ def main() -> int:
     ap.add_argument("--json", help="write the table as JSON here")
     ap.add_argument("--only", default="", help="comma-separated check names (prefixes) to run")
     ap.add_argument("--dry-run-on-cpu", action="store_true",
-                    help="run this script's own code with CPU tensors (to develop it without a GPU): compares the "
-                         "CPU path with itself, checks nothing of the CUDA path; stream/device/overhead/topk skipped")
+                    help="run this script's own code with CPU tensors and small shapes (to develop it without a "
+                         "GPU): compares the CPU path with itself, checks nothing of the CUDA path; status, stream "
+                         "and device skipped")
     a = ap.parse_args()
     if a.dry_run_on_cpu:
-        global DEV
+        global DEV, OVERHEAD_TOKENS, OVERHEAD_MODEL, TOPK_SHAPES
         DEV = torch.device("cpu")
         _cuda.select_csr = _host_select_csr
-        only = [x for x in a.only.split(",") if x] or ["status", "scores", "select", "compact", "press"]
-        a.only = ",".join(o for o in only if o not in ("status", "stream", "device", "overhead", "topk"))
+        OVERHEAD_TOKENS, TOPK_SHAPES = (256, 512), ((4, 4096),)
+        OVERHEAD_MODEL = dict(OVERHEAD_MODEL, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=2)
+        only = [x for x in a.only.split(",") if x] or ["scores", "select", "compact", "press", "overhead", "topk"]
+        a.only = ",".join(o for o in only if o not in ("status", "stream", "device"))
     elif not torch.cuda.is_available():
         print(f"gpu_check: torch sees no GPU; kvscore.cuda_status(): {kvscore.cuda_status()}")
         return 2

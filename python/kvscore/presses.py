@@ -289,7 +289,6 @@ class KvscorePress(ScorerPress):
         module.masked_key_indices = (torch.cat(bi).to(dev), torch.cat(hi).to(dev), torch.cat(si).to(dev))
         return keys, values
 
-
     def _select_cuda(self, module, hidden_states, keys, kwargs, n_kept, alloc):
         """(offsets [batch*kv_heads + 1], positions) of kvscore::cuda's selection of a CUDA cache:
         `alloc` 'per_head' (n_kept per head) or 'adakv' (per layer of each batch row); a

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "arrays.hpp"
 #include "kvscore/block_sparse.hpp"
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/joint.hpp"
@@ -29,18 +30,18 @@ using namespace nb::literals;
 
 namespace {
 
-using Any = nb::ndarray<nb::ro, nb::device::cpu>;
+using kvscore::py::Any;
+using kvscore::py::bad;
+using kvscore::py::DT;
+using kvscore::py::to_numpy;
 
-[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
-
-using DT = kvscore::dtype;
-
+/// The element type of a vLLM cache: arrays.hpp's dtype_of, naming fp8 (vLLM's quantised caches).
 DT dtype_of(const Any& a, const std::string& what) {
-  const nb::dlpack::dtype t = a.dtype();
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DT::f32;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DT::f16;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return DT::bf16;
-  bad(what + ": must be float32, float16 or bfloat16 (vLLM's fp8 KV caches are not read)");
+  try {
+    return kvscore::py::dtype_of(a, what);
+  } catch (const std::invalid_argument& e) {
+    bad(std::string(e.what()) + " (vLLM's fp8 KV caches are not read)");
+  }
 }
 
 void require_c_contiguous(const Any& a, const std::string& what) {
@@ -51,13 +52,6 @@ void require_c_contiguous(const Any& a, const std::string& what) {
           std::to_string(i) + ", expected " + std::to_string(expect) + ")");
     expect *= std::int64_t(a.shape(i));
   }
-}
-
-template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::vector<std::size_t> shape) {
-  auto* p = new std::vector<T>(std::move(v));
-  nb::capsule owner(p, [](void* q) noexcept { delete static_cast<std::vector<T>*>(q); });
-  return nb::ndarray<nb::numpy, T>(p->data(), shape.size(), shape.data(), owner);
 }
 
 /// A 1-D int32 or int64 block table, copied to int64 (a few hundred entries).

@@ -196,7 +196,7 @@ template <class T>
 void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* a, float* b,
                     std::uint8_t* codes = nullptr) {
   std::vector<float> row;  // a dimension's n values (contiguous: the loops below vectorise)
-  if (how == BlockScore::int4) row.resize(static_cast<std::size_t>(n));
+  if (how == BlockScore::int4) row.resize(static_cast<std::size_t>(n + 1));
   for (std::int64_t j = 0; j < d; ++j) {
     if (how == BlockScore::int4) {
       for (std::int64_t t = 0; t < n; ++t) row[std::size_t(t)] = x.at(t, j);
@@ -210,12 +210,10 @@ void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::in
       b[j] = step;
       const std::int64_t half = (n + 1) / 2;
       std::uint8_t* c = codes + j * half;
-      std::fill(c, c + half, std::uint8_t(0));
-      for (std::int64_t t = 0; t < n; ++t) {
-        const float u = (row[std::size_t(t)] - mn) * inv;  // >= 0: rounded half up
-        const int q = std::min(15, int(u + 0.5f));
-        c[t % half] |= std::uint8_t(t < half ? q : q << 4);
-      }
+      auto code = [&](std::int64_t t) {  // (x − min)/step >= 0, rounded half up
+        return t < n ? std::min(15, int((row[std::size_t(t)] - mn) * inv + 0.5f)) : 0;
+      };
+      for (std::int64_t t = 0; t < half; ++t) c[t] = std::uint8_t(code(t) | (code(half + t) << 4));
     } else if (how == BlockScore::quest) {
       float mn = x.at(0, j), mx = mn;
       for (std::int64_t t = 1; t < n; ++t) {

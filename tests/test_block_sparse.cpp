@@ -410,3 +410,55 @@ TEST_CASE("PagedBlockSelector: errors name the value and leave every output unwr
 }
 
 }  // namespace
+
+namespace {
+
+TEST_CASE("PagedBlockSelector: with refresh a kept choice stands between scorings and dies with a write",
+          "[block_sparse]") {
+  const std::int64_t NB = 64, H = 1, bs = 32, d = 16;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t o = 0; o < bs; ++o) pool.put(b, 0, o, normal(std::size_t(d), std::uint64_t(b * bs + o + 1)).data());
+  BlockSparseOptions o;
+  o.refresh = 3;
+  o.sinks = 1;
+  o.local = 1;
+  PagedBlockSelector sel(1, NB, H, d, bs, o);
+  BlockSparseOptions o1 = o;
+  o1.refresh = 1;
+  PagedBlockSelector every(1, NB, H, d, bs, o1);
+  std::vector<std::int32_t> table(NB);
+  std::iota(table.begin(), table.end(), 0);
+  std::vector<std::int32_t> kept_before;
+  for (int step = 0; step < 7; ++step) {
+    const std::int64_t tokens = 40 * bs + step * bs;  // a block more every step
+    const auto q = normal(std::size_t(d), 100 + step);  // another query every step
+    std::vector<std::int64_t> written;
+    if (step == 5) written.push_back(kept_before.at(2) * bs);  // a kept block is written
+    sel.begin_step(written, std::vector<std::int64_t>{0});
+    every.begin_step(written, std::vector<std::int64_t>{0});
+    std::vector<std::int32_t> out(6), ref(6);
+    std::uint8_t fresh = 9;
+    std::vector<BlockSparseRow> rows{{table, tokens, q.data(), 6, out.data(), &fresh}};
+    std::vector<BlockSparseRow> rows1{{table, tokens, q.data(), 6, ref.data()}};
+    pool.with_view([&](const auto& v) {
+      sel.select(0, v, 1, rows);
+      every.select(0, v, 1, rows1);
+    });
+    INFO("step " << step);
+    const bool scored = step == 0 || step == 3 || step == 5;  // 0, 3 by the clock; 5 by the write (then 8)
+    CHECK(fresh == std::uint8_t(scored));
+    CHECK(out.front() == 0);
+    CHECK(out.back() == std::int32_t(tokens / bs - 1));  // the last block: always
+    if (scored) {
+      CHECK(out == ref);  // a scoring is the same as without refresh
+    } else {
+      // the kept blocks stand (the window moved on: the new last block replaces the old one)
+      CHECK(std::vector<std::int32_t>(out.begin() + 1, out.end() - 1) ==
+            std::vector<std::int32_t>(kept_before.begin() + 1, kept_before.end() - 1));
+    }
+    kept_before = out;
+  }
+}
+
+}  // namespace

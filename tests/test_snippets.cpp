@@ -536,7 +536,7 @@ TEST_CASE("snippet: block-sparse decode over a paged cache (block_sparse.hpp)", 
       pool.data(), kv_heads, head_dim, kvscore::BlockTable(std::span<const std::int32_t>(none), block_size, num_blocks, 0));
   const std::int64_t layer = 1;
   // [snippet block-sparse]
-  kvscore::BlockSparseOptions opt;                 // Quest's bound, 4 sinks, 64 local tokens
+  kvscore::BlockSparseOptions opt;                 // int4 codes, 4 sinks, 64 local tokens
   kvscore::PagedBlockSelector sel(layers, num_blocks, kv_heads, head_dim, block_size, opt);
   sel.begin_step(written_slots, first_blocks);     // once per step: the slots written since
   sel.select(layer, keys, q_heads, rows);          // per layer: every rows[i].out is filled

@@ -5,7 +5,7 @@
 // shorter block table (vLLM: kvscore.vllm's `attend`).
 //
 // [snippet block-sparse: tests/test_snippets.cpp]
-//   kvscore::BlockSparseOptions opt;                 // Quest's bound, 4 sinks, 64 local tokens
+//   kvscore::BlockSparseOptions opt;                 // int4 codes, 4 sinks, 64 local tokens
 //   kvscore::PagedBlockSelector sel(layers, num_blocks, kv_heads, head_dim, block_size, opt);
 //   sel.begin_step(written_slots, first_blocks);     // once per step: the slots written since
 //   sel.select(layer, keys, q_heads, rows);          // per layer: every rows[i].out is filled
@@ -101,7 +101,7 @@ inline const char* to_string(QueryGroup g) noexcept { return g == QueryGroup::me
 inline QueryGroup parse_query_group(std::string_view s) { return detail::parse_enum(s, kQueryGroups, "query group"); }
 
 struct BlockSparseOptions {
-  BlockScore score = BlockScore::quest;
+  BlockScore score = BlockScore::int4;
   std::int64_t sinks = 4;   ///< positions [0, sinks): their blocks are always attended, >= 0
   std::int64_t local = 64;  ///< positions [tokens − local, tokens): their blocks too (the last block always), >= 0
   /// The attention's softmax scale (0: 1/√head_dim), which turns block scores into each query
@@ -109,8 +109,12 @@ struct BlockSparseOptions {
   float scale = 0.f;
   /// int4: each query head scores exactly (on the codes) its best prefilter·k blocks by Quest's
   /// bound, k being the blocks still to choose (0: every candidate)
-  std::int64_t prefilter = 2;
+  std::int64_t prefilter = 4;
   QueryGroup group = QueryGroup::heads;  ///< the queries that score a KV head's blocks
+  /// A sequence's blocks are scored every `refresh` steps (per layer); in between its last choice
+  /// stands (the protected blocks follow the sequence's end; a block the window let go fills in
+  /// for one it took). 1 = every step.
+  std::int64_t refresh = 1;
   int num_threads = 0;      ///< threads over rows (0 = OpenMP's default); the result is the same for any
   /// Also choose with `exact` and count how many of its chosen blocks the score chose
   /// (PagedBlockSelector::probe()): the recall of the exact block choice, for benchmarks.
@@ -122,6 +126,8 @@ namespace detail {
 inline void check_block_sparse(const BlockSparseOptions& o, const char* who) {
   if (o.sinks < 0) throw_invalid(std::string(who) + ": sinks must be >= 0 (got " + std::to_string(o.sinks) + ")");
   if (o.local < 0) throw_invalid(std::string(who) + ": local must be >= 0 (got " + std::to_string(o.local) + ")");
+  if (o.refresh < 1)
+    throw_invalid(std::string(who) + ": refresh must be >= 1 (got " + std::to_string(o.refresh) + ")");
   if (o.prefilter < 0)
     throw_invalid(std::string(who) + ": prefilter must be >= 0 (got " + std::to_string(o.prefilter) + ")");
   if (!(o.scale >= 0) || !std::isfinite(o.scale))
@@ -564,6 +570,7 @@ struct BlockSparseRow {
   const float* query = nullptr;         ///< [q_heads][head_dim] this step's query (post-RoPE), fp32
   std::int64_t attend = 0;              ///< blocks to attend: attended_blocks(...), in [protected, blocks]
   std::int32_t* out = nullptr;          ///< [attend] chosen physical ids, ascending logical order
+  std::uint8_t* fresh = nullptr;        ///< optional: set to 1 when scored this step, 0 when a kept choice stood
 };
 
 /// The block choice of every decode row of a paged cache with `layers` layers, and what it keeps
@@ -597,6 +604,7 @@ class PagedBlockSelector {
       }
     }
     if (opt_.score == BlockScore::pariskv) seqs_.resize(std::size_t(L_));
+    if (opt_.refresh > 1) kept_.resize(std::size_t(L_));
   }
 
   // it owns per-layer summaries and indexes: movable, not copyable
@@ -643,9 +651,11 @@ class PagedBlockSelector {
     ++step_;
     for (const std::int64_t s : slots)
       if (s >= 0) written_[std::size_t(s / bs_)] = step_;
-    if (opt_.score == BlockScore::pariskv) {
+    if (opt_.score == BlockScore::pariskv || opt_.refresh > 1) {
       const std::unordered_set<std::int64_t> keep(live.begin(), live.end());
       for (auto& m : seqs_)
+        for (auto it = m.begin(); it != m.end();) it = keep.count(it->first) ? std::next(it) : m.erase(it);
+      for (auto& m : kept_)
         for (auto it = m.begin(); it != m.end();) it = keep.count(it->first) ? std::next(it) : m.erase(it);
     }
   }
@@ -668,17 +678,23 @@ class PagedBlockSelector {
       detail::throw_invalid(who + ": q_heads " + std::to_string(q_heads) + " must be a positive multiple of kv_heads " +
                             std::to_string(kh_));
     for (std::size_t i = 0; i < rows.size(); ++i) check_row(rows[i], i, q_heads, who);
-    if (opt_.score == BlockScore::pariskv) {
-      // one index per sequence, found by its first block: rows are distinct sequences. Created
-      // here, serially; each row's thread then fills its own.
+    if (opt_.score == BlockScore::pariskv || opt_.refresh > 1) {
+      // per-sequence state (an index, a kept choice), found by the first block: rows are distinct
+      // sequences. Created here, serially; each row's thread then uses its own.
       std::unordered_set<std::int64_t> firsts;
       for (std::size_t i = 0; i < rows.size(); ++i) {
         const std::int64_t f = rows[i].table[0];
         if (!firsts.insert(f).second)
           detail::throw_invalid(who + ": row " + std::to_string(i) + " starts with block " + std::to_string(f) +
                                 " as an earlier row does (one sequence per row)");
-        auto& s = seqs_[std::size_t(layer)][f];
-        if (!s) s = std::make_unique<SeqIndex>();
+        if (opt_.score == BlockScore::pariskv) {
+          auto& s = seqs_[std::size_t(layer)][f];
+          if (!s) s = std::make_unique<SeqIndex>();
+        }
+        if (opt_.refresh > 1) {
+          auto& s = kept_[std::size_t(layer)][f];
+          if (!s) s = std::make_unique<Kept>();
+        }
       }
     }
     if (uses_summaries()) {
@@ -724,6 +740,11 @@ class PagedBlockSelector {
     std::vector<std::int64_t> ids;  // physical blocks indexed, in logical order
     std::int64_t built = 0;         // step of the last build or append
     std::vector<ParisKV> heads;
+  };
+  struct Kept {                        // a sequence's last scored choice in one layer (refresh > 1)
+    std::int64_t step = -1;            // the step it was scored
+    std::vector<std::int64_t> blocks;  // chosen logical blocks, ascending
+    std::vector<std::int64_t> ids;     // their physical ids then
   };
 
   bool uses_summaries() const noexcept {
@@ -831,6 +852,20 @@ class PagedBlockSelector {
     detail::candidates(pb, w.cand);
     w.chosen.clear();
     std::pair<std::int64_t, std::int64_t> probe{0, 0};
+    Kept* kept = opt_.refresh > 1 ? kept_[std::size_t(l)].at(std::int64_t(r.table[0])).get() : nullptr;
+    if (k > 0 && kept != nullptr && kept->step >= 0 && step_ - kept->step < opt_.refresh && still_held(*kept, r)) {
+      // the last choice stands: its blocks that are not protected now, topped up (or cut) to k
+      // with the newest candidates (the blocks the local window let go since)
+      for (const std::int64_t b : kept->blocks)
+        if (!pb.contains(b)) w.chosen.push_back(b);
+      while (std::int64_t(w.chosen.size()) > k) w.chosen.erase(w.chosen.begin());  // the oldest go
+      for (std::int64_t b = pb.local_begin - 1; std::int64_t(w.chosen.size()) < k && b >= pb.sink_end; --b)
+        if (!std::binary_search(w.chosen.begin(), w.chosen.end(), b)) w.chosen.insert(std::lower_bound(w.chosen.begin(), w.chosen.end(), b), b);
+      if (r.fresh) *r.fresh = 0;
+      detail::write_choice(pb, w.chosen, r.table, r.out);
+      return probe;
+    }
+    if (r.fresh) *r.fresh = 1;
     if (k > 0) {
       std::int64_t qn = q_heads;
       BlockSparseRow rq = r;
@@ -845,8 +880,24 @@ class PagedBlockSelector {
         probe = {k, hit};
       }
     }
+    if (kept != nullptr) {
+      kept->step = step_;
+      kept->blocks = w.chosen;
+      kept->ids.clear();
+      for (const std::int64_t b : w.chosen) kept->ids.push_back(r.table[std::size_t(b)]);
+    }
     detail::write_choice(pb, w.chosen, r.table, r.out);
     return probe;
+  }
+
+  /// A kept choice's blocks are still the sequence's, unwritten since it was scored.
+  bool still_held(const Kept& kept, const BlockSparseRow& r) const noexcept {
+    const std::int64_t nb = blocks_for(r.tokens, bs_);
+    for (std::size_t i = 0; i < kept.blocks.size(); ++i) {
+      const std::int64_t b = kept.blocks[i];
+      if (b >= nb || r.table[std::size_t(b)] != kept.ids[i] || written_[std::size_t(kept.ids[i])] > kept.step) return false;
+    }
+    return true;
   }
 
   std::int64_t L_, nb_, kh_, d_, bs_;
@@ -857,6 +908,7 @@ class PagedBlockSelector {
   std::vector<std::vector<std::int64_t>> made_at_;       // per layer and block: the write step summarised (-1: none)
   std::vector<std::int64_t> written_;                    // per block: the step it was last written (0: never)
   std::vector<std::unordered_map<std::int64_t, std::unique_ptr<SeqIndex>>> seqs_;  // pariskv, per layer, by first block
+  std::vector<std::unordered_map<std::int64_t, std::unique_ptr<Kept>>> kept_;      // refresh > 1, per layer, by first block
   std::int64_t step_ = 0, made_ = 0, probe_exact_ = 0, probe_hit_ = 0;
 };
 

@@ -185,9 +185,10 @@ class VllmBlockSelector {
   /// Chooses the blocks of the decode rows `rows` of the step's block table `src` (compacted:
   /// holes removed) for one layer and writes them into the same rows of `dst`; each row's query
   /// is query[token_index[i]] ([num_tokens, q_heads, head_dim], any float dtype and strides).
-  void select(std::int64_t layer, const Any& kv_cache, const Any& query, const Any& token_index, const Any& src,
-              const Any& rows, const Any& tokens, const Any& attend,
-              nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst) {
+  nb::ndarray<nb::numpy, std::uint8_t> select(std::int64_t layer, const Any& kv_cache, const Any& query,
+                                              const Any& token_index, const Any& src, const Any& rows,
+                                              const Any& tokens, const Any& attend,
+                                              nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst) {
     const Layer L = vllm_layer(kv_cache, "kv_cache");
     const Table32 S = table32(src, "src");
     if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
@@ -219,20 +220,25 @@ class VllmBlockSelector {
       }
     });
     std::vector<kvscore::BlockSparseRow> br(r.size());
+    std::vector<std::uint8_t> fresh(r.size(), 0);
     for (std::size_t i = 0; i < r.size(); ++i) {
       if (r[i] < 0 || r[i] >= S.rows)
         bad("rows[" + std::to_string(i) + "] = " + std::to_string(r[i]) + " out of range [0, " + std::to_string(S.rows) + ")");
       if (at[i] > S.cols) bad("attend[" + std::to_string(i) + "] = " + std::to_string(at[i]) + " is more than a table row holds");
       br[i] = {std::span<const std::int32_t>(S.data + r[i] * S.stride, std::size_t(S.cols)), n[i],
-               q.data() + i * std::size_t(qh * D), at[i], dst.data() + r[i] * dst_stride};
+               q.data() + i * std::size_t(qh * D), at[i], dst.data() + r[i] * dst_stride, fresh.data() + i};
     }
     static const std::vector<std::int32_t> none;
     const kvscore::BlockTable t(std::span<const std::int32_t>(none), L.block_size, L.blocks, 0);
-    nb::gil_scoped_release unlocked;
-    with_view(L, t, [&](const auto& v) {
-      sel_.select(layer, v, qh, br);
-      return 0;
-    });
+    {
+      nb::gil_scoped_release unlocked;
+      with_view(L, t, [&](const auto& v) {
+        sel_.select(layer, v, qh, br);
+        return 0;
+      });
+    }
+    const std::size_t rows_n = fresh.size();
+    return to_numpy(std::move(fresh), {rows_n});
   }
 
  private:
@@ -421,8 +427,8 @@ void bind_vllm(nb::module_& m) {
           "__init__",
           [](VllmBlockSelector* self, std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads,
              std::int64_t head_dim, std::int64_t block_size, const std::string& score, std::int64_t sinks,
-             std::int64_t local, float scale, std::int64_t prefilter, const std::string& group, int threads,
-             bool probe) {
+             std::int64_t local, float scale, std::int64_t prefilter, const std::string& group,
+             std::int64_t refresh, int threads, bool probe) {
             kvscore::BlockSparseOptions o;
             o.score = kvscore::parse_block_score(score);
             o.sinks = sinks;
@@ -430,20 +436,22 @@ void bind_vllm(nb::module_& m) {
             o.scale = scale;
             o.prefilter = prefilter;
             o.group = kvscore::parse_query_group(group);
+            o.refresh = refresh;
             o.num_threads = threads;
             o.probe = probe;
             new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size, o);
           },
           "layers"_a, "num_blocks"_a, "kv_heads"_a, "head_dim"_a, "block_size"_a, nb::kw_only(),
           "score"_a = kvscore::to_string(bso.score), "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,
-          "prefilter"_a = bso.prefilter, "group"_a = kvscore::to_string(bso.group), "threads"_a = bso.num_threads,
-          "probe"_a = bso.probe)
+          "prefilter"_a = bso.prefilter, "group"_a = kvscore::to_string(bso.group), "refresh"_a = bso.refresh,
+          "threads"_a = bso.num_threads, "probe"_a = bso.probe)
       .def("begin_step", &VllmBlockSelector::begin_step, "slot_mapping"_a, "live"_a,
            "Once per step: the slots written since the last step (their blocks' summaries and indexes go stale) and\n"
            "the first block of every sequence in the step.")
       .def("select", &VllmBlockSelector::select, "layer"_a, "kv_cache"_a, "query"_a, "token_index"_a, "src"_a, "rows"_a,
            "tokens"_a, "attend"_a, "dst"_a,
-           "One layer: the blocks of each decode row (rows of src, compacted) written into the same rows of dst.")
+           "One layer: the blocks of each decode row (rows of src, compacted) written into the same rows of dst;\n"
+           "returns per row 1 when scored this step, 0 when its kept choice stood (refresh > 1).")
       .def_prop_ro("probe", [](VllmBlockSelector& s) { return s.get().probe(); })
       .def_prop_ro("summaries_made", [](VllmBlockSelector& s) { return s.get().summaries_made(); })
       .def_prop_ro("summary_bytes", [](VllmBlockSelector& s) { return s.get().summary_bytes(); })

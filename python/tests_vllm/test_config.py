@@ -33,6 +33,7 @@ def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 1.5}, "dense_below 1.5 must be an integer"),
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "query_group": "max"}, "query_group 'max' must be"),
     ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "prefilter": -1}, "prefilter -1 must be an integer >= 0"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "refresh": 0}, "refresh 0 must be an integer >= 1"),
     ({"method": "knorm", "ratio": 0.5, "swap_space": -1}, "swap_space -1 must be a number of GiB >= 0"),
 ])
 def test_bad_settings(settings, match):
@@ -57,7 +58,7 @@ def test_sparse_decode_settings():
     assert Config("knorm", 0.0, attend=2048).attend == 2048 and Config("knorm", 0.0, attend=2048.0).sparse
     assert Config("knorm", 0.0, attend=1).attend == 1.0 and not Config("knorm", 0.0, attend=1).sparse
     d = kv_transfer_config("knorm", 0.0, attend=0.1)["kv_connector_extra_config"]
-    assert d["attend"] == 0.1 and d["block_score"] == "quest" and Config.from_extra(d).as_dict() == d
+    assert d["attend"] == 0.1 and d["block_score"] == "int4" and Config.from_extra(d).as_dict() == d
 
 
 def test_budget_in_whole_blocks_never_below_the_protected_ones():

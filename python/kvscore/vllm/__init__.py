@@ -40,10 +40,12 @@ _SCORERS = tuple(m["name"] for m in _REGISTRY
 # Sparse decode (docs/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
 # defaults chosen by the benchmark (docs/vllm.md#sparse-decode).
 BLOCK_SCORES = ("quest", "meanstd", "int4", "pariskv", "exact")
-DEFAULT_BLOCK_SCORE = "quest"
+DEFAULT_BLOCK_SCORE = "int4"
 DEFAULT_LOCAL = 64
 DEFAULT_DENSE_BELOW = 1024
 DEFAULT_SWAP_SPACE = 1.0
+DEFAULT_PREFILTER = 4
+DEFAULT_REFRESH = 4
 
 
 def register() -> None:
@@ -77,12 +79,14 @@ class Config:
   Sparse decode (docs/block_sparse.md), on when `attend` < 1:
     attend           keys each decode step attends: a fraction in (0, 1] of the request's tokens or a
                      whole count of tokens > 1, rounded up to whole blocks (1.0 = dense, the default)
-    block_score      how a block is scored for the step's query: "quest" (default), "meanstd",
-                     "int4", "pariskv" or "exact" (BLOCK_SCORES)
+    block_score      how a block is scored for the step's query: "int4" (default), "quest",
+                     "meanstd", "pariskv" or "exact" (BLOCK_SCORES)
     query_group      "heads": each query head scores the blocks (default); "mean": one query per KV
                      head, its group's mean (GQA: G times less scoring)
     prefilter        int4: each query head scores exactly its best prefilter·k blocks by Quest's
                      bound (k: the blocks to choose; 0 = every block)
+    refresh          a request's blocks are scored every `refresh` decode steps (per layer); in
+                     between its last choice stands
     local            the newest positions whose blocks every decode step attends (the partial last
                      block always); the first `sinks` positions' blocks too
     dense_below      requests shorter than this many tokens decode densely
@@ -98,7 +102,8 @@ class Config:
                  recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
                  threads: int = 0, attend: float = 1.0, block_score: str = DEFAULT_BLOCK_SCORE,
                  local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False,
-                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = "heads", prefilter: int = 2):
+                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = "heads",
+                 prefilter: int = DEFAULT_PREFILTER, refresh: int = DEFAULT_REFRESH):
         try:
             name = _method_name(method)
         except (ValueError, TypeError, KeyError) as e:
@@ -109,7 +114,7 @@ class Config:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
             raise ValueError(f"kvscore.vllm: ratio {ratio!r} must be a number in [0, 1)")
         for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads), ("local", local),
-                     ("dense_below", dense_below), ("prefilter", prefilter)):
+                     ("dense_below", dense_below), ("prefilter", prefilter), ("refresh", refresh)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kvscore.vllm: {k} {v!r} must be an integer >= 0")
         if aggregate not in ("max", "mean"):
@@ -130,7 +135,9 @@ class Config:
         self.swap_space = float(swap_space)
         if query_group not in ("heads", "mean"):
             raise ValueError(f"kvscore.vllm: query_group {query_group!r} must be 'heads' or 'mean'")
-        self.query_group, self.prefilter = query_group, prefilter
+        if refresh < 1:
+            raise ValueError(f"kvscore.vllm: refresh {refresh!r} must be an integer >= 1")
+        self.query_group, self.prefilter, self.refresh = query_group, prefilter, refresh
         self.attend, self.block_score, self.local, self.dense_below, self.probe = (
             float(attend) if attend <= 1 else int(attend), block_score, local, dense_below, probe)
         self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
@@ -158,7 +165,8 @@ class Config:
     def from_extra(cls, extra: dict | None) -> "Config":
         extra = dict(extra or {})
         known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads", "attend",
-                 "block_score", "local", "dense_below", "probe", "swap_space", "query_group", "prefilter"}
+                 "block_score", "local", "dense_below", "probe", "swap_space", "query_group", "prefilter",
+                 "refresh"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
@@ -180,7 +188,7 @@ class Config:
                 "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads,
                 "attend": self.attend, "block_score": self.block_score, "local": self.local,
                 "dense_below": self.dense_below, "probe": self.probe, "swap_space": self.swap_space,
-                "query_group": self.query_group, "prefilter": self.prefilter}
+                "query_group": self.query_group, "prefilter": self.prefilter, "refresh": self.refresh}
 
 
 def kv_transfer_config(method: str, ratio: float, **settings) -> dict:

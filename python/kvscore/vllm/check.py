@@ -62,13 +62,15 @@ class Checker:
             ref = _k.block_sparse_reference(keys, q, bs, a, score=cfg.block_score, sinks=cfg.sinks, local=cfg.local,
                                             scale=impl_scale, prefilter=cfg.prefilter, group=cfg.query_group)
             got = [int(x) for x in dst[r, :a]]
-            want = [int(ids[b]) for b in ref]
+            # a kept choice (refresh > 1) is the reference's of an earlier step: checked when scored
+            fresh = bool(step.fresh[len(rows)]) if step.fresh is not None else True
+            want = [int(ids[b]) for b in ref] if fresh else got
             # protected: the sinks' blocks, the local window's and the last block
             sink_end = min(nb, -(-min(cfg.sinks, n) // bs))
             local_begin = min(nb, max(0, n - max(cfg.local, 1)) // bs)
             protected = [int(ids[b]) for b in range(nb) if b < sink_end or b >= local_begin]
             qlen = int(md.query_start_loc[r + 1] - md.query_start_loc[r])
-            rows.append({"row": r, "first": int(ids[0]), "ids": [int(x) for x in ids], "qlen": qlen,
+            rows.append({"row": r, "first": int(ids[0]), "ids": [int(x) for x in ids], "qlen": qlen, "fresh": fresh,
                          "tokens": n, "attend": a, "blocks": nb, "got": got,
                          "match": got == want, "want": None if got == want else want,
                          "protected_in": all(p in got for p in protected),

@@ -223,7 +223,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._selector = _k.PagedBlockSelector(
                 len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
                 sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
-                group=self.cfg.query_group, threads=self.cfg.threads, probe=self.cfg.probe)
+                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self.cfg.threads, probe=self.cfg.probe)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -482,8 +482,9 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
             step = _step(impl, layer, query, attn_metadata, connector)
             if step.rows is not None:
                 t0 = time.perf_counter()
-                connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query, step.token_index,
-                                           step.src, step.rows, step.tokens, step.attend, step.dst)
+                step.fresh = connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query,
+                                                        step.token_index, step.src, step.rows, step.tokens,
+                                                        step.attend, step.dst)
                 connector.sparse_stats["select_s"] += time.perf_counter() - t0
                 if SPARSE_OBSERVER is not None:
                     SPARSE_OBSERVER(connector, layer.layer_name, kv_cache, query, step)
@@ -518,6 +519,7 @@ class _Step:
     token_index: np.ndarray | None = None  # its query's token
     tokens: np.ndarray | None = None     # its length after the holes
     attend: np.ndarray | None = None     # blocks it attends
+    fresh: np.ndarray | None = None      # the last layer's: 1 where scored, 0 where a kept choice stood
 
 
 def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:

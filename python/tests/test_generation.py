@@ -243,3 +243,90 @@ def test_models_the_caches_cannot_serve_are_refused():
         with torch.no_grad():
             m.generate(ids, attention_mask=mask, past_key_values=kg.RetrievalCache(m, attend=20, sinks=2, local=4),
                        max_new_tokens=2, pad_token_id=0)
+
+
+# ------------------------------------------------------------------ kvpress's pipeline
+
+_CONTEXT = "".join(chr(65 + (i * 7) % 26) for i in range(150))
+_QUESTIONS = ["Which letter comes next?", "Q: repeat the start"]
+_CACHES = {
+    "retrieval-pariskv": lambda m: kg.RetrievalCache(m, PARISKV, attend=40, sinks=4, local=8),
+    "retrieval-exact": lambda m: kg.RetrievalCache(m, "exact", attend=40, sinks=4, local=8),
+    "ojakv": lambda m: kg.OjaKVCache(m, rank=8, anchors=0.3, window=8),
+}
+
+
+def _sharp(kind="llama"):
+    """A tiny model whose answers depend on the question (at the default init they depend on the
+    last token only)."""
+    return tiny(kind, initializer_range=0.3)
+
+
+def _pipeline(model):
+    from byte_tokenizer import ByteTokenizer
+
+    pytest.importorskip("kvpress")  # registers the "kv-press-text-generation" task
+    return transformers.pipeline("kv-press-text-generation", model=model, tokenizer=ByteTokenizer(), device="cpu")
+
+
+def _by_hand(model, tok, cache, question, new):
+    """What the pipeline does for one question, driven by hand on a fresh cache: the context
+    through the base model, then the question and the greedy answer through generate."""
+    ctx = tok.encode(tok.bos_token + _CONTEXT, add_special_tokens=False, return_tensors="pt")
+    q = tok.encode(question + "\n", add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        model.model(input_ids=ctx, past_key_values=cache)
+        out = model.generate(torch.cat([ctx, q], 1), past_key_values=cache, max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    return tok.decode(out[0, ctx.shape[1] + q.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", list(_CACHES))
+def test_kvpress_pipeline_answers_as_the_cache_driven_by_hand(name):
+    """kvpress's pipeline drops each answer by slicing layer.keys / .values and assigning them
+    back: a crop of the C++ store, so every question after the first is answered from the
+    context alone, as by a fresh cache."""
+    model = _sharp()
+    pipe = _pipeline(model)
+    cache = _CACHES[name](model)
+    got = pipe(_CONTEXT, questions=_QUESTIONS, cache=cache, max_new_tokens=8)["answers"]
+    n = len(_CONTEXT) + 1  # the bos token
+    assert [cache.get_seq_length(i) for i in range(2)] == [n, n]  # the last answer dropped too
+    want = [_by_hand(model, pipe.tokenizer, _CACHES[name](model), q, 8) for q in _QUESTIONS]
+    assert got == want and got[0] != got[1]
+    one = pipe(_CONTEXT, question=_QUESTIONS[1], cache=_CACHES[name](model), max_new_tokens=8)["answer"]
+    assert one == want[1]
+
+
+def test_kvpress_pipeline_attend_everything_is_the_pipeline_without_a_cache():
+    model = _sharp("qwen2")
+    pipe = _pipeline(model)
+    want = pipe(_CONTEXT, questions=_QUESTIONS, max_new_tokens=8)["answers"]
+    assert len(set(want)) == 2  # the questions get different answers: a missed crop would show
+    assert pipe(_CONTEXT, questions=_QUESTIONS, cache=kg.RetrievalCache(model, attend=1.0),
+                max_new_tokens=8)["answers"] == want
+
+
+def test_held_keys_take_only_a_crop():
+    model = tiny()
+    cache = kg.RetrievalCache(model, attend=40, sinks=4, local=8)
+    greedy(model, prompt(100), cache, new=4)
+    lay = cache.layers[0]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    assert tuple(lay.keys.shape) == (1, 2, 103, d) and lay.keys.dtype == torch.float32
+    assert tuple(lay.values[..., :-3, :].shape) == (1, 2, 100, d)
+    with pytest.raises(TypeError, match="held by kvscore's C\\+\\+ layer cache, not a tensor"):
+        torch.linalg.vector_norm(lay.keys, dim=-1)
+    with pytest.raises(TypeError, match="the only index they take is \\[:, :, :n\\]"):
+        lay.keys[:, 1]
+    with pytest.raises(TypeError, match="got Tensor"):
+        lay.keys = torch.zeros(1, 2, 100, d)
+    stale = lay.keys[:, :, :102]
+    lay.values = lay.values[:, :, :101]  # values and keys are one store: both keep 101
+    assert cache.get_seq_length() == 101 and cache.layers[0].impl.size == 101
+    with pytest.raises(ValueError, match="102 tokens assigned back, the layer holds 101"):
+        lay.keys = stale
+    # OjaKV: a committed block cannot be dropped; the error names the way out
+    oja = kg.OjaKVCache(model, rank=8, anchors=0.3, window=8, period=3)
+    with pytest.raises(ValueError, match="raise period or lower max_new_tokens"):
+        _pipeline(model)(_CONTEXT, questions=_QUESTIONS, cache=oja, max_new_tokens=4)

@@ -433,13 +433,19 @@ class RetrievalCache(_KvscoreCache):
     sinks, local : int
         The first and the last tokens every query attends (tokens leaving the local window are
         indexed at once).
+    dense_below : int or None
+        A decode step attends every key while the cache holds fewer tokens than
+        max(dense_below, sinks + local + 2k) (one read of each KV head's keys and values for its
+        query heads, in C++), and retrieves from there on. None: the measured crossover for the
+        model's head_dim (``kvscore._kvscore.retrieval_dense_below``, docs/generation.md); 0:
+        retrieve whenever the budget is under half the cache.
     beta, rho, rerank_exact : ParisKV's search options (0: the length-adaptive defaults; off).
     threads : OpenMP threads of the C++ layer calls (0: OpenMP's default).
     """
 
     def __init__(self, model, method: str = _PARISKV, *, attend, sinks: int = _PARIS_CACHE["sinks"],
-                 local: int = _PARIS_CACHE["local"], beta: float = 0.0, rho: float = 0.0, rerank_exact: int = 0,
-                 threads: int = 0):
+                 local: int = _PARIS_CACHE["local"], dense_below: int | None = None, beta: float = 0.0,
+                 rho: float = 0.0, rerank_exact: int = 0, threads: int = 0):
         who = "RetrievalCache"
         if method not in RETRIEVAL_METHODS:
             raise ValueError(f"{who}: method '{method}' must be one of {', '.join(RETRIEVAL_METHODS)}")
@@ -461,11 +467,17 @@ class RetrievalCache(_KvscoreCache):
             raise ValueError(f"{who}: rerank_exact {rerank_exact} must be >= 0 (0: off)")
         if RETRIEVAL_METHODS[method] and (beta or rho or rerank_exact):
             raise ValueError(f"{who}: beta, rho and rerank_exact are ParisKV's search options; method 'exact' takes none")
+        if dense_below is not None:
+            dense_below = _index(dense_below, "dense_below")
+            if dense_below < 0:
+                raise ValueError(f"{who}: dense_below {dense_below} must be >= 0 tokens (None: the measured default)")
         self.method, self.attend, self.sinks, self.local = method, attend, sinks, local
         self._search = (float(beta), float(rho), rerank_exact)
         self.threads = _index(threads, "threads")
         super().__init__(model, who)
         self._dense = isinstance(attend, float) and attend == 1.0
+        #: cache length below which a step attends densely (see dense_below)
+        self.dense_below = _k.retrieval_dense_below(self.head_dim) if dense_below is None else dense_below
 
     def budget(self, n: int) -> int:
         """Keys attended per step after a prompt of n tokens (sinks + retrieved + local)."""
@@ -485,7 +497,7 @@ class RetrievalCache(_KvscoreCache):
         beta, rho, rerank = self._search
         impl = getattr(_k, _LAYER_IMPLS[str(keys.dtype).replace("torch.", "")])(
             b, kv, d, sinks=self.sinks, local=self.local, update_interval=1, k=k, exact=RETRIEVAL_METHODS[self.method],
-            scale=scale, beta=beta, rho=rho, rerank_exact=rerank)
+            scale=scale, beta=beta, rho=rho, rerank_exact=rerank, dense_below=self.dense_below)
         impl.num_threads = self.threads
         impl.append(keys, values)
         return impl

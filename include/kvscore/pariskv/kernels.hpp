@@ -49,10 +49,10 @@ namespace detail {
 /// A kernel set that runs here (what Kernels::best resolves to).
 enum class KernelSet { portable, avx2, avx512, neon };
 
-/// AVX2 set: AVX2, FMA, POPCNT.
+/// AVX2 set: AVX2, FMA, POPCNT, F16C (the attention's fp16 rows, pariskv/attention.hpp).
 inline bool avx2_ok() noexcept {
   const auto& f = kvscore::detail::cpu();
-  return f.avx2 && f.fma && f.popcnt;
+  return f.avx2 && f.fma && f.popcnt && f.f16c;
 }
 /// AVX-512 set: F, BW, VL, DQ, VBMI (the 256-entry byte table lookup), BMI1/2, plus the AVX2 set.
 inline bool avx512_ok() noexcept {
@@ -83,7 +83,8 @@ inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
     case Kernels::portable:
       return KernelSet::portable;
     case Kernels::avx2:
-      if (!avx2_ok()) throw std::invalid_argument(who + ": the avx2 kernel set (AVX2, FMA, POPCNT) is not supported by this CPU");
+      if (!avx2_ok())
+        throw std::invalid_argument(who + ": the avx2 kernel set (AVX2, FMA, POPCNT, F16C) is not supported by this CPU");
       return KernelSet::avx2;
     case Kernels::avx512:
       if (!avx512_ok())

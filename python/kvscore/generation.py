@@ -434,11 +434,12 @@ class RetrievalCache(_KvscoreCache):
         The first and the last tokens every query attends (tokens leaving the local window are
         indexed at once).
     dense_below : int or None
-        A decode step attends every key while the cache holds fewer tokens than
-        max(dense_below, sinks + local + 2k) (one read of each KV head's keys and values for its
-        query heads, in C++), and retrieves from there on. None: the measured crossover for the
-        model's head_dim (``kvscore._kvscore.retrieval_dense_below``, docs/generation.md); 0:
-        retrieve whenever the budget is under half the cache.
+        A decode step attends every key while the cache holds fewer than
+        max(dense_below, sinks + local + 2k) tokens (one read of each KV head's keys and values
+        for its query heads, in C++: below the crossover that is faster than a search), and
+        retrieves from there on. None: the measured crossover for the model's head_dim
+        (``kvscore._kvscore.retrieval_dense_below``, docs/generation.md); 0: never dense (every
+        step attends sinks + k + local keys).
     beta, rho, rerank_exact : ParisKV's search options (0: the length-adaptive defaults; off).
     threads : OpenMP threads of the C++ layer calls (0: OpenMP's default).
     """
@@ -470,7 +471,8 @@ class RetrievalCache(_KvscoreCache):
         if dense_below is not None:
             dense_below = _index(dense_below, "dense_below")
             if dense_below < 0:
-                raise ValueError(f"{who}: dense_below {dense_below} must be >= 0 tokens (None: the measured default)")
+                raise ValueError(f"{who}: dense_below {dense_below} must be >= 0 tokens (0: never dense; None: the "
+                                 "measured default)")
         self.method, self.attend, self.sinks, self.local = method, attend, sinks, local
         self._search = (float(beta), float(rho), rerank_exact)
         self.threads = _index(threads, "threads")

@@ -8,7 +8,6 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -99,10 +98,11 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
              c.sinks = sinks;
              c.local = local;
              c.update_interval = update_interval;
-             // dense_below < 0: never dense, a fixed budget of sinks + k + the local zone;
+             // dense_below 0: never dense, a fixed budget of sinks + k + the local zone;
              // otherwise dense while N < max(dense_below, sinks + local + 2k)
-             c.dense_fallback = dense_below >= 0;
-             c.dense_min = std::max<std::int64_t>(dense_below, 0);
+             if (dense_below < 0) fail("ParisKVLayerCache: dense_below " + std::to_string(dense_below) + " must be >= 0");
+             c.dense_fallback = dense_below > 0;
+             c.dense_min = dense_below;
              c.search.k = k;
              c.search.beta = beta;
              c.search.rho = rho;
@@ -114,7 +114,7 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
            "batch"_a, "kv_heads"_a, "head_dim"_a, "sinks"_a = def.sinks, "local"_a = def.local,
            "update_interval"_a = def.update_interval, "k"_a = def.search.k, "exact"_a = false,
            "scale"_a = def.scale, "beta"_a = def.search.beta, "rho"_a = def.search.rho,
-           "rerank_exact"_a = def.search.rerank_exact, "dense_below"_a = -1)
+           "rerank_exact"_a = def.search.rerank_exact, "dense_below"_a = 0)
       .def_prop_ro("size", &C::size)
       .def_prop_ro("batch", &C::batch)
       .def_prop_ro("kv_heads", &C::kv_heads)

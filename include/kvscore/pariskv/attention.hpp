@@ -127,7 +127,9 @@ inline void axpy_portable(float w, const T* v, std::int64_t d, float* acc) noexc
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #define KVSCORE_ATTEND_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define KVSCORE_ATTEND_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// the search's AVX-512 set plus F16C (kernels.hpp's AVX-512 functions inline into these)
+#define KVSCORE_ATTEND_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,popcnt,bmi,bmi2,f16c")))
 
 // ------------------------------------------------------------------ AVX-512: one zmm = 16 lanes
 
@@ -198,25 +200,6 @@ KVSCORE_ATTEND_AVX512 inline void axpy_avx512(float w, const T* v, std::int64_t 
     _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(wv, load16_avx512(v + c, d - c), _mm512_loadu_ps(acc + c)));
 }
 
-/// Lane r = tree16(s[r]) for 16 lane vectors at once (a transposing butterfly whose adds are
-/// exactly tree16's: (l, l+8), then +4, then (0, 2) and (1, 3), then their sum).
-KVSCORE_ATTEND_AVX512 inline __m512 tree16x16_avx512(const __m512* s) noexcept {
-  __m512 u[8], v[4], w[2];
-  for (int p = 0; p < 8; ++p)
-    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int p = 0; p < 4; ++p)
-    v[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int p = 0; p < 2; ++p)
-    w[p] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // f's lane 4k + e holds row 4e + k
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
-}
-
 /// Dense logits of G queries, DC = head_dim / 16 chunks: 16 rows at a time, each query's 16
 /// dot-product lane vectors reduced together.
 template <int DC, class T>
@@ -228,10 +211,13 @@ KVSCORE_ATTEND_AVX512 inline void dense_logits_avx512(const T* K, std::int64_t n
   for (; i0 + 16 <= n; i0 += 16) {
     for (std::int64_t g = 0; g < G; ++g) {
       __m512 q[DC], s[16];
+      KVSCORE_PARISKV_UNROLL
       for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qpad + g * d + 16 * c);
+      KVSCORE_PARISKV_UNROLL
       for (int r = 0; r < 16; ++r) {
         const T* k = K + (i0 + r) * d;
         s[r] = _mm512_setzero_ps();
+        KVSCORE_PARISKV_UNROLL
         for (int c = 0; c < DC; ++c) s[r] = _mm512_fmadd_ps(load16_avx512(k + 16 * c, 16), q[c], s[r]);
       }
       _mm512_storeu_ps(logits + g * n + i0, _mm512_mul_ps(tree16x16_avx512(s), sc));
@@ -245,18 +231,78 @@ KVSCORE_ATTEND_AVX512 inline void dense_logits_avx512(const T* K, std::int64_t n
 template <int DC, int GB, class T>
 KVSCORE_ATTEND_AVX512 inline void dense_values_avx512(const T* V, std::int64_t n, const float* p, float* acc) noexcept {
   __m512 a[GB][DC];
+  KVSCORE_PARISKV_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVSCORE_PARISKV_UNROLL
     for (int c = 0; c < DC; ++c) a[g][c] = _mm512_setzero_ps();
   for (std::int64_t i = 0; i < n; ++i) {
     __m512 v[DC];
+    KVSCORE_PARISKV_UNROLL
     for (int c = 0; c < DC; ++c) v[c] = load16_avx512(V + i * 16 * DC + 16 * c, 16);
+    KVSCORE_PARISKV_UNROLL
     for (int g = 0; g < GB; ++g) {
       const __m512 w = _mm512_set1_ps(p[g * n + i]);
+      KVSCORE_PARISKV_UNROLL
       for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
+  KVSCORE_PARISKV_UNROLL
   for (int g = 0; g < GB; ++g)
+    KVSCORE_PARISKV_UNROLL
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * 16 * DC + 16 * c, a[g][c]);
+}
+
+/// One query over scattered rows pos[0..n) on AVX-512 for head_dim = 16·DC: logits 16 rows at a
+/// time (tree16x16), the value sums in registers; rows requested kRowPrefetch ahead (K into
+/// L1, V into L2 for the second pass, then into L1).
+template <int DC, class T>
+KVSCORE_ATTEND_AVX512 inline void attend_rows_fixed_avx512(const T* K, const T* V, const std::int64_t* pos,
+                                                           std::int64_t n, const float* qpad, float scale, float* out,
+                                                           AttendScratch& ws) {
+  constexpr std::int64_t d = 16 * DC, bytes = d * std::int64_t(sizeof(T));
+  float* lg = ws.logits.data();
+  __m512 q[DC];
+  KVSCORE_PARISKV_UNROLL
+  for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qpad + 16 * c);
+  const __m512 sc = _mm512_set1_ps(scale);
+  std::int64_t i0 = 0;
+  for (; i0 + 16 <= n; i0 += 16) {
+    __m512 s[16];
+    KVSCORE_PARISKV_UNROLL
+    for (int r = 0; r < 16; ++r) {
+      const std::int64_t i = i0 + r;
+      if (i + kRowPrefetch < n) {
+        prefetch_row<3>(K + pos[i + kRowPrefetch] * d, bytes);
+        prefetch_row<2>(V + pos[i + kRowPrefetch] * d, bytes);
+      }
+      const T* k = K + pos[i] * d;
+      s[r] = _mm512_setzero_ps();
+      KVSCORE_PARISKV_UNROLL
+      for (int c = 0; c < DC; ++c) s[r] = _mm512_fmadd_ps(load16_avx512(k + 16 * c, 16), q[c], s[r]);
+    }
+    _mm512_storeu_ps(lg + i0, _mm512_mul_ps(tree16x16_avx512(s), sc));
+  }
+  for (; i0 < n; ++i0) {
+    if (i0 + kRowPrefetch < n) {
+      prefetch_row<3>(K + pos[i0 + kRowPrefetch] * d, bytes);
+      prefetch_row<2>(V + pos[i0 + kRowPrefetch] * d, bytes);
+    }
+    lg[i0] = dot_avx512(K + pos[i0] * d, qpad, d) * scale;
+  }
+  const float z = softmax_avx512(lg, n);
+  __m512 a[DC];
+  KVSCORE_PARISKV_UNROLL
+  for (int c = 0; c < DC; ++c) a[c] = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (i + kRowPrefetch < n) prefetch_row<3>(V + pos[i + kRowPrefetch] * d, bytes);
+    const T* v = V + pos[i] * d;
+    const __m512 w = _mm512_set1_ps(lg[i]);
+    KVSCORE_PARISKV_UNROLL
+    for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(w, load16_avx512(v + 16 * c, 16), a[c]);
+  }
+  KVSCORE_PARISKV_UNROLL
+  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ws.acc.data() + 16 * c, a[c]);
+  for (std::int64_t j = 0; j < d; ++j) out[j] = ws.acc[std::size_t(j)] / z;
 }
 
 /// The dense group on AVX-512 for head_dim = 16·DC: registers hold GB = 24/DC queries' sums.
@@ -454,6 +500,13 @@ void attend_rows(KernelSet set, const T* K, const T* V, std::int64_t d, const st
   if (ws.logits.size() < std::size_t(n)) ws.logits.resize(std::size_t(n));
   if (ws.acc.size() < std::size_t(dp)) ws.acc.resize(std::size_t(dp));
 #if defined(KVSCORE_PARISKV_X86)
+  if (set == KernelSet::avx512 && pos != nullptr) {
+    switch (d) {  // head_dims with the registers-resident kernel; the others take the generic loop
+      case 64: return attend_rows_fixed_avx512<4>(K, V, pos, n, ws.qpad.data(), scale, out, ws);
+      case 128: return attend_rows_fixed_avx512<8>(K, V, pos, n, ws.qpad.data(), scale, out, ws);
+      default: break;
+    }
+  }
   if (set == KernelSet::avx512) return attend_rows_avx512(K, V, d, pos, n, ws.qpad.data(), scale, out, ws);
   if (set == KernelSet::avx2) return attend_rows_avx2(K, V, d, pos, n, ws.qpad.data(), scale, out, ws);
 #endif

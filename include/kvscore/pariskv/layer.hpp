@@ -30,15 +30,15 @@
 namespace kvscore {
 
 /// Cache length below which a decode step attends densely by default (kvscore.generation's
-/// RetrievalCache(dense_below=None); ParisKVCacheConfig::dense_min): where retrieving 10 % of the
-/// keys became faster than dense attention over all of them (ParisKVLayerCache::forward's
-/// grouped kernel and torch's sdpa alike), measured per head_dim by python/bench/bench_decode.py
-/// on an AMD EPYC Zen 4 (AVX-512), one thread, docs/generation.md "The dense threshold".
-/// Head dims between the measured ones take the nearer measured value at or above them.
-inline std::int64_t retrieval_dense_below(std::int64_t head_dim) noexcept {
-  if (head_dim <= 64) return 3072;
-  return 3072;
-}
+/// RetrievalCache(dense_below=None); ParisKVCacheConfig::dense_min): where a step retrieving 10 %
+/// of the keys (4 sinks, a local window of 64) became faster than ParisKVLayerCache's dense step
+/// (each KV head's keys and values read once for its query heads, faster than torch's sdpa).
+/// Measured by python/bench/bench_decode.py on this project's 2-core Intel Xeon (AVX-512), one
+/// thread, 30 (SmolLM2) or 8 (synthetic) layers: head_dim 64 (SmolLM2-135M's keys, GQA 3:1;
+/// synthetic drift keys) between 5.5K and 8K tokens across runs, head_dim 128 (synthetic, GQA
+/// 4:1) about 5.3K; docs/generation.md "The dense threshold". Around the crossover the two steps
+/// are within ~10 % of each other. Other head dims take the nearer measured value.
+inline std::int64_t retrieval_dense_below(std::int64_t head_dim) noexcept { return head_dim <= 96 ? 6144 : 5120; }
 
 template <class T>
 class ParisKVLayerCache {

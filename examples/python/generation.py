@@ -22,8 +22,9 @@ def main(model=None, tok=None):
     import kvscore.generation as kg
 
     # every decoded token attends to 4 sinks, the 64 newest tokens and the keys ParisKV's index
-    # retrieves for its own query: 10 % of the prompt's keys in all
-    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64)
+    # retrieves for its own query: 10 % of the prompt's keys in all (dense_below=0: also at 1K
+    # tokens, where by default the cache attends densely, which is faster there)
+    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64, dense_below=0)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
     print(tok.decode(out[0, ids.shape[1]:]), cache.memory_bytes() / cache.full_memory_bytes())
     # [generation:end]
@@ -42,7 +43,7 @@ def main(model=None, tok=None):
 
     # kvpress's own pipeline: the context is the prompt, the question runs through the cache
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
-    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64)
+    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64, dense_below=0)
     answer = pipe(ctx.text, question=question, answer_prefix=prefix, cache=cache, max_new_tokens=4)["answer"]
     print(answer)
     # [generation-pipeline:end]

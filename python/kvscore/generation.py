@@ -16,6 +16,8 @@ per layer: the token's keys and values join the cache, then each query head atte
   exact top k by q·k, the ceiling the index approximates) and the last ``local`` tokens
   (kvscore::ParisKVLayerCache; the index is updated as tokens leave the local window). Nothing is
   evicted: memory stays the full cache (plus the index); what shrinks is the keys read per step.
+  Below ``dense_below`` tokens (default: the measured crossover for the head_dim) a step
+  attends every key instead, each KV head read once for its query heads: faster there.
 - ``OjaKVCache``: to OjaKV's hybrid store, low-rank codes in bases that Oja's rule keeps adapted
   plus full-rank anchors (kvscore::OjaLayerCache, the low-rank attention kernel of ojakv.txt
   A.4). Memory shrinks; every token is attended.

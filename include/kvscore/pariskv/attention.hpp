@@ -6,6 +6,10 @@
 //                      with software prefetch) or over the first n rows (dense)
 //   attend_dense_group the G queries of one KV head over all its rows, K and V read once (GQA)
 //
+// On AVX-512, head_dim 64 and 128 (and 16, 32 for the dense group) take register-resident
+// bodies: 16 rows' dot products reduced at once (tree16x16_avx512, kernels.hpp) and the value
+// sums held in registers; the same operations in the same order as the generic loops.
+//
 // One order of operations on every set, so outputs are bit-identical across sets, thread
 // counts and the two entry points (a query of attend_dense_group gets exactly attend_rows's
 // output over positions 0..n-1):
@@ -43,16 +47,22 @@ inline constexpr float kExpClamp = -87.3365f;  // e^x stays a normal fp32 (2^-12
 
 inline std::int64_t padded16(std::int64_t d) noexcept { return (d + 15) / 16 * 16; }
 
-/// Requests the lines of row `r` (`bytes` long): into L1 (hint 3) or L2 (hint 2).
+/// Requests the lines of row `r` (`bytes` long): into L1 (Hint 3) or L2 (Hint 2). On x86 the
+/// instructions are written out, as kernels.hpp's prefetch_line (GCC may drop a builtin prefetch
+/// in a helper it does not inline into the target-attribute kernels).
 template <int Hint>
 inline void prefetch_row(const void* r, std::int64_t bytes) noexcept {
-#if defined(__GNUC__)
   const char* p = static_cast<const char*>(r);
-  for (std::int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Hint);
+  for (std::int64_t o = 0; o < bytes; o += 64) {
+#if defined(KVSCORE_PARISKV_X86) && defined(__GNUC__)
+    if constexpr (Hint == 3) __asm__ volatile("prefetcht0 %0" : : "m"(*(p + o)));
+    else __asm__ volatile("prefetcht1 %0" : : "m"(*(p + o)));
+#elif defined(__GNUC__)
+    __builtin_prefetch(p + o, 0, Hint);
 #else
-  (void)r;
-  (void)bytes;
+    (void)p;
 #endif
+  }
 }
 
 inline constexpr std::int64_t kRowPrefetch = 8;  // rows ahead whose lines are requested

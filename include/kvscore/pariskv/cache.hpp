@@ -15,7 +15,7 @@
 // search (ParisKVSearch: β, ρ, exact rerank on the resident keys), and the local zone; while
 // the cache is short (N < max(dense_min, S + L + 2k), the authors' fallback, unless
 // dense_fallback is off) it returns every position. attend(q) is softmax(q·k/√d)·v over the
-// selected positions (fp32 logits, fp64 sums).
+// selected positions in fp32 (pariskv/attention.hpp: the same bits on every kernel set).
 //
 // Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,

@@ -151,6 +151,23 @@ kvscore::BlockJointOptions block_options(std::int64_t sinks, std::int64_t recent
   return o;
 }
 
+/// kvscore::BlockSparseOptions from the Python names (an unknown score or group: ValueError).
+kvscore::BlockSparseOptions sparse_options(const std::string& score, std::int64_t sinks, std::int64_t local, float scale,
+                                           std::int64_t prefilter, const std::string& group, std::int64_t refresh,
+                                           int threads, bool probe) {
+  kvscore::BlockSparseOptions o;
+  o.score = kvscore::parse_block_score(score);
+  o.sinks = sinks;
+  o.local = local;
+  o.scale = scale;
+  o.prefilter = prefilter;
+  o.group = kvscore::parse_query_group(group);
+  o.refresh = refresh;
+  o.num_threads = threads;
+  o.probe = probe;
+  return o;
+}
+
 /// A 2-D int32 block table [rows, max_blocks] with unit stride along its rows.
 struct Table32 {
   const std::int32_t* data = nullptr;
@@ -397,13 +414,7 @@ void bind_vllm(nb::module_& m) {
         require_c_contiguous(keys, "keys");
         require_c_contiguous(query, "query");
         if (query.shape(1) != keys.shape(2)) bad("query: head_dim differs from the keys'");
-        kvscore::BlockSparseOptions o;
-        o.score = kvscore::parse_block_score(score);
-        o.sinks = sinks;
-        o.local = local;
-        o.scale = scale;
-        o.prefilter = prefilter;
-        o.group = kvscore::parse_query_group(group);
+        const kvscore::BlockSparseOptions o = sparse_options(score, sinks, local, scale, prefilter, group, 1, 1, false);
         std::vector<std::int64_t> out;
         {
           nb::gil_scoped_release unlocked;
@@ -429,17 +440,8 @@ void bind_vllm(nb::module_& m) {
              std::int64_t head_dim, std::int64_t block_size, const std::string& score, std::int64_t sinks,
              std::int64_t local, float scale, std::int64_t prefilter, const std::string& group,
              std::int64_t refresh, int threads, bool probe) {
-            kvscore::BlockSparseOptions o;
-            o.score = kvscore::parse_block_score(score);
-            o.sinks = sinks;
-            o.local = local;
-            o.scale = scale;
-            o.prefilter = prefilter;
-            o.group = kvscore::parse_query_group(group);
-            o.refresh = refresh;
-            o.num_threads = threads;
-            o.probe = probe;
-            new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size, o);
+            new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size,
+                                         sparse_options(score, sinks, local, scale, prefilter, group, refresh, threads, probe));
           },
           "layers"_a, "num_blocks"_a, "kv_heads"_a, "head_dim"_a, "block_size"_a, nb::kw_only(),
           "score"_a = kvscore::to_string(bso.score), "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,

@@ -62,4 +62,4 @@ fi
 # made SmolLM2's decode ~40x slower on a busy machine.
 step pytest "python/tests (SmolLM2 tests and python -m kvscore.quality --quick included)"
 (cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
-  "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/python/tests")
+  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=8 "$ROOT/python/tests")

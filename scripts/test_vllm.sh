@@ -19,4 +19,4 @@ MODEL=$(bash scripts/smollm2_safetensors.sh "$PY")
 # waits (torch's spinning threads and vLLM's share two cores here).
 step vllm-pytest "python/tests_vllm (real vLLM CPU engines on SmolLM2: ~10 engine starts)"
 (cd python/tests_vllm && KVSCORE_VLLM_MODEL="$MODEL" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} "$PY" -m pytest -q -rs -p no:cacheprovider .)
+  OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} "$PY" -m pytest -q -rs -p no:cacheprovider --durations=8 .)

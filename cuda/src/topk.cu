@@ -12,7 +12,7 @@
 //  * several CTAs per row (few long rows): per-level histogram kernels adding into a global
 //    histogram, a per-row bin choice, then count / scan / write kernels over the row's chunks.
 // AdaKV's global step runs on the position-major key array Z[t][h], whose flat order is "lower
-// position first, then lower head" — the CPU's tie rule for that step.
+// position first, then lower head" — the CPU's tie rule for that step — once per layer of a batch.
 #include "common.cuh"
 
 #include <cub/block/block_reduce.cuh>
@@ -54,14 +54,17 @@ struct ScoreSrc {  // scores[r*stride + off + i]
     return key_of_bits(__float_as_uint(p[r * stride + off + i]));
   }
 };
-struct ZSrc {  // one row of precomputed keys
+struct ZSrc {  // row b of precomputed keys: z[b*len + i] (one row per layer of the batch)
   const std::uint32_t* z;
-  __device__ std::uint32_t key(long long, long long i) const { return z[i]; }
+  long long len;
+  __device__ std::uint32_t key(long long b, long long i) const { return z[b * len + i]; }
 };
-struct MaskSrc {  // keep[t*H + h]: 2 if kept else 1 (threshold {1, 0} takes the kept ones)
+struct MaskSrc {  // row r = b*H + h: keep[b*H*N + t*H + h]: 2 if kept else 1 (threshold {1, 0} takes the kept ones)
   const unsigned char* keep;
-  long long H;
-  __device__ std::uint32_t key(long long h, long long t) const { return keep[t * H + h] ? 2u : 1u; }
+  long long H, N;
+  __device__ std::uint32_t key(long long r, long long t) const {
+    return keep[(r / H) * H * N + t * H + r % H] ? 2u : 1u;
+  }
 };
 
 // -------------------------------------------------------------- outputs of the ordered write
@@ -76,14 +79,17 @@ struct PosOut {  // out[base(r) + rank_add + rank] = i + pos_add
     out[b + rank_add + rank] = i + pos_add;
   }
 };
-struct ForceOut {  // AdaKV safeguard: Z[(i + off)*H + r] = forced
+struct ForceOut {  // AdaKV safeguard of row r = b*H + h: Z[b*H*N + (i + off)*H + h] = forced
   std::uint32_t* z;
-  long long H, off;
-  __device__ void emit(long long r, long long i, long long) const { z[(i + off) * H + r] = kForcedKey; }
+  long long H, N, off;
+  __device__ void emit(long long r, long long i, long long) const {
+    z[(r / H) * H * N + (i + off) * H + r % H] = kForcedKey;
+  }
 };
-struct MaskOut {  // AdaKV global step: keep[i] = 1
+struct MaskOut {  // AdaKV global step of layer b: keep[b*len + i] = 1
   unsigned char* keep;
-  __device__ void emit(long long, long long i, long long) const { keep[i] = 1; }
+  long long len;
+  __device__ void emit(long long b, long long i, long long) const { keep[b * len + i] = 1; }
 };
 
 // -------------------------------------------------------------- block building blocks
@@ -391,29 +397,88 @@ __global__ void write_offsets_uniform(long long* off, long long heads, long long
     off[h] = h * n;
 }
 
-/// Z[t*H + h] = forced for protected positions, else key(score).
-__global__ void fill_z(const float* x, long long hs, long long H, long long N, long long s0, long long e0,
-                       std::uint32_t* z) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // t*H + h
-  if (i >= H * N) return;
-  const long long t = i / H, h = i % H;
-  z[i] = (t < s0 || t >= e0) ? kForcedKey : key_of_bits(__float_as_uint(x[h * hs + t]));
+/// AdaKV's z-score parameters of every row r (normalize): the CPU's znorm_params bit for bit —
+/// eight interleaved fp64 sums (lane i % 8 over the finite x[i], in order), added as
+/// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); squares rounded on their own (no FMA);
+/// sd = sqrt(sum / c), inv = 1 / sd (0 for sd = 0). One warp per row, lanes 0..7 sum.
+__global__ void znorm_params(const float* x, long long hs, long long N, double* mean, double* inv) {
+  const long long r = blockIdx.x;
+  const int lane = threadIdx.x;
+  const float* row = x + r * hs;
+  double acc = 0.0;
+  long long c = 0;
+  if (lane < 8)
+    for (long long i = lane; i < N; i += 8) {
+      const float v = row[i];
+      if (isfinite(v)) {
+        acc = __dadd_rn(acc, double(v));
+        ++c;
+      }
+    }
+  __shared__ double l[8];
+  __shared__ long long cs[8];
+  if (lane < 8) {
+    l[lane] = acc;
+    cs[lane] = c;
+  }
+  __syncthreads();
+  const long long count = cs[0] + cs[1] + cs[2] + cs[3] + cs[4] + cs[5] + cs[6] + cs[7];
+  const double mu = count > 0 ? __ddiv_rn(__dadd_rn(__dadd_rn(__dadd_rn(l[0], l[1]), __dadd_rn(l[2], l[3])),
+                                                     __dadd_rn(__dadd_rn(l[4], l[5]), __dadd_rn(l[6], l[7]))),
+                                          double(count))
+                              : 0.0;
+  __syncthreads();
+  acc = 0.0;
+  if (lane < 8)
+    for (long long i = lane; i < N; i += 8) {
+      const float v = row[i];
+      if (isfinite(v)) {
+        const double d = __dsub_rn(double(v), mu);
+        acc = __dadd_rn(acc, __dmul_rn(d, d));
+      }
+    }
+  if (lane < 8) l[lane] = acc;
+  __syncthreads();
+  if (lane == 0) {
+    const double sq = __dadd_rn(__dadd_rn(__dadd_rn(l[0], l[1]), __dadd_rn(l[2], l[3])),
+                                __dadd_rn(__dadd_rn(l[4], l[5]), __dadd_rn(l[6], l[7])));
+    const double sd = count > 0 ? __dsqrt_rn(__ddiv_rn(sq, double(count))) : 0.0;
+    mean[r] = mu;
+    inv[r] = sd > 0 ? __ddiv_rn(1.0, sd) : 0.0;
+  }
+}
+
+/// Z[b*H*N + t*H + h] = forced for protected positions, else key(score) of row b*H + h, or of its
+/// z-score float((double(x) - mean) * inv) when `mean` is given (non-finite scores keep their own key).
+__global__ void fill_z(const float* x, long long hs, long long B, long long H, long long N, long long s0, long long e0,
+                       const double* mean, const double* inv, std::uint32_t* z) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // b*H*N + t*H + h
+  if (i >= B * H * N) return;
+  const long long b = i / (H * N), t = (i % (H * N)) / H, h = i % H, r = b * H + h;
+  if (t < s0 || t >= e0) {
+    z[i] = kForcedKey;
+    return;
+  }
+  const float v = x[r * hs + t];
+  z[i] = (mean != nullptr && isfinite(v))
+             ? key_of_bits(__float_as_uint(__double2float_rn(__dmul_rn(__dsub_rn(double(v), mean[r]), inv[r]))))
+             : key_of_bits(__float_as_uint(v));
 }
 
 __global__ void __launch_bounds__(kBlock) count_kept(const unsigned char* keep, long long H, long long N,
                                                      long long* cnt) {
   __shared__ typename cub::BlockReduce<long long, kBlock>::TempStorage tmp;
-  const long long h = blockIdx.x;
+  const long long r = blockIdx.x, b = r / H, h = r % H;  // row b*H + h
   long long c = 0;
-  for (long long t = threadIdx.x; t < N; t += kBlock) c += keep[t * H + h];
+  for (long long t = threadIdx.x; t < N; t += kBlock) c += keep[b * H * N + t * H + h];
   const long long s = cub::BlockReduce<long long, kBlock>(tmp).Sum(c);
-  if (threadIdx.x == 0) cnt[h] = s;
+  if (threadIdx.x == 0) cnt[r] = s;
 }
 
-__global__ void offsets_from_counts(const long long* cnt, long long H, long long* off) {
+__global__ void offsets_from_counts(const long long* cnt, long long rows, long long* off) {
   long long s = 0;
   off[0] = 0;
-  for (long long h = 0; h < H; ++h) off[h + 1] = (s += cnt[h]);
+  for (long long r = 0; r < rows; ++r) off[r + 1] = (s += cnt[r]);
 }
 
 template <class Src, class Out>
@@ -428,16 +493,23 @@ struct SelectWork {
   unsigned char* keep = nullptr;
   long long* cnt = nullptr;
   long long* off = nullptr;
+  double* mean = nullptr;
+  double* inv = nullptr;
 };
 
 SelectWork carve_select(Carver& c, const SelectPlan& p) {
+  const long long rows = p.batch * p.heads;
   SelectWork w;
-  w.tk = carve_topk(c, std::max<long long>(p.heads, 1));
-  w.off = c.take<long long>(std::size_t(p.heads + 1));
+  w.tk = carve_topk(c, std::max<long long>(rows, 1));
+  w.off = c.take<long long>(std::size_t(rows + 1));
   if (p.adakv) {
-    w.z = c.take<std::uint32_t>(std::size_t(p.heads * p.tokens));
-    w.keep = c.take<unsigned char>(std::size_t(p.heads * p.tokens));
-    w.cnt = c.take<long long>(std::size_t(p.heads));
+    w.z = c.take<std::uint32_t>(std::size_t(rows * p.tokens));
+    w.keep = c.take<unsigned char>(std::size_t(rows * p.tokens));
+    w.cnt = c.take<long long>(std::size_t(rows));
+    if (p.normalize) {
+      w.mean = c.take<double>(std::size_t(rows));
+      w.inv = c.take<double>(std::size_t(rows));
+    }
   }
   return w;
 }
@@ -465,47 +537,55 @@ void select_into(const float* scores, const SelectPlan& p, Workspace ws, std::in
   const SelectWork w = carve_select(c, p);
   long long* off = reinterpret_cast<long long*>(offsets);
   long long* pos = reinterpret_cast<long long*>(positions);
-  const long long H = p.heads, N = p.tokens, s0 = p.sink_end, e0 = p.recent_begin, L = e0 - s0;
+  // B layers of H rows each (batch rows): per-head selection treats all B*H rows alike; AdaKV's
+  // global step runs once per layer.
+  const long long B = p.batch, H = p.heads, R = B * H, N = p.tokens, s0 = p.sink_end, e0 = p.recent_begin,
+                  L = e0 - s0;
   if (!p.adakv) {
     if (off != nullptr) {
-      write_offsets_uniform<<<grid_dim((H + 256) / 256), 256, 0, st>>>(off, H, p.per_head);
+      write_offsets_uniform<<<grid_dim((R + 256) / 256), 256, 0, st>>>(off, R, p.per_head);
       KVSCORE_CUDA_LAUNCHED();
     }
-    if (H == 0 || p.per_head == 0) return;
+    if (R == 0 || p.per_head == 0) return;
     if (p.protect > 0) {
-      write_protected<<<dim3(grid_dim((p.protect + 255) / 256), grid_dim(H)), 256, 0, st>>>(pos, p.per_head, s0, e0, N);
+      write_protected<<<dim3(grid_dim((p.protect + 255) / 256), grid_dim(R)), 256, 0, st>>>(pos, p.per_head, s0, e0, N);
       KVSCORE_CUDA_LAUNCHED();
     }
     const long long m = p.per_head - p.protect;
     if (m > 0 && L > 0)
-      topk(ScoreSrc{scores, p.score_head_stride, s0}, PosOut{pos, p.per_head, nullptr, s0, s0}, H, L, m, p.path,
+      topk(ScoreSrc{scores, p.score_head_stride, s0}, PosOut{pos, p.per_head, nullptr, s0, s0}, R, L, m, p.path,
            w.tk, st);
     return;
   }
   // AdaKV
-  if (H == 0) {
+  if (R == 0) {
     KVSCORE_CUDA_CHECK(cudaMemsetAsync(off, 0, sizeof(long long), st));
     return;
   }
   if (p.layer == 0) {
-    KVSCORE_CUDA_CHECK(cudaMemsetAsync(off, 0, std::size_t(H + 1) * sizeof(long long), st));
+    KVSCORE_CUDA_CHECK(cudaMemsetAsync(off, 0, std::size_t(R + 1) * sizeof(long long), st));
     return;
   }
-  // 1. keys of the global step, protected tokens forced; 2. the safeguard forced.
-  fill_z<<<grid_dim((H * N + 255) / 256), 256, 0, st>>>(scores, p.score_head_stride, H, N, s0, e0, w.z);
+  // 1. keys of the global step (z-scores with normalize), protected tokens forced; 2. the safeguard forced.
+  if (p.normalize) {
+    znorm_params<<<grid_dim(R), 32, 0, st>>>(scores, p.score_head_stride, N, w.mean, w.inv);
+    KVSCORE_CUDA_LAUNCHED();
+  }
+  fill_z<<<grid_dim((R * N + 255) / 256), 256, 0, st>>>(scores, p.score_head_stride, B, H, N, s0, e0, w.mean, w.inv,
+                                                          w.z);
   KVSCORE_CUDA_LAUNCHED();
   const long long ms = p.guaranteed - p.protect;
   if (ms > 0 && L > 0)
-    topk(ScoreSrc{scores, p.score_head_stride, s0}, ForceOut{w.z, H, s0}, H, L, ms, p.path, w.tk, st);
-  // 3. one global top-B over the position-major keys (ties: lower position, then lower head).
-  KVSCORE_CUDA_CHECK(cudaMemsetAsync(w.keep, 0, std::size_t(H * N), st));
-  topk(ZSrc{w.z}, MaskOut{w.keep}, 1, H * N, p.layer, p.path, w.tk, st);
+    topk(ScoreSrc{scores, p.score_head_stride, s0}, ForceOut{w.z, H, N, s0}, R, L, ms, p.path, w.tk, st);
+  // 3. per layer, one global top-B over its position-major keys (ties: lower position, then lower head).
+  KVSCORE_CUDA_CHECK(cudaMemsetAsync(w.keep, 0, std::size_t(R * N), st));
+  topk(ZSrc{w.z, H * N}, MaskOut{w.keep, H * N}, B, H * N, p.layer, p.path, w.tk, st);
   // 4. per head: counts, offsets, positions in ascending order.
-  count_kept<<<grid_dim(H), kBlock, 0, st>>>(w.keep, H, N, w.cnt);
+  count_kept<<<grid_dim(R), kBlock, 0, st>>>(w.keep, H, N, w.cnt);
   KVSCORE_CUDA_LAUNCHED();
-  offsets_from_counts<<<1, 1, 0, st>>>(w.cnt, H, off);
+  offsets_from_counts<<<1, 1, 0, st>>>(w.cnt, R, off);
   KVSCORE_CUDA_LAUNCHED();
-  collect_rows<<<grid_dim(H), kBlock, 0, st>>>(MaskSrc{w.keep, H}, PosOut{pos, 0, off, 0, 0}, N, Th{1u, 0});
+  collect_rows<<<grid_dim(R), kBlock, 0, st>>>(MaskSrc{w.keep, H, N}, PosOut{pos, 0, off, 0, 0}, N, Th{1u, 0});
   KVSCORE_CUDA_LAUNCHED();
 }
 

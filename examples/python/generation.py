@@ -1,6 +1,7 @@
 """kvscore.generation inside transformers' generate (docs/generation.md): SmolLM2-135M-Instruct
 answers a question about a fact planted in a 1K-token context, once with ParisKV attending 10 % of
-the keys per decoded token, once with OjaKV's low-rank store at about half the K/V memory. Needs
+the keys per decoded token, once with OjaKV's low-rank store at about half the K/V memory, and
+with ParisKV in kvpress's own pipeline. Needs
 the SmolLM2 GGUF (bash scripts/fetch_smollm2.sh) and the gguf package."""
 
 import torch
@@ -21,8 +22,9 @@ def main(model=None, tok=None):
     import kvscore.generation as kg
 
     # every decoded token attends to 4 sinks, the 64 newest tokens and the keys ParisKV's index
-    # retrieves for its own query: 10 % of the prompt's keys in all
-    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64)
+    # retrieves for its own query: 10 % of the prompt's keys in all (dense_below=0: also at 1K
+    # tokens, where by default the cache attends densely, which is faster there)
+    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64, dense_below=0)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
     print(tok.decode(out[0, ids.shape[1]:]), cache.memory_bytes() / cache.full_memory_bytes())
     # [generation:end]
@@ -34,6 +36,18 @@ def main(model=None, tok=None):
     print(tok.decode(out[0, ids.shape[1]:]), cache.memory_bytes() / cache.full_memory_bytes())
     # [generation-ojakv:end]
     answers.append(tok.decode(out[0, ids.shape[1]:]))
+    # [generation-pipeline:begin]
+    from transformers import pipeline
+
+    import kvpress  # noqa: F401  (registers the "kv-press-text-generation" task)
+
+    # kvpress's own pipeline: the context is the prompt, the question runs through the cache
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64, dense_below=0)
+    answer = pipe(ctx.text, question=question, answer_prefix=prefix, cache=cache, max_new_tokens=4)["answer"]
+    print(answer)
+    # [generation-pipeline:end]
+    answers.append(answer)
     full = model.generate(ids, max_new_tokens=4, do_sample=False)
     answers.append(tok.decode(full[0, ids.shape[1]:]))
     print(f"expected {expected}; the full cache answers {answers[-1]}")

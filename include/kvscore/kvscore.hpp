@@ -1,6 +1,7 @@
 // kvscore/kvscore.hpp — umbrella header.
 #pragma once
 
+#include "kvscore/block_sparse.hpp"
 #include "kvscore/compact.hpp"
 #include "kvscore/contract.hpp"
 #include "kvscore/core/dtype.hpp"

@@ -5,12 +5,14 @@
     keep = kvscore.select(scores, 512, sinks=4, recent=64)   # int64 [kv_heads, 512], rows ascending
     n = kvscore.compact(keys, values, keep)            # in place; then keys[..., :n, :]
 
-Arrays are read in place (numpy through the buffer protocol, torch CPU tensors through DLPack):
+Arrays are read in place (numpy through the buffer protocol, torch tensors through DLPack):
 fp32, fp16 and bf16 keys in any layout a strided view can express. A layout it cannot express
 (the head_dim stride is not 1, negative strides) is a ValueError naming the stride, never a
 silent copy. Results come back as the kind of array that went in (numpy in, numpy out; torch
-in, torch out), scores always float32. Bad values raise ValueError carrying the C++ message,
-wrong kinds of argument TypeError. Heavy calls release the GIL.
+in, torch out; a CUDA tensor in, a tensor on its device out), scores always float32. Bad values
+raise ValueError carrying the C++ message, wrong kinds of argument TypeError. Heavy calls
+release the GIL. CUDA tensors run on kvscore::cuda when the package was built with it
+(KVSCORE_CUDA=1 pip install .; cuda_available(), cuda_status(); docs/python.md "CUDA tensors").
 
 Every method name and every default comes from the C++ registry (include/kvscore/methods.hpp,
 make_scorer.hpp, make_method.hpp) through the module kvscore._kvscore: REGISTRY is its list,
@@ -24,6 +26,7 @@ import operator as _operator
 
 import numpy as _np
 
+from . import _cuda
 from . import _kvscore as _k
 
 __version__ = _k.__version__
@@ -32,13 +35,29 @@ __all__ = [
     "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV", "KVzip",
     "calibrate_qfilters", "select", "select_joint", "select_joint_blocks", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
-    "StreamingLLM", "make_selection_rule",
+    "StreamingLLM", "make_selection_rule", "cuda_available", "cuda_status",
 ]
 
 isa = _k.isa
 isas = _k.isas
 set_isa = _k.set_isa
 budget_from_ratio = _k.budget_from_ratio
+
+def cuda_available() -> bool:
+    """Whether CUDA tensors can run here: the CUDA module was built, a driver and a device are
+    present, and the device runs the architectures built. Never raises, never imports torch."""
+    return _cuda.available()
+
+
+def cuda_status() -> dict:
+    """Why CUDA tensors can or cannot run here: ``{'available', 'reason', 'message', ...}`` with
+    reason 'available', 'not_built' (no kvscore._kvscore_cuda: build with KVSCORE_CUDA=1 pip
+    install .), 'no_driver', 'driver_too_old', 'no_device', 'arch_not_built' (no device runs the
+    architectures built) or 'error'; also the driver and runtime versions, the architectures
+    built and each device (name, capability, supported). Asks the driver only; never raises,
+    never imports torch."""
+    return _cuda.status()
+
 
 #: The registry's defaults (kvscore::ScorerArgs{}) and the option structs' (SelectOptions{}, ...).
 _ARGS = _k.ScorerArgs()
@@ -63,21 +82,22 @@ def _to_torch(x):
     return torch.from_numpy(x)
 
 
-def _arg(x, name: str, writable: bool = False):
+def _arg(x, name: str, writable: bool = False, who: str = "this kvscore function"):
     """(array for the C++ core, converter of results back to the caller's kind).
 
     What the core cannot read in place is named here, before nanobind's generic "incompatible
     function arguments": a tensor on another device, a sparse tensor, a non-native byte order.
+    The functions with a CUDA path (the scorers, select, compact) dispatch CUDA tensors before
+    they get here, so a CUDA tensor here is one `who` cannot take: a ValueError, never a copy.
     """
     if _is_torch(x):
         import torch
 
         if x.device.type != "cpu":
             if x.device.type == "cuda":
-                where = "this kvscore module has no CUDA path (kvscore's CUDA path is C++, docs/cuda.md)"
-            else:
-                where = f"kvscore reads CPU memory only ('{x.device.type}' tensors are not supported)"
-            raise ValueError(f"{name}: tensor on device '{x.device}': {where}; move it with .cpu()")
+                _cuda.cpu_only(name, x, who)
+            raise ValueError(f"{name}: tensor on device '{x.device}': kvscore reads CPU memory only "
+                             f"('{x.device.type}' tensors are not supported); move it with .cpu()")
         if x.layout != torch.strided:
             raise ValueError(f"{name}: a {x.layout} tensor: kvscore reads dense strided tensors in place; "
                              "convert it with .to_dense()")
@@ -114,19 +134,23 @@ class _Scorer:
 
     def __init__(self, impl=None, threads: int = 0, **build):
         self._impl = impl if impl is not None else _make(type(self).name, **build)
+        self._build = build  # what kvscore._kvscore_cuda builds its own from (_on_cuda)
+        self._cuda_impl = None
         self.num_threads = threads
 
     @property
     def num_threads(self) -> int:
         """Threads over heads: 0 = OpenMP's default, 1 = serial; the scores are the same for any value."""
-        return self._impl.num_threads
+        return self._impl.num_threads if self._impl is not None else self._threads
 
     @num_threads.setter
     def num_threads(self, n: int) -> None:
         n = _index(n, "threads")
         if n < 0:
             raise ValueError(f"threads {n} must be >= 0 (0 = OpenMP default)")
-        self._impl.num_threads = n
+        self._threads = n
+        if self._impl is not None:
+            self._impl.num_threads = n
 
     def score(self, keys, queries=None):
         """Scores of every cached token.
@@ -135,19 +159,35 @@ class _Scorer:
         ----------
         keys : numpy.ndarray or torch.Tensor
             ``[kv_heads, tokens, head_dim]`` or ``[1, kv_heads, tokens, head_dim]``, float32,
-            float16 or bfloat16, any layout whose head_dim stride is 1 (read in place).
+            float16 or bfloat16, any layout whose head_dim stride is 1 (read in place). A CUDA
+            tensor is scored on its device by kvscore::cuda (the CUDA build: cuda_status()).
         queries : None
             Query-agnostic scorers take none (a ValueError otherwise).
 
         Returns
         -------
         numpy.ndarray or torch.Tensor
-            float32 ``[kv_heads, tokens]``, higher = keep; the kind of array ``keys`` was.
+            float32 ``[kv_heads, tokens]``, higher = keep; the kind of array ``keys`` was (a
+            CUDA tensor on the keys' device for CUDA keys).
         """
         if queries is not None:
             raise ValueError(f"{type(self).__name__}.score: this scorer takes no queries")
+        if _cuda.is_cuda(keys):
+            return _cuda.score(self._on_cuda(keys), keys)
         a, back = _arg(keys, "keys")
         return back(self._impl.score(a))
+
+    def _on_cuda(self, keys):
+        """This scorer for CUDA keys: kvscore._kvscore_cuda's, built once from the same arguments
+        (its queries and filters stay on the host, as the C++ kvscore::cuda::score takes them)."""
+        _cuda.require("keys", keys)
+        if self._cuda_impl is None:
+            b = dict(self._build)
+            queries, last, filters = b.pop("queries", None), b.pop("last", 0), b.pop("filters", None)
+            q = None if queries is None else _arg(queries, "queries")[0]
+            f = None if filters is None else _arg(filters, "filters")[0]
+            self._cuda_impl = _cuda.make_scorer(type(self).name, b, queries=q, last=last, filters=f)
+        return self._cuda_impl
 
     def __repr__(self) -> str:
         return f"kvscore.{type(self).__name__}()"
@@ -241,6 +281,8 @@ class QFilter(_Scorer):
     """
 
     def __init__(self, filters, *, threads: int = 0):
+        if _cuda.is_cuda(filters):  # the filters live on the host (copied to fp32 here, to the device per call)
+            filters = filters.detach().cpu()
         super().__init__(threads=threads, filters=filters)
 
     @classmethod
@@ -275,7 +317,7 @@ def calibrate_qfilters(queries, kv_heads: int):
     numpy.ndarray or torch.Tensor
         float32 ``[kv_heads, head_dim]`` in kvscore's convention.
     """
-    a, back = _arg(queries, "queries")
+    a, back = _arg(queries, "queries", who="calibrate_qfilters")
     return back(_k.calibrate_qfilters(a, kv_heads))
 
 
@@ -300,14 +342,36 @@ class _QueryScorer(_Scorer):
         """
         if queries is not None:
             return type(self)(queries, **self._options).score(keys)
+        if self._impl is None:  # window queries in CUDA memory (SnapKV): CUDA keys only
+            q = self._device_queries
+            if not _cuda.is_cuda(keys):
+                where = keys.device if hasattr(keys, "device") else f"the host ({type(keys).__name__})"
+                raise ValueError(f"{type(self).__name__}.score: the queries are on {q.device} but the keys are on "
+                                 f"{where}: pass both on one device")
+            o = self._options
+            return _cuda.score_snapkv(keys, q, o["window"], o["kernel"], o["placement"])
+        if _cuda.is_cuda(keys):
+            return _cuda.score(self._on_cuda(keys), keys)
         a, back = _arg(keys, "keys")
         return back(self._impl.score(a))
+
+    def _device_init(self, queries, threads: int) -> None:
+        """SnapKV from window queries in CUDA memory: kept there and read in place at every
+        score (kvscore::cuda::DeviceSnapKV); shapes and options checked now, the values checked
+        for finite numbers once (the CPU constructor's check: one synchronisation)."""
+        _cuda.require("queries", queries)
+        o = self._options
+        self._device_queries = queries.detach()
+        self._recent = _cuda.snapkv_protected_recent(self._device_queries, o["window"], o["kernel"], o["placement"])
+        _cuda.check_finite_queries(self._device_queries, o["window"])
+        self._impl = self._build = self._cuda_impl = None
+        self.num_threads = threads
 
     @property
     def protected_recent(self) -> int:
         """Tokens at the end of the cache select() must keep (``recent=``): the window when the
         queries sit in the cache, 0 after it."""
-        return self._impl.protected_recent
+        return self._impl.protected_recent if self._impl is not None else self._recent
 
 
 class SnapKV(_QueryScorer):
@@ -334,8 +398,11 @@ class SnapKV(_QueryScorer):
                  placement: str = _ARGS.placement, threads: int = 0):
         if _index(window, "window") < 1:
             raise ValueError(f"SnapKV: window {window} must be >= 1")
-        super().__init__(threads=threads, queries=queries, last=window, kernel_size=kernel, placement=placement)
         self._options = {"window": window, "kernel": kernel, "placement": placement, "threads": threads}
+        if _cuda.is_cuda(queries):  # scores CUDA keys with the queries where they are
+            self._device_init(queries, threads)
+            return
+        super().__init__(threads=threads, queries=queries, last=window, kernel_size=kernel, placement=placement)
 
 
 class ProtoKV(_QueryScorer):
@@ -365,6 +432,11 @@ class ProtoKV(_QueryScorer):
     def __init__(self, queries, window: int = 0, *, kappa: int = _ARGS.kappa, sat_candidates: int = _ARGS.sat_candidates,
                  lsh_bits: int = _ARGS.lsh_bits, chunks: int = _ARGS.chunks, bandwidth: float = _ARGS.bandwidth,
                  seed: int = _ARGS.seed, psi: str = _ARGS.psi, placement: str = _ARGS.placement, threads: int = 0):
+        if _cuda.is_cuda(queries):
+            # ProtoKV's GPU path computes q̄ and the RFF directions on the host (kvscore/cuda/protokv.hpp):
+            # the window's queries are copied to the host once, here (they score CPU or CUDA keys)
+            _cuda.require("queries", queries)
+            queries = queries.detach().cpu()
         super().__init__(threads=threads, queries=queries, last=window, kappa=kappa, sat_candidates=sat_candidates,
                          lsh_bits=lsh_bits, chunks=chunks, bandwidth=bandwidth, seed=seed, psi=psi,
                          placement=placement)
@@ -538,7 +610,8 @@ def select(scores, budget: int, *, sinks: int = _SEL["sinks"], recent: int = _SE
     Parameters
     ----------
     scores : numpy.ndarray or torch.Tensor
-        float32 ``[kv_heads, tokens]``, higher = keep (read in place).
+        float32 ``[kv_heads, tokens]``, higher = keep (read in place; a CUDA tensor is selected
+        on its device, the same positions as on the CPU).
     budget : int
         Tokens kept per head (an integer: a float is a TypeError, never truncated).
     sinks, recent : int, optional
@@ -556,28 +629,34 @@ def select(scores, budget: int, *, sinks: int = _SEL["sinks"], recent: int = _SE
     -------
     numpy.ndarray or torch.Tensor, or a list of them
         int64 ``[kv_heads, budget]``, each row ascending (alloc='per_head'); for 'adakv' a list
-        of kv_heads int64 arrays. Ties keep the lower position.
+        of kv_heads int64 arrays (for CUDA scores, views of one device tensor; their lengths are
+        read back). Ties keep the lower position.
     """
+    budget = _index(budget, "select: budget")
+    if _cuda.is_cuda(scores):
+        _cuda.require("scores", scores)
+        return _cuda.select(scores, budget, sinks=sinks, recent=recent, alloc=alloc, alpha=alpha, normalize=normalize,
+                            threads=threads)
     a, back = _arg(scores, "scores")
-    return back(_k.select(a, _index(budget, "select: budget"), sinks=sinks, recent=recent, alloc=alloc, alpha=alpha,
+    return back(_k.select(a, budget, sinks=sinks, recent=recent, alloc=alloc, alpha=alpha,
                           normalize=normalize, threads=threads))
 
 
 
 def _score_layers(scores, who: str):
     """(one array per layer, back) of select_joint's score forms: [layers, kv_heads, tokens],
-    [rows, tokens], or a list of [kv_heads, tokens] (views, no copy)."""
+    [rows, tokens], or a list of [kv_heads, tokens] (views, no copy). CPU only."""
     if isinstance(scores, (list, tuple)):
         layers = list(scores)
     else:
-        _arg(scores, "scores")  # a numpy array or a torch tensor, else ValueError
+        _arg(scores, "scores", who=who)  # a numpy array or a CPU torch tensor, else ValueError
         nd = len(scores.shape)
         if nd not in (2, 3):
             raise ValueError(f"{who}: scores must be [layers, kv_heads, tokens] or [rows, tokens] (got {nd} dimensions)")
         layers = [scores] if nd == 2 else list(scores)  # views of each layer, no copy
     arrays, back = [], _identity
     for i, s in enumerate(layers):
-        a, b = _arg(s, f"scores[{i}]")
+        a, b = _arg(s, f"scores[{i}]", who=who)
         arrays.append(a)
         if i == 0:
             back = b
@@ -616,9 +695,12 @@ def select_joint_blocks(scores, block_size: int, budget: int, *, sinks: int = 0,
 
 
 def _numpy_view(a):
-    """A numpy array over the same memory as `a` (numpy, or a CPU torch tensor), for overlap tests."""
+    """A numpy array over the same memory as `a` (numpy, or a CPU torch tensor; for a CUDA tensor
+    one with its bounds and strides only, never read), for overlap tests."""
     if isinstance(a, _np.ndarray):
         return a
+    if _cuda.is_cuda(a):
+        return _cuda.bounds_view(a)
     import torch
 
     if a.dtype in (torch.float16, torch.bfloat16):
@@ -650,7 +732,8 @@ def compact(keys, values, selection, *, tail: str = _COMPACT["tail"], require_eq
         ``[kv_heads, tokens, d]`` (or ``[1, ...]``, HF layout), writable, sharing no element with
         each other (a ValueError otherwise: moving one would overwrite the other).
     selection : array or list of arrays
-        select()'s result (numpy or torch).
+        select()'s result (numpy or torch; for CUDA keys and values, on their device: it is
+        checked there with the CPU's rules, one synchronisation, before anything moves).
     tail : {'keep', 'zero'}, optional
         What is left after the kept rows: the old rows, or zeros.
     require_equal_lengths : bool, optional
@@ -663,11 +746,18 @@ def compact(keys, values, selection, *, tail: str = _COMPACT["tail"], require_eq
         The kept length n (slice ``[..., :n, :]`` afterwards), or each head's when
         ``require_equal_lengths=False``.
     """
+    overlap = ("compact: keys and values overlap in memory (they share elements): compacting one would "
+               "overwrite the other; pass separate buffers")
+    if _cuda.is_cuda(keys) or _cuda.is_cuda(values):
+        _cuda.require("keys" if _cuda.is_cuda(keys) else "values", keys if _cuda.is_cuda(keys) else values)
+        if _cuda.is_cuda(keys) and _cuda.is_cuda(values) and _share_memory(keys, values):
+            raise ValueError(overlap)
+        lengths = _cuda.compact(keys, values, selection, tail=tail, require_equal_lengths=require_equal_lengths)
+        return int(lengths[0]) if require_equal_lengths and lengths else lengths
     k, _ = _arg(keys, "keys", writable=True)
     v, _ = _arg(values, "values", writable=True)
     if _share_memory(k, v):
-        raise ValueError("compact: keys and values overlap in memory (they share elements): compacting one would "
-                         "overwrite the other; pass separate buffers")
+        raise ValueError(overlap)
     if isinstance(selection, (list, tuple)):
         sel = [_arg(s, "selection")[0] for s in selection]
     else:
@@ -680,7 +770,9 @@ def compact(keys, values, selection, *, tail: str = _COMPACT["tail"], require_eq
 
 def _f32_4d(x, name):
     if _is_torch(x):
-        x = x.detach().cpu().float().numpy()
+        if x.device.type != "cpu":
+            _arg(x, name, who="evaluate")  # never a silent copy from a device: ValueError
+        x = x.detach().float().numpy()
     x = _np.ascontiguousarray(_np.asarray(x, dtype=_np.float32))
     if x.ndim == 3:
         x = x[None]
@@ -813,7 +905,7 @@ class ParisKV:
 
     def append(self, keys) -> None:
         """Appends keys ``[n, head_dim]`` (float32, float16 or bfloat16, head_dim stride 1)."""
-        a, _ = _arg(keys, "keys")
+        a, _ = _arg(keys, "keys", who="ParisKV")
         self._impl.append(a)
 
     def search(self, queries, k: int = _PARIS_SEARCH["k"], *, beta: float = _PARIS_SEARCH["beta"],
@@ -834,7 +926,7 @@ class ParisKV:
         (positions, scores)
             int64 ``[n_q, k]`` ascending and their float32 RSQ-IP estimates (1-D for one query).
         """
-        a, back = _arg(queries, "queries")
+        a, back = _arg(queries, "queries", who="ParisKV")
         one = a.ndim == 1
         if one:
             a = a[None]
@@ -881,18 +973,18 @@ class ParisKVCache:
 
     def append(self, keys, values) -> None:
         """Appends rows ``[n, head_dim]`` of the cache's dtype."""
-        k, _ = _arg(keys, "keys")
-        v, _ = _arg(values, "values")
+        k, _ = _arg(keys, "keys", who="ParisKVCache")
+        v, _ = _arg(values, "values", who="ParisKVCache")
         self._impl.append(k, v)
 
     def select(self, query):
         """int64 positions one query ``[head_dim]`` attends, ascending."""
-        q, back = _arg(query, "query")
+        q, back = _arg(query, "query", who="ParisKVCache")
         return back(self._impl.select(q))
 
     def attend(self, query):
         """(float32 ``[head_dim]`` attention output, positions) for one query."""
-        q, back = _arg(query, "query")
+        q, back = _arg(query, "query", who="ParisKVCache")
         out, pos = self._impl.attend(q)
         return back(out), back(pos)
 
@@ -914,8 +1006,8 @@ class OjaProjector:
 
     def prefill(self, keys, values) -> None:
         """Fits the bases to a prefill's keys and values."""
-        k, _ = _arg(keys, "keys")
-        v, _ = _arg(values, "values")
+        k, _ = _arg(keys, "keys", who="OjaProjector")
+        v, _ = _arg(values, "values", who="OjaProjector")
         if k.ndim == 2:
             k = k[None]
         if v.ndim == 2:

@@ -16,6 +16,8 @@ per layer: the token's keys and values join the cache, then each query head atte
   exact top k by q·k, the ceiling the index approximates) and the last ``local`` tokens
   (kvscore::ParisKVLayerCache; the index is updated as tokens leave the local window). Nothing is
   evicted: memory stays the full cache (plus the index); what shrinks is the keys read per step.
+  Below ``dense_below`` tokens (default: the measured crossover for the head_dim) a step
+  attends every key instead, each KV head read once for its query heads: faster there.
 - ``OjaKVCache``: to OjaKV's hybrid store, low-rank codes in bases that Oja's rule keeps adapted
   plus full-rank anchors (kvscore::OjaLayerCache, the low-rank attention kernel of ojakv.txt
   A.4). Memory shrinks; every token is attended.
@@ -31,6 +33,10 @@ attends every key through the model's own dense attention: the tokens are a Dyna
 exactly. Models the caches cannot serve are refused with the reason (no RoPE'd keys reachable
 through the attention interface, sliding-window or chunked layers, logit soft-capping,
 encoder-decoder models, another attention implementation than sdpa/eager); padded batches too.
+
+kvpress's pipeline takes either cache (``pipe(context, question=q, cache=RetrievalCache(...))``):
+while the C++ cache holds a layer, its ``keys`` / ``values`` read a stand-in whose only index is
+``[:, :, :n]``, and assigning that back (the pipeline's way to drop an answer) is ``crop(n)``.
 """
 
 from __future__ import annotations
@@ -159,20 +165,113 @@ def _check_model(model, who: str):
 
 # ------------------------------------------------------------------ the layers
 
+def _token_stop(idx, n: int, who: str) -> int:
+    """The tokens kept by ``idx`` on a [batch, kv_heads, n, head_dim] store, if it only cuts the
+    token axis's tail ([:, :, :m], [..., :m, :]); TypeError otherwise."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if sum(x is Ellipsis for x in idx) > 1:
+        raise TypeError(f"{who}: an index with two ellipses")
+    if Ellipsis in idx:
+        at = idx.index(Ellipsis)
+        idx = idx[:at] + (slice(None),) * (4 - len(idx) + 1) + idx[at + 1:]
+    idx = idx + (slice(None),) * (4 - len(idx))
+    ok = len(idx) == 4 and all(isinstance(x, slice) for x in idx)
+    ok = ok and all(x == slice(None) for i, x in enumerate(idx) if i != _TOKENS)
+    if ok:
+        t = idx[_TOKENS]
+        ok = t.start in (None, 0) and t.step in (None, 1)
+    if not ok:
+        raise TypeError(f"{who}: the keys and values are held by the C++ layer cache; the only index they take is "
+                        f"[:, :, :n] (keep the first n tokens, as kvpress's pipeline does), got {idx!r}")
+    return len(range(n)[t])
+
+
+class _Held:
+    """What a kvscore layer's ``keys`` / ``values`` read while the C++ layer cache holds them: the
+    shape, dtype and device of the [batch, kv_heads, tokens, head_dim] tensor a DynamicLayer would
+    hold, and ``[:, :, :n]``. Assigning such a slice back to the layer keeps the first n tokens
+    (Cache.crop), which is how kvpress's pipeline drops each question and its answer
+    (``_remove_answer_from_cache``). Anything else (torch operations, a press that reads the keys)
+    is a TypeError that says so."""
+
+    __slots__ = ("layer", "what", "shape")
+
+    def __init__(self, layer, what: str, n: int):
+        impl = layer.impl
+        self.layer, self.what = layer, what
+        self.shape = _torch.Size((impl.batch, impl.kv_heads, n, impl.head_dim))
+
+    ndim = property(lambda self: len(self.shape))
+    dtype = property(lambda self: self.layer.dtype)
+    device = property(lambda self: self.layer.device)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getitem__(self, idx):
+        return _Held(self.layer, self.what, _token_stop(idx, self.shape[_TOKENS], self._who()))
+
+    def _who(self) -> str:
+        return f"{type(self.layer._owner()).__name__} layer {self.layer.idx} {self.what}"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        held = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, _Held))
+        raise TypeError(f"{held._who()}: held by kvscore's C++ layer cache, not a tensor ({getattr(func, '__name__', func)} "
+                        "cannot read it); kvpress presses cannot compress a kvscore cache")
+
+    def __repr__(self):
+        return f"<{self._who()}: {tuple(self.shape)} held in C++>"
+
+
 class _Layer(_CacheLayerMixin):
     """One attention layer's state: the prompt's keys and values until its attention ran, then
-    the C++ layer cache (``impl``); with ``attend=1.0`` a DynamicLayer's keys and values."""
+    the C++ layer cache (``impl``); with ``attend=1.0`` a DynamicLayer's keys and values.
+    ``keys`` / ``values`` read a _Held stand-in while the C++ cache holds them."""
 
     is_sliding = False
     is_compileable = False
 
     def __init__(self, owner, idx: int):
-        super().__init__()
         self._owner = _weakref.ref(owner)
         self.idx = idx
         self.impl = None
         self._prefill = None  # (keys, values) of the prompt while its attention runs
         self._returned = None  # the key tensor update() returned, for the attention function
+        super().__init__()
+
+    def _held(self) -> bool:
+        return self.impl is not None and not self._owner()._dense
+
+    @property
+    def keys(self):
+        return _Held(self, "keys", int(self.impl.size)) if self._held() else self._keys
+
+    @keys.setter
+    def keys(self, value):
+        self._store("keys", value)
+
+    @property
+    def values(self):
+        return _Held(self, "values", int(self.impl.size)) if self._held() else self._values
+
+    @values.setter
+    def values(self, value):
+        self._store("values", value)
+
+    def _store(self, what: str, value) -> None:
+        if value is None or self._owner()._dense:  # CacheLayerMixin's None; attend=1.0's tensors
+            setattr(self, "_" + what, value)
+            return
+        who = f"{type(self._owner()).__name__} layer {self.idx} {what}"
+        if not isinstance(value, _Held) or value.layer is not self:
+            raise TypeError(f"{who}: held by kvscore's C++ layer cache; only its own [:, :, :n] can be assigned back "
+                            f"(keep the first n tokens, Cache.crop), got {type(value).__name__}")
+        n = int(value.shape[_TOKENS])
+        if n > self.get_seq_length():
+            raise ValueError(f"{who}: {n} tokens assigned back, the layer holds {self.get_seq_length()} (a slice "
+                             "taken before a crop)")
+        self.crop(n)  # keys and values are one store: both keep n tokens
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -219,7 +318,7 @@ class _Layer(_CacheLayerMixin):
             self.keys = self.keys[..., :max_length, :]
             self.values = self.values[..., :max_length, :]
         else:
-            self.impl.crop(max_length)
+            self._owner()._crop(self.impl, max_length)
 
     def reset(self) -> None:
         raise ValueError(f"{type(self._owner()).__name__}: reset is not supported; make a new cache")
@@ -276,7 +375,7 @@ class _KvscoreCache(_Cache):
         rule reads the last ``window``). For a prompt already run (kvscore.quality replays one
         prefill for many caches)."""
         lay = self.layers[layer]
-        if lay.impl is not None or lay._prefill is not None or lay.keys is not None:
+        if lay.impl is not None or lay._prefill is not None or lay._keys is not None:
             raise ValueError(f"{type(self).__name__}.prefill: layer {layer} holds a prompt already")
         if not lay.is_initialized:
             lay.lazy_initialization(keys, values)
@@ -288,6 +387,9 @@ class _KvscoreCache(_Cache):
         lay._prefill = (keys, values)
         lay._finish_prefill(queries, None, None, self._scaling[layer])
 
+    def _crop(self, impl, n: int) -> None:
+        impl.crop(n)
+
     def _impls(self):
         return [lay.impl for lay in self.layers if lay.impl is not None]
 
@@ -296,8 +398,8 @@ class _KvscoreCache(_Cache):
         tokens · head_dim · element size."""
         total = 0
         for lay in self.layers:
-            if lay.keys is not None:
-                total += 2 * lay.keys.numel() * lay.keys.element_size()
+            if lay._keys is not None:
+                total += 2 * lay._keys.numel() * lay._keys.element_size()
             elif lay.impl is not None:
                 i = lay.impl
                 total += 2 * i.batch * i.kv_heads * i.size * i.head_dim * lay.dtype.itemsize
@@ -333,13 +435,20 @@ class RetrievalCache(_KvscoreCache):
     sinks, local : int
         The first and the last tokens every query attends (tokens leaving the local window are
         indexed at once).
+    dense_below : int or None
+        A decode step attends every key while the cache holds fewer than
+        max(dense_below, sinks + local + 2k) tokens (one read of each KV head's keys and values
+        for its query heads, in C++: below the crossover that is faster than a search), and
+        retrieves from there on. None: the measured crossover for the model's head_dim
+        (``kvscore._kvscore.retrieval_dense_below``, docs/generation.md); 0: never dense (every
+        step attends sinks + k + local keys).
     beta, rho, rerank_exact : ParisKV's search options (0: the length-adaptive defaults; off).
     threads : OpenMP threads of the C++ layer calls (0: OpenMP's default).
     """
 
     def __init__(self, model, method: str = _PARISKV, *, attend, sinks: int = _PARIS_CACHE["sinks"],
-                 local: int = _PARIS_CACHE["local"], beta: float = 0.0, rho: float = 0.0, rerank_exact: int = 0,
-                 threads: int = 0):
+                 local: int = _PARIS_CACHE["local"], dense_below: int | None = None, beta: float = 0.0,
+                 rho: float = 0.0, rerank_exact: int = 0, threads: int = 0):
         who = "RetrievalCache"
         if method not in RETRIEVAL_METHODS:
             raise ValueError(f"{who}: method '{method}' must be one of {', '.join(RETRIEVAL_METHODS)}")
@@ -361,11 +470,18 @@ class RetrievalCache(_KvscoreCache):
             raise ValueError(f"{who}: rerank_exact {rerank_exact} must be >= 0 (0: off)")
         if RETRIEVAL_METHODS[method] and (beta or rho or rerank_exact):
             raise ValueError(f"{who}: beta, rho and rerank_exact are ParisKV's search options; method 'exact' takes none")
+        if dense_below is not None:
+            dense_below = _index(dense_below, "dense_below")
+            if dense_below < 0:
+                raise ValueError(f"{who}: dense_below {dense_below} must be >= 0 tokens (0: never dense; None: the "
+                                 "measured default)")
         self.method, self.attend, self.sinks, self.local = method, attend, sinks, local
         self._search = (float(beta), float(rho), rerank_exact)
         self.threads = _index(threads, "threads")
         super().__init__(model, who)
         self._dense = isinstance(attend, float) and attend == 1.0
+        #: cache length below which a step attends densely (see dense_below)
+        self.dense_below = _k.retrieval_dense_below(self.head_dim) if dense_below is None else dense_below
 
     def budget(self, n: int) -> int:
         """Keys attended per step after a prompt of n tokens (sinks + retrieved + local)."""
@@ -385,7 +501,7 @@ class RetrievalCache(_KvscoreCache):
         beta, rho, rerank = self._search
         impl = getattr(_k, _LAYER_IMPLS[str(keys.dtype).replace("torch.", "")])(
             b, kv, d, sinks=self.sinks, local=self.local, update_interval=1, k=k, exact=RETRIEVAL_METHODS[self.method],
-            scale=scale, beta=beta, rho=rho, rerank_exact=rerank)
+            scale=scale, beta=beta, rho=rho, rerank_exact=rerank, dense_below=self.dense_below)
         impl.num_threads = self.threads
         impl.append(keys, values)
         return impl
@@ -464,6 +580,15 @@ class OjaKVCache(_KvscoreCache):
         impl.num_threads = self.threads
         impl.prefill(keys, values, query[:, :, query.shape[2] - w:, :].float())
         return impl
+
+    def _crop(self, impl, n: int) -> None:
+        try:
+            impl.crop(n)
+        except ValueError as e:
+            raise ValueError(f"OjaKVCache: cannot keep the first {n} of {impl.size} tokens: {e}. A block of "
+                             f"period={self._opts['period']} decoded tokens is committed when it fills; what follows "
+                             "a prompt (kvpress's pipeline: a question and its answer) can be dropped while it is "
+                             "shorter than that: raise period or lower max_new_tokens") from None
 
     def memory_bytes(self) -> int:
         """K/V bytes of the hybrid store by the paper's formula at the model's element size

@@ -27,6 +27,12 @@ scored by the attention it receives (kvscore::KVzip::score_span); see KvscorePre
 and docs/kvzip.md.
 Every default is the registry's (include/kvscore/methods.hpp) or the option structs'.
 kvpress is optional for kvscore; this module needs it.
+
+A model on the GPU (CUDA keys) is compressed on the GPU when kvscore was built with its CUDA
+module (KVSCORE_CUDA=1 pip install .; kvscore.cuda_available()): one kvscore::cuda call per
+layer for the whole batch — scores, selection (per head or AdaKV, its mask built on the device)
+and kvpress's gather — on torch's current stream, the window queries of SnapKV read where the
+model left them; without the module, a CUDA cache is a ValueError naming that switch.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ except ImportError as e:  # pragma: no cover - exercised only without kvpress
 import numpy as _np
 
 import kvscore as _kv
+from kvscore import _cuda
 from kvscore import _kvscore as _k
 
 # The registry's kinds and options (include/kvscore/methods.hpp), by canonical name.
@@ -198,12 +205,40 @@ class KvscorePress(ScorerPress):
     def _protected(self, scorer) -> int:
         return max(self.recent, getattr(scorer, "protected_recent", 0) if scorer is not None else 0)
 
+    def _scores_cuda(self, module, hidden_states, keys, kwargs):
+        """(fp32 scores [batch, kv_heads, tokens] on the keys' device, tokens to protect) of a
+        CUDA cache: one kvscore::cuda call for the whole batch (ProtoKV: one per row, its host step)."""
+        _cuda.require("keys", keys)
+        if self._rule is not None:
+            return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device), 0
+        if self._scorer is not None or "filters" in _OPTIONS[self.method]:
+            sc = self._scorer_for(module, hidden_states, kwargs, 0)  # Q-Filters: the layer's (host) filters
+            return _cuda.score(sc._on_cuda(keys), keys, batched=True), self._protected(sc)
+        window = _int(self.method_options.get("window", _k.kDefaultSnapKVWindow), "window")
+        if hidden_states.shape[1] <= window:
+            raise ValueError(f"{self.method}: the prompt of {hidden_states.shape[1]} tokens must be longer than the "
+                             f"window of {window} queries")
+        q = _window_queries(module, hidden_states, window, kwargs.get("position_embeddings"))  # on the device
+        opts = {k: v for k, v in self.method_options.items() if k != "window"}
+        cls = _kv.METHODS[self.method]
+        if cls is _kv.SnapKV:  # the batch's window queries read in place, one launch sequence
+            sc = cls(q[0], window, threads=self.threads, **opts)  # its options and row 0's queries checked
+            if q.shape[0] > 1:
+                _cuda.check_finite_queries(q[1:], window)
+            o = sc._options
+            return (_cuda.score_snapkv(keys, q, o["window"], o["kernel"], o["placement"], batched=True),
+                    self._protected(sc))
+        rows = [cls(q[b], window, threads=self.threads, **opts) for b in range(keys.shape[0])]
+        return torch.stack([sc.score(keys[b]) for b, sc in enumerate(rows)]), self._protected(rows[0])
+
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvscore's fp32 scores [batch, kv_heads, tokens] (higher = keep); zeros for a
         selection rule, which needs none."""
         if self._kvzip is not None:
             raise ValueError(f"{self.method} scores in a reconstruction pass after the prefill, not per layer: use the "
                              "press as kvpress does, `with press(model): model.model(input_ids=..., past_key_values=cache)`")
+        if _cuda.is_cuda(keys):
+            return self._scores_cuda(module, hidden_states, keys, kwargs)[0]
         out = []
         for b in range(keys.shape[0]):
             if self._rule is not None:
@@ -221,6 +256,11 @@ class KvscorePress(ScorerPress):
         n_kept = compute_n_kept(k_len, self.compression_ratio)
         if self.alloc == "adakv":
             return self._compress_adakv(module, hidden_states, keys, values, kwargs, n_kept)
+        if _cuda.is_cuda(keys):
+            idx = self._select_cuda(module, hidden_states, keys, kwargs, n_kept, "per_head")[1]
+            idx = idx.view(bsz, heads, n_kept).unsqueeze(-1)
+            return (keys.gather(2, idx.expand(-1, -1, -1, d)).contiguous(),
+                    values.gather(2, idx.expand(-1, -1, -1, values.shape[-1])).contiguous())
         kept_k, kept_v = [], []
         for b in range(bsz):
             if self._rule is not None:
@@ -245,6 +285,14 @@ class KvscorePress(ScorerPress):
             raise ValueError("alloc='adakv' masks through kvpress's attention patch, which eager attention "
                              "does not use: load the model with attn_implementation='sdpa'")
         bsz, heads, k_len, _ = keys.shape
+        if _cuda.is_cuda(keys):  # the mask built on the device from kvscore::cuda's CSR selection
+            off, pos = self._select_cuda(module, hidden_states, keys, kwargs, n_kept, "adakv")
+            row = torch.repeat_interleave(torch.arange(bsz * heads, device=keys.device), off.diff(),
+                                          output_size=pos.shape[0])
+            keep = torch.zeros(bsz * heads * k_len, dtype=torch.bool, device=keys.device)
+            keep[row * k_len + pos] = True
+            module.masked_key_indices = (~keep.view(bsz, heads, k_len)).nonzero(as_tuple=True)
+            return keys, values
         bi, hi, si = [], [], []
         for b in range(bsz):
             keep = torch.zeros(heads, k_len, dtype=torch.bool)
@@ -266,6 +314,21 @@ class KvscorePress(ScorerPress):
         dev = keys.device
         module.masked_key_indices = (torch.cat(bi).to(dev), torch.cat(hi).to(dev), torch.cat(si).to(dev))
         return keys, values
+
+    def _select_cuda(self, module, hidden_states, keys, kwargs, n_kept, alloc):
+        """(offsets [batch*kv_heads + 1], positions) of kvscore::cuda's selection of a CUDA cache:
+        `alloc` 'per_head' (n_kept per head) or 'adakv' (per layer of each batch row); a
+        selection rule's positions (the same in every head and row) uploaded."""
+        bsz, heads, k_len, _ = keys.shape
+        if self._rule is not None:
+            idx = torch.from_numpy(self._rule.select(heads, k_len, n_kept)).to(keys.device)  # kvscore::StreamingLLM
+            pos = idx.reshape(1, -1).expand(bsz, -1).reshape(-1)
+            off = torch.arange(bsz * heads + 1, dtype=torch.int64, device=keys.device) * n_kept
+            return off, pos
+        scores, protect = self._scores_cuda(module, hidden_states, keys, kwargs)
+        off, pos, _ = _cuda.select_csr(scores.view(bsz * heads, k_len), n_kept, sinks=self.sinks, recent=protect,
+                                       alloc=alloc, alpha=self.alpha, normalize=False, threads=self.threads, batch=bsz)
+        return off, pos
 
 
 class ManifoldKVPress(KvscorePress):
@@ -564,7 +627,11 @@ def kvzip_scores(press, model, context_ids, cache, timings=None):
         if o["plus"]:
             qw = (1.0 / hs[0].float().norm(dim=-1)).contiguous()
             kw = _wov_norms(module, values[0, :, b:e])
-        _kv.KVzip.score_span(keys[0, :, :n], keys[0, :, n:], q, scores[module.layer_idx], b, e,
+        if keys.device.type != "cpu":  # score_span runs on the host: the layer's keys copied there
+            keys_h, q, qw, kw = keys[0].cpu(), q.cpu(), None if qw is None else qw.cpu(), None if kw is None else kw.cpu()
+        else:
+            keys_h = keys[0]
+        _kv.KVzip.score_span(keys_h[:, :n], keys_h[:, n:], q, scores[module.layer_idx], b, e,
                              sinks=press.sinks, query_weights=qw, key_weights=kw, threads=press.threads)
         cache_layer.keys, cache_layer.values = keys[:, :, :n], values[:, :, :n]
         state["t"] += time.perf_counter() - t0

@@ -407,7 +407,8 @@ class CacheRow:
         if self.kind == "retrieval":
             budget = budget_from_ratio(n, 1 - self.ratio)
             local = min(RETRIEVAL_LOCAL, (budget - SINKS) // 2)
-            return kg.RetrievalCache(model, self.method, attend=budget, sinks=SINKS, local=local)
+            # dense_below=0: every step retrieves, also below the speed threshold (a quality row)
+            return kg.RetrievalCache(model, self.method, attend=budget, sinks=SINKS, local=local, dense_below=0)
         d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         count = ojakv_anchors(n, 1 - self.ratio, d, self.rank, model.dtype.itemsize, SINKS + kg.OJAKV_WINDOW)
         if count is None:

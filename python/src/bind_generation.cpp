@@ -93,12 +93,16 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
       .def("__init__",
            [](C* self, std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim, std::int64_t sinks,
               std::int64_t local, std::int64_t update_interval, std::int64_t k, bool exact, double scale, double beta,
-              double rho, std::int64_t rerank_exact) {
+              double rho, std::int64_t rerank_exact, std::int64_t dense_below) {
              kvscore::ParisKVCacheConfig c;
              c.sinks = sinks;
              c.local = local;
              c.update_interval = update_interval;
-             c.dense_fallback = false;  // a fixed budget: sinks + k + the local zone
+             // dense_below 0: never dense, a fixed budget of sinks + k + the local zone;
+             // otherwise dense while N < max(dense_below, sinks + local + 2k)
+             if (dense_below < 0) fail("ParisKVLayerCache: dense_below " + std::to_string(dense_below) + " must be >= 0");
+             c.dense_fallback = dense_below > 0;
+             c.dense_min = dense_below;
              c.search.k = k;
              c.search.beta = beta;
              c.search.rho = rho;
@@ -110,7 +114,7 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
            "batch"_a, "kv_heads"_a, "head_dim"_a, "sinks"_a = def.sinks, "local"_a = def.local,
            "update_interval"_a = def.update_interval, "k"_a = def.search.k, "exact"_a = false,
            "scale"_a = def.scale, "beta"_a = def.search.beta, "rho"_a = def.search.rho,
-           "rerank_exact"_a = def.search.rerank_exact)
+           "rerank_exact"_a = def.search.rerank_exact, "dense_below"_a = 0)
       .def_prop_ro("size", &C::size)
       .def_prop_ro("batch", &C::batch)
       .def_prop_ro("kv_heads", &C::kv_heads)
@@ -118,6 +122,8 @@ void bind_pariskv_layer(nb::module_& m, const char* name) {
       .def_prop_ro("memory_bytes", &C::memory_bytes)
       .def_prop_ro("local_begin", [](const C& c) { return c.head(0, 0).local_begin(); })
       .def_prop_ro("indexed", [](const C& c) { return c.head(0, 0).indexed(); })
+      .def_prop_ro("dense", [](const C& c) { return c.head(0, 0).dense(); })
+      .def_prop_ro("dense_threshold", [](const C& c) { return c.head(0, 0).dense_threshold(); })
       .def_rw("num_threads", &C::num_threads)
       .def(
           "append",
@@ -275,6 +281,8 @@ void bind_generation(nb::module_& m) {
   nb::dict d;
   d["OjaLayerConfig"] = oja;
   m.attr("generation_defaults") = d;
+  m.def("retrieval_dense_below", &kvscore::retrieval_dense_below, "head_dim"_a,
+        "Cache length below which RetrievalCache attends densely by default (docs/generation.md).");
   bind_pariskv_layer<float>(m, "ParisKVLayerCacheF32");
   bind_pariskv_layer<kvscore::half>(m, "ParisKVLayerCacheF16");
   bind_pariskv_layer<kvscore::bfloat16>(m, "ParisKVLayerCacheBF16");

@@ -7,15 +7,19 @@
 // Defaults come from kvscore::BlockJointOptions; errors are std::invalid_argument (ValueError).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "arrays.hpp"
+#include "kvscore/block_sparse.hpp"
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/joint.hpp"
 #include "kvscore/make_scorer.hpp"
@@ -26,18 +30,18 @@ using namespace nb::literals;
 
 namespace {
 
-using Any = nb::ndarray<nb::ro, nb::device::cpu>;
+using kvscore::py::Any;
+using kvscore::py::bad;
+using kvscore::py::DT;
+using kvscore::py::to_numpy;
 
-[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument(what); }
-
-enum class DT { f32, f16, bf16 };
-
+/// The element type of a vLLM cache: arrays.hpp's dtype_of, naming fp8 (vLLM's quantised caches).
 DT dtype_of(const Any& a, const std::string& what) {
-  const nb::dlpack::dtype t = a.dtype();
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DT::f32;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DT::f16;
-  if (t.lanes == 1 && t.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return DT::bf16;
-  bad(what + ": must be float32, float16 or bfloat16 (vLLM's fp8 KV caches are not read)");
+  try {
+    return kvscore::py::dtype_of(a, what);
+  } catch (const std::invalid_argument& e) {
+    bad(std::string(e.what()) + " (vLLM's fp8 KV caches are not read)");
+  }
 }
 
 void require_c_contiguous(const Any& a, const std::string& what) {
@@ -48,13 +52,6 @@ void require_c_contiguous(const Any& a, const std::string& what) {
           std::to_string(i) + ", expected " + std::to_string(expect) + ")");
     expect *= std::int64_t(a.shape(i));
   }
-}
-
-template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::vector<std::size_t> shape) {
-  auto* p = new std::vector<T>(std::move(v));
-  nb::capsule owner(p, [](void* q) noexcept { delete static_cast<std::vector<T>*>(q); });
-  return nb::ndarray<nb::numpy, T>(p->data(), shape.size(), shape.data(), owner);
 }
 
 /// A 1-D int32 or int64 block table, copied to int64 (a few hundred entries).
@@ -96,17 +93,9 @@ Layer vllm_layer(const Any& a, const std::string& what) {
 
 template <class F>
 auto with_view(const Layer& L, const kvscore::BlockTable& t, F&& f) {
-  switch (L.dt) {
-    case DT::f32:
-      return f(kvscore::TransposedPagedKeysView<float>::vllm_cpu(static_cast<const float*>(L.data), L.heads,
-                                                                 L.head_dim, t));
-    case DT::f16:
-      return f(kvscore::TransposedPagedKeysView<kvscore::half>::vllm_cpu(static_cast<const kvscore::half*>(L.data),
-                                                                         L.heads, L.head_dim, t));
-    default:
-      return f(kvscore::TransposedPagedKeysView<kvscore::bfloat16>::vllm_cpu(
-          static_cast<const kvscore::bfloat16*>(L.data), L.heads, L.head_dim, t));
-  }
+  return kvscore::visit_dtype(L.dt, [&]<class T>(std::type_identity<T>) {
+    return f(kvscore::TransposedPagedKeysView<T>::vllm_cpu(static_cast<const T*>(L.data), L.heads, L.head_dim, t));
+  });
 }
 
 nb::tuple partial_out(kvscore::JointPartial&& p) {
@@ -161,6 +150,117 @@ kvscore::BlockJointOptions block_options(std::int64_t sinks, std::int64_t recent
   o.num_threads = threads;
   return o;
 }
+
+/// kvscore::BlockSparseOptions from the Python names (an unknown score or group: ValueError).
+kvscore::BlockSparseOptions sparse_options(const std::string& score, std::int64_t sinks, std::int64_t local, float scale,
+                                           std::int64_t prefilter, const std::string& group, std::int64_t refresh,
+                                           int threads, bool probe) {
+  kvscore::BlockSparseOptions o;
+  o.score = kvscore::parse_block_score(score);
+  o.sinks = sinks;
+  o.local = local;
+  o.scale = scale;
+  o.prefilter = prefilter;
+  o.group = kvscore::parse_query_group(group);
+  o.refresh = refresh;
+  o.num_threads = threads;
+  o.probe = probe;
+  return o;
+}
+
+/// A 2-D int32 block table [rows, max_blocks] with unit stride along its rows.
+struct Table32 {
+  const std::int32_t* data = nullptr;
+  std::int64_t rows = 0, cols = 0, stride = 0;
+};
+template <class A>
+Table32 table32(const A& a, const std::string& what) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (a.ndim() != 2 || t.code != std::uint8_t(nb::dlpack::dtype_code::Int) || t.bits != 32 || t.lanes != 1)
+    bad(what + ": expected a 2-D int32 block table (vLLM's)");
+  if (a.shape(1) > 1 && a.stride(1) != 1) bad(what + ": its rows must be contiguous (stride " + std::to_string(a.stride(1)) + ")");
+  return {static_cast<const std::int32_t*>(a.data()), std::int64_t(a.shape(0)), std::int64_t(a.shape(1)),
+          std::int64_t(a.shape(0) > 1 ? a.stride(0) : a.shape(1))};
+}
+
+/// kvscore::PagedBlockSelector over vLLM CPU's caches: the block-sparse decode of kvscore.vllm.
+class VllmBlockSelector {
+ public:
+  VllmBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
+                    std::int64_t block_size, const kvscore::BlockSparseOptions& o)
+      : sel_(layers, num_blocks, kv_heads, head_dim, block_size, o) {}
+
+  kvscore::PagedBlockSelector& get() noexcept { return sel_; }
+
+  void begin_step(const Any& slots, const Any& live) {
+    const std::vector<std::int64_t> s = block_ids_of(slots, "slot_mapping");
+    const std::vector<std::int64_t> l = block_ids_of(live, "live");
+    nb::gil_scoped_release unlocked;
+    sel_.begin_step(s, l);
+  }
+
+  /// Chooses the blocks of the decode rows `rows` of the step's block table `src` (compacted:
+  /// holes removed) for one layer and writes them into the same rows of `dst`; each row's query
+  /// is query[token_index[i]] ([num_tokens, q_heads, head_dim], any float dtype and strides).
+  nb::ndarray<nb::numpy, std::uint8_t> select(std::int64_t layer, const Any& kv_cache, const Any& query,
+                                              const Any& token_index, const Any& src, const Any& rows,
+                                              const Any& tokens, const Any& attend,
+                                              nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst) {
+    const Layer L = vllm_layer(kv_cache, "kv_cache");
+    const Table32 S = table32(src, "src");
+    if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
+    if (std::int64_t(dst.shape(0)) < S.rows || std::int64_t(dst.shape(1)) < S.cols)
+      bad("dst: shape (" + std::to_string(dst.shape(0)) + ", " + std::to_string(dst.shape(1)) + ") is smaller than src's (" +
+          std::to_string(S.rows) + ", " + std::to_string(S.cols) + ")");
+    const std::int64_t dst_stride = dst.shape(0) > 1 ? dst.stride(0) : std::int64_t(dst.shape(1));
+    const std::vector<std::int64_t> ti = block_ids_of(token_index, "token_index"), r = block_ids_of(rows, "rows"),
+                                    n = block_ids_of(tokens, "tokens"), at = block_ids_of(attend, "attend");
+    if (ti.size() != r.size() || n.size() != r.size() || at.size() != r.size())
+      bad("token_index, rows, tokens and attend must have one entry per decode row (" + std::to_string(r.size()) + ")");
+    if (query.ndim() != 3 || std::int64_t(query.shape(2)) != L.head_dim)
+      bad("query: expected [num_tokens, q_heads, " + std::to_string(L.head_dim) + "] (got " + std::to_string(query.ndim()) +
+          " dimensions)");
+    const DT qt = dtype_of(query, "query");
+    const std::int64_t qh = std::int64_t(query.shape(1)), D = L.head_dim;
+    // each row's query as fp32 [q_heads][head_dim]
+    std::vector<float> q(r.size() * std::size_t(qh * D));
+    kvscore::visit_dtype(qt, [&]<class T>(std::type_identity<T>) {
+      const T* base = static_cast<const T*>(query.data());
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        if (ti[i] < 0 || ti[i] >= std::int64_t(query.shape(0)))
+          bad("token_index[" + std::to_string(i) + "] = " + std::to_string(ti[i]) + " out of range [0, " +
+              std::to_string(query.shape(0)) + ")");
+        for (std::int64_t h = 0; h < qh; ++h)
+          for (std::int64_t j = 0; j < D; ++j)
+            q[i * std::size_t(qh * D) + std::size_t(h * D + j)] =
+                kvscore::to_float(base[ti[i] * query.stride(0) + h * query.stride(1) + j * query.stride(2)]);
+      }
+    });
+    std::vector<kvscore::BlockSparseRow> br(r.size());
+    std::vector<std::uint8_t> fresh(r.size(), 0);
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (r[i] < 0 || r[i] >= S.rows)
+        bad("rows[" + std::to_string(i) + "] = " + std::to_string(r[i]) + " out of range [0, " + std::to_string(S.rows) + ")");
+      if (at[i] > S.cols) bad("attend[" + std::to_string(i) + "] = " + std::to_string(at[i]) + " is more than a table row holds");
+      br[i] = {std::span<const std::int32_t>(S.data + r[i] * S.stride, std::size_t(S.cols)), n[i],
+               q.data() + i * std::size_t(qh * D), at[i], dst.data() + r[i] * dst_stride, fresh.data() + i};
+    }
+    static const std::vector<std::int32_t> none;
+    const kvscore::BlockTable t(std::span<const std::int32_t>(none), L.block_size, L.blocks, 0);
+    {
+      nb::gil_scoped_release unlocked;
+      with_view(L, t, [&](const auto& v) {
+        sel_.select(layer, v, qh, br);
+        return 0;
+      });
+    }
+    const std::size_t rows_n = fresh.size();
+    return to_numpy(std::move(fresh), {rows_n});
+  }
+
+ private:
+  kvscore::PagedBlockSelector sel_;
+};
 
 }  // namespace
 
@@ -291,4 +391,71 @@ void bind_vllm(nb::module_& m) {
       "layers"_a, "block_size"_a, "budget"_a, nb::kw_only(), "sinks"_a = def.sinks, "recent"_a = def.recent,
       "aggregate"_a = agg, "block_aggregate"_a = bagg, "threads"_a = def.num_threads,
       "kvscore::select_joint_blocks: kept blocks (int64, ascending) for every row of every layer.");
+
+  const kvscore::BlockSparseOptions bso{};
+  m.def(
+      "attended_blocks",
+      [](std::int64_t tokens, std::int64_t block_size, double attend, std::int64_t sinks, std::int64_t local) {
+        kvscore::BlockSparseOptions o;
+        o.sinks = sinks;
+        o.local = local;
+        return kvscore::attended_blocks(tokens, block_size, attend, o);
+      },
+      "tokens"_a, "block_size"_a, "attend"_a, nb::kw_only(), "sinks"_a = bso.sinks, "local"_a = bso.local,
+      "kvscore::attended_blocks: the blocks a decode step of `tokens` attends (attend: a fraction in (0, 1] or a\n"
+      "whole count of tokens > 1), never fewer than the protected ones; all of them = dense.");
+
+  m.def(
+      "block_sparse_reference",
+      [](const Any& keys, const Any& query, std::int64_t block_size, std::int64_t attend, const std::string& score,
+         std::int64_t sinks, std::int64_t local, float scale, std::int64_t prefilter, const std::string& group) {
+        if (keys.ndim() != 3 || dtype_of(keys, "keys") != DT::f32) bad("keys: expected float32 [kv_heads, tokens, head_dim]");
+        if (query.ndim() != 2 || dtype_of(query, "query") != DT::f32) bad("query: expected float32 [q_heads, head_dim]");
+        require_c_contiguous(keys, "keys");
+        require_c_contiguous(query, "query");
+        if (query.shape(1) != keys.shape(2)) bad("query: head_dim differs from the keys'");
+        const kvscore::BlockSparseOptions o = sparse_options(score, sinks, local, scale, prefilter, group, 1, 1, false);
+        std::vector<std::int64_t> out;
+        {
+          nb::gil_scoped_release unlocked;
+          out = kvscore::block_sparse_reference(static_cast<const float*>(keys.data()), std::int64_t(keys.shape(0)),
+                                                std::int64_t(keys.shape(1)), std::int64_t(keys.shape(2)), block_size,
+                                                static_cast<const float*>(query.data()), std::int64_t(query.shape(0)),
+                                                attend, o);
+        }
+        const std::size_t n = out.size();
+        return to_numpy(std::move(out), {n});
+      },
+      "keys"_a, "query"_a, "block_size"_a, "attend"_a, nb::kw_only(), "score"_a = kvscore::to_string(bso.score),
+      "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale, "prefilter"_a = bso.prefilter,
+      "group"_a = kvscore::to_string(bso.group),
+      "kvscore::block_sparse_reference: the logical blocks (int64, ascending) one decode step attends, from a\n"
+      "sequence's keys float32 [kv_heads, tokens, head_dim] and query float32 [q_heads, head_dim] alone.");
+
+  nb::class_<VllmBlockSelector>(m, "PagedBlockSelector",
+                                "kvscore::PagedBlockSelector over vLLM CPU's caches (kvscore.vllm's sparse decode).")
+      .def(
+          "__init__",
+          [](VllmBlockSelector* self, std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads,
+             std::int64_t head_dim, std::int64_t block_size, const std::string& score, std::int64_t sinks,
+             std::int64_t local, float scale, std::int64_t prefilter, const std::string& group,
+             std::int64_t refresh, int threads, bool probe) {
+            new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size,
+                                         sparse_options(score, sinks, local, scale, prefilter, group, refresh, threads, probe));
+          },
+          "layers"_a, "num_blocks"_a, "kv_heads"_a, "head_dim"_a, "block_size"_a, nb::kw_only(),
+          "score"_a = kvscore::to_string(bso.score), "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,
+          "prefilter"_a = bso.prefilter, "group"_a = kvscore::to_string(bso.group), "refresh"_a = bso.refresh,
+          "threads"_a = bso.num_threads, "probe"_a = bso.probe)
+      .def("begin_step", &VllmBlockSelector::begin_step, "slot_mapping"_a, "live"_a,
+           "Once per step: the slots written since the last step (their blocks' summaries and indexes go stale) and\n"
+           "the first block of every sequence in the step.")
+      .def("select", &VllmBlockSelector::select, "layer"_a, "kv_cache"_a, "query"_a, "token_index"_a, "src"_a, "rows"_a,
+           "tokens"_a, "attend"_a, "dst"_a,
+           "One layer: the blocks of each decode row (rows of src, compacted) written into the same rows of dst;\n"
+           "returns per row 1 when scored this step, 0 when its kept choice stood (refresh > 1).")
+      .def_prop_ro("probe", [](VllmBlockSelector& s) { return s.get().probe(); })
+      .def_prop_ro("summaries_made", [](VllmBlockSelector& s) { return s.get().summaries_made(); })
+      .def_prop_ro("summary_bytes", [](VllmBlockSelector& s) { return s.get().summary_bytes(); })
+      .def_prop_ro("indexes", [](VllmBlockSelector& s) { return s.get().indexes(); });
 }

@@ -88,7 +88,7 @@ def test_each_step_attends_what_the_layer_cache_selects(monkeypatch, method):
     n, sinks, local, budget = 120, 4, 8, 30
     ids = prompt(n, seed=2)
     seen = _record_forwards(monkeypatch)
-    cache = kg.RetrievalCache(model, method, attend=budget, sinks=sinks, local=local)
+    cache = kg.RetrievalCache(model, method, attend=budget, sinks=sinks, local=local, dense_below=0)
     assert cache.retrieved(n) == budget - sinks - local
     greedy(model, ids, cache, new=6)
     assert len(seen) == 2 * 5  # 2 layers x 5 decode steps (the first token comes from the prompt)
@@ -121,10 +121,51 @@ def test_each_step_attends_what_the_layer_cache_selects(monkeypatch, method):
     assert cache.attended(1).shape == (model.config.num_attention_heads, budget)
 
 
+def test_dense_below_the_threshold_then_retrieval(monkeypatch):
+    """While the cache holds fewer than dense_below tokens a step attends every position (the
+    C++ grouped kernel: softmax(q·k)·v over all keys, against float64 here); from there on it
+    retrieves the budget. The default is the C++ crossover for the model's head_dim."""
+    model = tiny()
+    d = model.config.hidden_size // model.config.num_attention_heads
+    assert kg.RetrievalCache(model, attend=0.1).dense_below == _kvscore.retrieval_dense_below(d) > 0
+    n, budget, G = 100, 30, model.config.num_attention_heads // model.config.num_key_value_heads
+    seen = []
+    real = kg._Layer._forward
+
+    def spy(self, query, key, value, scaling):
+        out = real(self, query, key, value, scaling)
+        pos = [self.impl.positions(0, j) for j in range(query.shape[1])]
+        seen.append((self.idx, key.clone(), value.clone(), query.double(), out.double(), pos, scaling))
+        return out
+
+    monkeypatch.setattr(kg._Layer, "_forward", spy)
+    ids = prompt(n, seed=12)
+    cache = kg.RetrievalCache(model, attend=budget, sinks=4, local=8, dense_below=n + 3)
+    greedy(model, ids, cache, new=7)  # 6 decode steps through the cache: N = 101 .. 106
+    K, V = _prefill_keys(model, ids)[0]
+    steps = [x for x in seen if x[0] == 0]
+    assert len(steps) == 6
+    for i, (_, key, value, q, out, pos, scale) in enumerate(steps):
+        K, V = torch.cat([K, key], 2), torch.cat([V, value], 2)
+        N = n + 1 + i
+        for j in range(q.shape[1]):
+            if N < n + 3:
+                assert np.array_equal(pos[j], np.arange(N)), (N, j)
+                p = torch.softmax((K[0, j // G].double() @ q[0, j, 0]) * scale, 0)
+                want = p @ V[0, j // G].double()
+                assert torch.allclose(out[0, 0, j], want, rtol=1e-5, atol=1e-6), (N, j)
+            else:
+                assert len(pos[j]) == budget, (N, j)
+    with pytest.raises(ValueError, match="dense_below -1 must be >= 0"):
+        kg.RetrievalCache(model, attend=0.1, dense_below=-1)
+    with pytest.raises(TypeError, match="dense_below must be an integer"):
+        kg.RetrievalCache(model, attend=0.1, dense_below=0.5)
+
+
 def test_fraction_budget_memory_and_crop():
     model = tiny()
     ids = prompt(200, seed=3)
-    cache = kg.RetrievalCache(model, PARISKV, attend=0.25, sinks=2, local=16)
+    cache = kg.RetrievalCache(model, PARISKV, attend=0.25, sinks=2, local=16, dense_below=0)
     assert cache.budget(200) == 50 and cache.retrieved(200) == 32
     first = greedy(model, ids, cache, new=8)
     d = model.config.hidden_size // model.config.num_attention_heads
@@ -147,10 +188,13 @@ def test_fraction_budget_memory_and_crop():
 def test_batch_rows_match_single_rows():
     model = tiny()
     ids = torch.cat([prompt(90, seed=4), prompt(90, seed=5)])
-    both = greedy(model, ids, kg.RetrievalCache(model, "exact", attend=24, sinks=4, local=8), new=6)
-    for b in range(2):
-        one = greedy(model, ids[b:b + 1], kg.RetrievalCache(model, "exact", attend=24, sinks=4, local=8), new=6)
-        assert torch.equal(both[b:b + 1], one)
+    for dense_below in (0, None):  # retrieval, and the dense steps below the default threshold
+        both = greedy(model, ids, kg.RetrievalCache(model, "exact", attend=24, sinks=4, local=8,
+                                                    dense_below=dense_below), new=6)
+        for b in range(2):
+            one = greedy(model, ids[b:b + 1], kg.RetrievalCache(model, "exact", attend=24, sinks=4, local=8,
+                                                                dense_below=dense_below), new=6)
+            assert torch.equal(both[b:b + 1], one)
 
 
 def test_ojakv_full_rank_gives_the_dynamic_cache_tokens_and_the_formula():
@@ -243,3 +287,91 @@ def test_models_the_caches_cannot_serve_are_refused():
         with torch.no_grad():
             m.generate(ids, attention_mask=mask, past_key_values=kg.RetrievalCache(m, attend=20, sinks=2, local=4),
                        max_new_tokens=2, pad_token_id=0)
+
+
+# ------------------------------------------------------------------ kvpress's pipeline
+
+_CONTEXT = "".join(chr(65 + (i * 7) % 26) for i in range(150))
+_QUESTIONS = ["Which letter comes next?", "Q: repeat the start"]
+_CACHES = {
+    "retrieval-pariskv": lambda m: kg.RetrievalCache(m, PARISKV, attend=40, sinks=4, local=8, dense_below=0),
+    "retrieval-exact": lambda m: kg.RetrievalCache(m, "exact", attend=40, sinks=4, local=8, dense_below=0),
+    "retrieval-dense": lambda m: kg.RetrievalCache(m, PARISKV, attend=40, sinks=4, local=8),  # the threshold's
+    "ojakv": lambda m: kg.OjaKVCache(m, rank=8, anchors=0.3, window=8),
+}
+
+
+def _sharp(kind="llama"):
+    """A tiny model whose answers depend on the question (at the default init they depend on the
+    last token only)."""
+    return tiny(kind, initializer_range=0.3)
+
+
+def _pipeline(model):
+    from byte_tokenizer import ByteTokenizer
+
+    pytest.importorskip("kvpress")  # registers the "kv-press-text-generation" task
+    return transformers.pipeline("kv-press-text-generation", model=model, tokenizer=ByteTokenizer(), device="cpu")
+
+
+def _by_hand(model, tok, cache, question, new):
+    """What the pipeline does for one question, driven by hand on a fresh cache: the context
+    through the base model, then the question and the greedy answer through generate."""
+    ctx = tok.encode(tok.bos_token + _CONTEXT, add_special_tokens=False, return_tensors="pt")
+    q = tok.encode(question + "\n", add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        model.model(input_ids=ctx, past_key_values=cache)
+        out = model.generate(torch.cat([ctx, q], 1), past_key_values=cache, max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    return tok.decode(out[0, ctx.shape[1] + q.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", list(_CACHES))
+def test_kvpress_pipeline_answers_as_the_cache_driven_by_hand(name):
+    """kvpress's pipeline drops each answer by slicing layer.keys / .values and assigning them
+    back: a crop of the C++ store, so every question after the first is answered from the
+    context alone, as by a fresh cache."""
+    model = _sharp()
+    pipe = _pipeline(model)
+    cache = _CACHES[name](model)
+    got = pipe(_CONTEXT, questions=_QUESTIONS, cache=cache, max_new_tokens=8)["answers"]
+    n = len(_CONTEXT) + 1  # the bos token
+    assert [cache.get_seq_length(i) for i in range(2)] == [n, n]  # the last answer dropped too
+    want = [_by_hand(model, pipe.tokenizer, _CACHES[name](model), q, 8) for q in _QUESTIONS]
+    assert got == want and got[0] != got[1]
+    one = pipe(_CONTEXT, question=_QUESTIONS[1], cache=_CACHES[name](model), max_new_tokens=8)["answer"]
+    assert one == want[1]
+
+
+def test_kvpress_pipeline_attend_everything_is_the_pipeline_without_a_cache():
+    model = _sharp("qwen2")
+    pipe = _pipeline(model)
+    want = pipe(_CONTEXT, questions=_QUESTIONS, max_new_tokens=8)["answers"]
+    assert len(set(want)) == 2  # the questions get different answers: a missed crop would show
+    assert pipe(_CONTEXT, questions=_QUESTIONS, cache=kg.RetrievalCache(model, attend=1.0),
+                max_new_tokens=8)["answers"] == want
+
+
+def test_held_keys_take_only_a_crop():
+    model = tiny()
+    cache = kg.RetrievalCache(model, attend=40, sinks=4, local=8, dense_below=0)
+    greedy(model, prompt(100), cache, new=4)
+    lay = cache.layers[0]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    assert tuple(lay.keys.shape) == (1, 2, 103, d) and lay.keys.dtype == torch.float32
+    assert tuple(lay.values[..., :-3, :].shape) == (1, 2, 100, d)
+    with pytest.raises(TypeError, match="held by kvscore's C\\+\\+ layer cache, not a tensor"):
+        torch.linalg.vector_norm(lay.keys, dim=-1)
+    with pytest.raises(TypeError, match="the only index they take is \\[:, :, :n\\]"):
+        lay.keys[:, 1]
+    with pytest.raises(TypeError, match="got Tensor"):
+        lay.keys = torch.zeros(1, 2, 100, d)
+    stale = lay.keys[:, :, :102]
+    lay.values = lay.values[:, :, :101]  # values and keys are one store: both keep 101
+    assert cache.get_seq_length() == 101 and cache.layers[0].impl.size == 101
+    with pytest.raises(ValueError, match="102 tokens assigned back, the layer holds 101"):
+        lay.keys = stale
+    # OjaKV: a committed block cannot be dropped; the error names the way out
+    oja = kg.OjaKVCache(model, rank=8, anchors=0.3, window=8, period=3)
+    with pytest.raises(ValueError, match="raise period or lower max_new_tokens"):
+        _pipeline(model)(_CONTEXT, questions=_QUESTIONS, cache=oja, max_new_tokens=4)

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
+from byte_tokenizer import ByteTokenizer  # noqa: E402
 from kept_rows import kept_positions, kvpress_pairs  # noqa: E402
 from kvscore.presses import (KvscoreDecodingPress, KvscorePress, ManifoldKVPress,  # noqa: E402
                              ProtoKVPress, WindowedManifoldKVPress)
@@ -145,7 +146,7 @@ def test_presses_kvpress_lacks_run_in_the_pipeline_and_generate_continues():
 
 def test_kvscore_press_in_the_kvpress_pipeline():
     model = tiny_model()
-    tok = _ByteTokenizer()
+    tok = ByteTokenizer()
     pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     context = "".join(chr(65 + (i * 7) % 26) for i in range(150))
     out = pipe(context, question="Q?", press=KvscorePress("manifold_l2", 0.5), max_new_tokens=4)
@@ -172,35 +173,6 @@ def test_bad_press_options_are_value_errors():
         KvscorePress("knorm", 1.5)
     with pytest.raises(ValueError, match="filters"):
         KvscorePress("qfilter", 0.5)
-
-
-class _ByteTokenizer(transformers.PreTrainedTokenizer):
-    """A byte-level tokenizer (no files): the pipeline needs one, the hub is unreachable."""
-
-    def __init__(self, **kw):
-        super().__init__(eos_token="\x00", pad_token="\x00", bos_token="\x01", **kw)
-
-    @property
-    def vocab_size(self):
-        return 256
-
-    def get_vocab(self):
-        return {chr(i): i for i in range(256)}
-
-    def _tokenize(self, text):
-        return list(text)
-
-    def _convert_token_to_id(self, t):
-        return ord(t) % 256
-
-    def _convert_id_to_token(self, i):
-        return chr(i)
-
-    def convert_tokens_to_string(self, tokens):
-        return "".join(tokens)
-
-    def apply_chat_template(self, *a, **k):
-        raise ValueError("no chat template")
 
 
 @pytest.mark.parametrize("method,peer", [("knorm", lambda r: kvpress.KnormPress(compression_ratio=r)),

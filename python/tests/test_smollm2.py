@@ -195,14 +195,14 @@ def test_shared_prefill_gives_the_pipelines_answers_and_caches(smol, ctx):
 
 def test_generation_example_runs(smol):
     """examples/python/generation.py (docs/generation.md) on the loaded model: ParisKV at 10 %
-    attended answers the planted fact as the full cache does."""
+    attended answers the planted fact as the full cache does, in generate and in kvpress's pipeline."""
     import runpy
 
     model, tok, _ = smol
     main = runpy.run_path(str(ROOT / "examples/python/generation.py"), run_name="example")["main"]
     with torch.inference_mode():
-        expected, (paris, oja, full) = main(model, tok)
-    assert expected in full and expected in paris, (expected, paris, full)
+        expected, (paris, oja, in_pipeline, full) = main(model, tok)
+    assert expected in full and expected in paris and expected in in_pipeline, (expected, paris, in_pipeline, full)
 
 
 def test_retrieval_cache_at_full_attention_gives_the_dynamic_cache_tokens(smol, ctx):

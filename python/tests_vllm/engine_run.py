@@ -3,7 +3,8 @@ JSON line with what the tests compare; one process per engine, since vLLM's KV-c
 is a process-wide global. Used by python/tests_vllm/test_engine.py.
 
     python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
-                                          capture: bool, block_size)
+                                          capture: bool, block_size, stepwise: bool, arrive: [step per prompt],
+                                          blocks: pool size, check: bool (kvscore.vllm.check's records))
 """
 import json
 import os
@@ -21,6 +22,10 @@ def external(req_id: str) -> str:
 
 def main(spec):
     os.environ.update(spec.get("env", {}))
+    if spec.get("check"):  # sparse decode's self-check in every worker (kvscore.vllm.check)
+        import tempfile
+        check_prefix = os.path.join(tempfile.mkdtemp(prefix="kvscore-check-"), "check")
+        os.environ["KVSCORE_VLLM_CHECK"] = check_prefix
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -57,26 +62,39 @@ def main(spec):
         C.KvscoreConnector.wait_for_save = wait_for_save
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
-              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1), **kw)
+              max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1),
+              **({"num_gpu_blocks_override": spec["blocks"]} if spec.get("blocks") else {}), **kw)
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    out = {"tokens": [], "decisions": [], "blocks": []}
+    out = {"tokens": [], "decisions": [], "blocks": [], "preemptions": 0}
+    orig_preempt = sched._preempt_request
+
+    def _preempt(*a, **k):
+        out["preemptions"] += 1
+        return orig_preempt(*a, **k)
+
+    sched._preempt_request = _preempt
     prompts = spec["prompts"]
     for batch, s in [(b, s) for b in spec.get("batches", [len(prompts)]) for s in range(0, len(prompts), b)]:
         chunk = prompts[s:s + batch]
         if spec.get("stepwise"):
             eng = llm.llm_engine
-            ids = []
-            for j, p in enumerate(chunk):
-                rid = f"b{batch}r{s + j}"
-                eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
-                ids.append(rid)
+            arrive = spec.get("arrive", [0] * len(prompts))[s:s + batch]  # the step each prompt is added at
+            ids = [f"b{batch}r{s + j}" for j in range(len(chunk))]
+            added = set()
             res = {}
             step = 0
-            while eng.has_unfinished_requests():
+            while len(added) < len(chunk) or eng.has_unfinished_requests():
+                for j, p in enumerate(chunk):
+                    if j not in added and arrive[j] <= step:
+                        eng.add_request(ids[j], TokensPrompt(prompt_token_ids=p), sp)
+                        added.add(j)
+                if not eng.has_unfinished_requests():
+                    step += 1
+                    continue
                 free_before = pool.get_num_free_blocks()
                 outs = eng.step()
                 step += 1
@@ -103,6 +121,7 @@ def main(spec):
     if conn is not None:
         out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]
         out["freed_total"] = conn._freed_total
+        out["swaps"] = dict(conn.swaps)
     if captured:
         # kvscore's own decision on the keys read back: scores per layer, select_joint_blocks
         from kvscore.vllm import Config
@@ -117,6 +136,9 @@ def main(spec):
             kept = kvscore.select_joint_blocks(scores, bs, cfg.budget(tokens, bs), sinks=cfg.sinks, recent=cfg.recent,
                                                aggregate=cfg.aggregate, block_aggregate=cfg.block_aggregate)
             out["reference"][external(req_id)] = [int(b) for b in kept]
+    if spec.get("check"):
+        from kvscore.vllm import check
+        out["check"] = check.read(check_prefix)
     print("RESULT " + json.dumps(out), flush=True)
 
 

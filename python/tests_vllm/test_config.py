@@ -24,6 +24,17 @@ def test_methods_are_the_registrys_query_agnostic_scorers_without_per_layer_data
     ({"method": "keydiff", "ratio": 0.5, "sinks": -1}, "sinks -1 must be an integer >= 0"),
     ({"method": "keydiff", "ratio": 0.5, "aggregate": "vote"}, "aggregate 'vote' must be 'max' or 'mean'"),
     ({"method": "keydiff", "ratio": 0.5, "block_aggregate": "sum"}, "block_aggregate 'sum'"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0}, r"attend 0 must be a fraction in \(0, 1\] or a whole count"),
+    ({"method": "knorm", "ratio": 0.0, "attend": -0.1}, "attend -0.1 must be"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 1.5}, "attend 1.5 must be"),
+    ({"method": "knorm", "ratio": 0.0, "attend": float("nan")}, "attend nan must be"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "block_score": "minmax"}, "block_score 'minmax' must be one of"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "local": -1}, "local -1 must be an integer >= 0"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 1.5}, "dense_below 1.5 must be an integer"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "query_group": "max"}, "query_group 'max' must be"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "prefilter": -1}, "prefilter -1 must be an integer >= 0"),
+    ({"method": "knorm", "ratio": 0.0, "attend": 0.1, "refresh": 0}, "refresh 0 must be an integer >= 1"),
+    ({"method": "knorm", "ratio": 0.5, "swap_space": -1}, "swap_space -1 must be a number of GiB >= 0"),
 ])
 def test_bad_settings(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -37,6 +48,17 @@ def test_extra_config_needs_method_and_ratio_and_knows_its_keys():
         Config.from_extra({"method": "knorm", "ratio": 0.5, "ration": 1})
     c = kv_transfer_config("knorm", 0.5)
     assert c["kv_connector"] == "KvscoreConnector" and c["kv_connector_extra_config"]["method"] == "knorm"
+
+
+def test_sparse_decode_settings():
+    assert not Config("knorm", 0.5).sparse and Config("knorm", 0.5).evicts
+    c = Config("knorm", 0.0, attend=0.1)
+    assert c.sparse and not c.evicts                  # sparse decode alone: no eviction pass
+    assert Config("knorm", 0.5, attend=0.1).evicts     # both
+    assert Config("knorm", 0.0, attend=2048).attend == 2048 and Config("knorm", 0.0, attend=2048.0).sparse
+    assert Config("knorm", 0.0, attend=1).attend == 1.0 and not Config("knorm", 0.0, attend=1).sparse
+    d = kv_transfer_config("knorm", 0.0, attend=0.1)["kv_connector_extra_config"]
+    assert d["attend"] == 0.1 and d["block_score"] == "int4" and Config.from_extra(d).as_dict() == d
 
 
 def test_budget_in_whole_blocks_never_below_the_protected_ones():

@@ -45,11 +45,15 @@ def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_
     ps = prompts(model_dir, [20, 300, 700])
     spec = {"model": model_dir, "prompts": ps, "max_tokens": 24, "batches": [1, 3]}
     plain = run_engine(spec)
-    keep = run_engine({**spec, "plugin": KEYDIFF, "by_name": True})  # found through the entry point
+    keep = run_engine({**spec, "plugin": {**KEYDIFF, "attend": 1.0}, "by_name": True})  # found through the entry point
+    # sparse decode on, every request below its threshold: every step plans, none is sparse
+    dense = run_engine({**spec, "plugin": {"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 4096}})
     assert plain["wrapped"] == 0 and plain["layers"] == 30  # no connector: no layer touched
     assert keep["wrapped"] == keep["layers"] == 30
     assert len(plain["tokens"]) == 6 and all(len(t) == 24 for t in plain["tokens"])
     assert keep["tokens"] == plain["tokens"]
+    assert dense["tokens"] == plain["tokens"]
+    assert dense["decisions"] == []  # ratio 0 with sparse decode: no eviction pass at all
     # ratio 0 scored every prompt longer than nothing and freed nothing
     assert keep["freed_total"] == 0
     assert len(keep["decisions"]) == 6 and all(ev == [] and parts == 1 for _, _, ev, parts in keep["decisions"])

@@ -89,6 +89,17 @@ void compact(const DeviceMutKeysView<T>& keys, const DeviceMutKeysView<U>& value
   detail::compact_raw(values, sel, opts, stream);
 }
 
+/// Checks a DeviceSelection from outside kvscore (a caller's tensors, not select_into's output)
+/// with the CPU compact()'s rules and messages before it is trusted: offsets read back, positions
+/// checked on the device; synchronises `stream`. `positions_size`: the entries the positions
+/// buffer holds (offsets[heads] must equal it). Workspace: selection_check_workspace_bytes().
+/// Returns the offsets (read back to the host).
+inline std::size_t selection_check_workspace_bytes() noexcept { return detail::selection_check_workspace_bytes(); }
+inline std::vector<std::int64_t> check_selection(const DeviceSelection& sel, std::int64_t positions_size, Workspace ws,
+                                                 stream_t stream = nullptr, const char* who = "kvscore::cuda::compact") {
+  return detail::check_selection(sel.heads, sel.tokens, sel.offsets, sel.positions, positions_size, ws, stream, who);
+}
+
 /// Workspace bytes of the host-Selection overloads (the selection is copied there).
 inline std::size_t compact_workspace_bytes(const Selection& sel) noexcept {
   return (std::size_t(sel.heads + 1) + sel.positions.size()) * sizeof(std::int64_t) + 64;

@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kvscore/core/dtype.hpp"
 #include "kvscore/core/view.hpp"
@@ -53,6 +54,46 @@ std::string device_description();
 void require_device_pointer(const void* p, const char* what);
 /// cudaStreamSynchronize(stream), errors as Error.
 void synchronize(stream_t stream = nullptr);
+
+/// Makes `device` the calling thread's current device for the guard's lifetime and restores the
+/// previous one after (cudaGetDevice / cudaSetDevice; nothing is set when it is already current).
+/// Every kvscore::cuda call launches on the current device: a caller holding data of another
+/// device (torch's cuda:1 while cuda:0 is current) takes a guard first. Throws Error.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+};
+
+/// Why the CUDA path can or cannot run in this process: what kvscore.cuda_status() reports.
+struct RuntimeStatus {
+  /// "available", "no_driver" (no libcuda), "driver_too_old" (older than the runtime linked in),
+  /// "no_device", "arch_not_built" (no device runs this library's machine code or PTX), "error"
+  std::string reason;
+  std::string message;              ///< one line for a person, naming what was found
+  int driver_version = 0;           ///< cudaDriverGetVersion (0: no driver)
+  int runtime_version = 0;          ///< cudaRuntimeGetVersion of the runtime linked in
+  std::string built_architectures;  ///< CMAKE_CUDA_ARCHITECTURES of the build, comma-separated
+  struct Device {
+    std::string name;
+    int major = 0, minor = 0;
+    bool supported = false;  ///< the library holds machine code or PTX this device runs
+  };
+  std::vector<Device> devices;
+};
+/// Asks the driver without creating a context (device properties only); never throws CUDA errors.
+RuntimeStatus runtime_status();
+/// Whether a device of compute capability major.minor runs code built for `architectures`
+/// (CMAKE_CUDA_ARCHITECTURES items, ',' or ';' separated: "80", "90-real", "90-virtual", "90a",
+/// "native", "all"): a real architecture runs on its major version from its minor up (an "a"/"f"
+/// one on itself only), PTX on its version and later ones; "native"/"all"/"all-major" count as
+/// supported. Pure function (host tests pin it).
+bool architecture_supported(const std::string& architectures, int major, int minor);
 
 /// Owning device allocation (cudaMalloc / cudaFree). Move-only.
 class DeviceBuffer {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvscore/cuda/device.hpp"
 #include "kvscore/core/dtype.hpp"
@@ -50,11 +51,31 @@ void score_geometric(Geometric kind, const KeysArg& keys, const ScoresArg& out, 
 
 // ---------------------------------------------------------------- SnapKV
 
+/// Queries in device memory, [batch][heads][n][head_dim] with element strides (any layout, any
+/// of the three dtypes); the last `window` of the n are used. batch x heads query heads in all.
+struct QueriesArg {
+  const void* data = nullptr;
+  dtype type = dtype::f32;
+  std::int64_t batch = 1, heads = 0, n = 0, head_dim = 0;
+  std::int64_t batch_stride = 0, head_stride = 0, query_stride = 0, dim_stride = 1;
+};
+
+/// SnapKV's queries and options: either the host q/√d rounded to fp32 ([q_heads][window][head_dim],
+/// as the CPU SnapKV holds them, copied into the workspace) or device queries, scaled on the
+/// device the same way (float(double(q) * inv_sqrt_d), the CPU's rounding).
+struct SnapKVArg {
+  const float* host_scaled = nullptr;
+  QueriesArg device;                  ///< used when host_scaled is null
+  double inv_sqrt_d = 0;              ///< 1 / sqrt(double(head_dim)), for device queries
+  std::int64_t q_heads = 0, window = 0, kernel_size = 1;
+  bool after_cache = false;           ///< QueryPlacement::after_cache: no causal window, all pooled
+};
+
 std::size_t snapkv_workspace_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
                                    std::int64_t q_heads, std::int64_t window) noexcept;
-/// `host_scaled_queries` [q_heads][window][head_dim] = q/√d rounded to fp32 (as the CPU SnapKV).
-void score_snapkv(const KeysArg& keys, const ScoresArg& out, const float* host_scaled_queries, std::int64_t q_heads,
-                  std::int64_t window, std::int64_t kernel_size, Workspace ws, stream_t stream);
+/// All keys.heads KV heads (batch rows flattened into heads: query head g of KV head h is
+/// h * q_heads / keys.heads + g, the same rule per row).
+void score_snapkv(const KeysArg& keys, const ScoresArg& out, const SnapKVArg& q, Workspace ws, stream_t stream);
 
 // ---------------------------------------------------------------- top-k and selection
 
@@ -64,7 +85,11 @@ enum class TopkPath { automatic, one_cta_per_row, multi_cta_per_row };
 /// A validated selection plan (from kvscore::plan_selection, the CPU's own).
 struct SelectPlan {
   std::int64_t heads = 0, tokens = 0, score_head_stride = 0;
+  /// Independent layers of `heads` rows each (batch rows): rows b*heads .. b*heads+heads-1 of the
+  /// scores; offsets and positions are one CSR over all batch x heads rows.
+  std::int64_t batch = 1;
   bool adakv = false;
+  bool normalize = false;        ///< AdaKV: the global step ranks z-scores (SelectOptions::normalize)
   std::int64_t per_head = 0;     ///< per-head allocation: kept per head
   std::int64_t layer = 0;        ///< total kept
   std::int64_t sink_end = 0, recent_begin = 0, protect = 0;
@@ -73,7 +98,7 @@ struct SelectPlan {
 };
 
 std::size_t select_workspace_bytes(const SelectPlan& p) noexcept;
-/// Writes offsets[heads + 1] and positions[layer] (device memory, CSR, ascending per head).
+/// Writes offsets[batch * heads + 1] and positions[batch * layer] (device memory, CSR, ascending per head).
 void select_into(const float* scores, const SelectPlan& p, Workspace ws, std::int64_t* offsets,
                  std::int64_t* positions, stream_t stream);
 
@@ -84,5 +109,15 @@ void select_into(const float* scores, const SelectPlan& p, Workspace ws, std::in
 void compact(void* data, dtype type, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
              std::int64_t head_stride, std::int64_t token_stride, const std::int64_t* offsets,
              const std::int64_t* positions, bool zero_tail, stream_t stream);
+
+/// Checks a device CSR selection with the CPU compact()'s rules and messages (offsets from 0,
+/// non-decreasing, offsets[heads] == positions_size, no head keeping more than `tokens`; each
+/// head's positions strictly ascending in [0, tokens)): the offsets are read back, the positions
+/// checked by a kernel on `stream`, which is then synchronised; std::invalid_argument names the
+/// first offending entry. Returns the offsets read back.
+std::size_t selection_check_workspace_bytes() noexcept;
+std::vector<std::int64_t> check_selection(std::int64_t heads, std::int64_t tokens, const std::int64_t* offsets,
+                                          const std::int64_t* positions, std::int64_t positions_size, Workspace ws,
+                                          stream_t stream, const char* who);
 
 }  // namespace kvscore::cuda::detail

@@ -6,8 +6,10 @@
 // scores lower position first, then lower head. Output: CSR offsets[heads + 1] and positions
 // (int64, ascending per head) in device memory — what kvscore::cuda::compact() takes.
 //
-// Not on the GPU yet: SelectOptions::normalize (AdaKV z-scores) throws std::invalid_argument.
-// opt.num_threads and opt.kernels are CPU settings and are ignored here.
+// SelectOptions::normalize (AdaKV z-scores) gives the CPU's positions bit for bit: each head's
+// mean and standard deviation are the CPU's eight interleaved fp64 sums, in its order.
+// opt.num_threads and opt.kernels are CPU settings and are ignored here. select_batch_into runs
+// `batch` layers (an engine's batch rows) in one call: AdaKV's global step per layer.
 //
 //   std::size_t bytes = kvscore::cuda::select_workspace_bytes(scores, budget, opt);   // once
 //   kvscore::cuda::select_into(scores, budget, opt, {ws, bytes}, d_offsets, d_positions, capacity, stream);
@@ -28,13 +30,16 @@ using detail::TopkPath;
 
 namespace detail {
 
-inline SelectPlan plan_of(const DeviceScoresView& s, Budget budget, const SelectOptions& opt, TopkPath path) {
-  if (opt.normalize && opt.alloc == Alloc::adakv)
-    kvscore::detail::throw_invalid(
-        "kvscore::cuda::select: SelectOptions::normalize (AdaKV z-scores) is not implemented on the CUDA path yet");
+inline SelectPlan plan_of(const DeviceScoresView& s, Budget budget, const SelectOptions& opt, TopkPath path,
+                          std::int64_t batch = 1) {
+  if (batch < 1 || s.heads() % batch != 0)
+    kvscore::detail::throw_invalid("kvscore::cuda::select: " + std::to_string(s.heads()) +
+                                   " score rows are not batch " + std::to_string(batch) + " x heads");
   // the CPU's plan and validation (opt.num_threads and opt.kernels: validated, then ignored)
-  const SelectionPlan p = plan_selection(s.heads(), s.tokens(), budget, opt);
+  const SelectionPlan p = plan_selection(s.heads() / batch, s.tokens(), budget, opt);
   SelectPlan g;
+  g.batch = batch;
+  g.normalize = p.normalize;
   g.heads = p.heads;
   g.tokens = p.tokens;
   g.score_head_stride = s.head_stride();
@@ -77,6 +82,38 @@ inline std::int64_t select_into(const DeviceScoresView& scores, Budget budget, c
   if (positions == nullptr && p.layer > 0) kvscore::detail::throw_invalid(who + "positions is null");
   detail::select_into(scores.data(), p, ws, offsets, positions, stream);
   return p.layer;
+}
+
+/// Tokens select_batch_into() writes in total: batch x select_total of one layer.
+inline std::int64_t select_batch_total(const DeviceScoresView& scores, std::int64_t batch, Budget budget,
+                                       const SelectOptions& opt = {}) {
+  return batch * detail::plan_of(scores, budget, opt, TopkPath::automatic, batch).layer;
+}
+
+inline std::size_t select_batch_workspace_bytes(const DeviceScoresView& scores, std::int64_t batch, Budget budget,
+                                                const SelectOptions& opt = {}, TopkPath path = TopkPath::automatic) {
+  return detail::select_workspace_bytes(detail::plan_of(scores, budget, opt, path, batch));
+}
+
+/// `batch` layers at once: rows b*heads .. b*heads+heads-1 of `scores` (heads = rows / batch) are
+/// layer b, selected as select_into selects one layer (per-head, or AdaKV's global step within
+/// the layer); offsets[batch*heads + 1] and positions[select_batch_total()] are one CSR over all
+/// rows. Returns the number of positions (known on the host, no synchronisation).
+inline std::int64_t select_batch_into(const DeviceScoresView& scores, std::int64_t batch, Budget budget,
+                                      const SelectOptions& opt, Workspace ws, std::int64_t* offsets,
+                                      std::int64_t* positions, std::size_t positions_capacity,
+                                      stream_t stream = nullptr, TopkPath path = TopkPath::automatic) {
+  const detail::SelectPlan p = detail::plan_of(scores, budget, opt, path, batch);
+  const std::string who = "kvscore::cuda::select_batch_into: ";
+  const std::int64_t total = batch * p.layer;
+  if (offsets == nullptr) kvscore::detail::throw_invalid(who + "offsets is null (needs rows + 1 entries)");
+  if (positions_capacity < std::size_t(total))
+    kvscore::detail::throw_invalid(who + "positions capacity " + std::to_string(positions_capacity) +
+                                   " is smaller than the " + std::to_string(total) +
+                                   " positions selected (see select_batch_total)");
+  if (positions == nullptr && total > 0) kvscore::detail::throw_invalid(who + "positions is null");
+  detail::select_into(scores.data(), p, ws, offsets, positions, stream);
+  return total;
 }
 
 /// Convenience: allocates, selects, waits for `stream` and returns the host Selection.

@@ -15,7 +15,7 @@
 // search (ParisKVSearch: β, ρ, exact rerank on the resident keys), and the local zone; while
 // the cache is short (N < max(dense_min, S + L + 2k), the authors' fallback, unless
 // dense_fallback is off) it returns every position. attend(q) is softmax(q·k/√d)·v over the
-// selected positions (fp32 logits, fp64 sums).
+// selected positions in fp32 (pariskv/attention.hpp: the same bits on every kernel set).
 //
 // Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,
@@ -39,6 +39,7 @@
 
 #include "kvscore/core/dtype.hpp"
 #include "kvscore/methods.hpp"
+#include "kvscore/pariskv/attention.hpp"
 #include "kvscore/pariskv/pariskv.hpp"
 
 namespace kvscore {
@@ -76,6 +77,9 @@ class ParisKVCache {
     std::vector<double> logits;
     std::vector<float> dots;               ///< exact retrieval: q·k over the zone
     std::vector<unsigned char> select_ws;  ///< exact retrieval: the selector's workspace
+    pariskv::detail::AttendScratch attend;  ///< attend()'s logits and accumulators
+    std::vector<const float*> qptr;         ///< ParisKVLayerCache: a KV head's queries (dense)
+    std::vector<float*> optr;               ///< ... and their outputs
   };
 
   explicit ParisKVCache(std::int64_t head_dim, const ParisKVCacheConfig& cfg = {})
@@ -222,16 +226,31 @@ class ParisKVCache {
     return ws.positions;
   }
 
-  /// out[head_dim] = Σ_i softmax_i(q·k_i/√d) v_i over select(q) (fp64 sums, fp32 output).
-  /// An empty cache writes zeros.
+  /// out[head_dim] = Σ_i softmax_i(scale·q·k_i) v_i over select(q), fp32 (pariskv/attention.hpp:
+  /// one order of operations on every kernel set, rows read in place, the selected ones with
+  /// prefetch). An empty cache writes zeros.
   void attend(const float* q, float* out, Workspace& ws) const {
     select(q, ws);
-    attend_over(q, ws.positions, out, ws.logits);
+    const auto set = pariskv::detail::resolve_kernels(cfg_.search.kernels, "kvscore::ParisKVCache::attend");
+    if (dense())  // every row, in order: no gather
+      pariskv::detail::attend_rows(set, k_.data(), v_.data(), d_, nullptr, n_, q, float(scale()), out, ws.attend);
+    else
+      pariskv::detail::attend_rows(set, k_.data(), v_.data(), d_, ws.positions.data(),
+                                   std::int64_t(ws.positions.size()), q, float(scale()), out, ws.attend);
   }
 
-  /// The same attention over any set of positions (e.g. all of them: the exact reference).
-  /// Logits with the active kernel table's dot (fp32, as the exact rerank), softmax and the
-  /// value sum in fp64.
+  /// G queries q[g] of this KV head over every position (the dense case, dense() true): out[g]
+  /// is attend(q[g])'s output bit for bit, from one read of the keys and values; ws.positions
+  /// is left alone (every position).
+  void attend_dense_group(const float* const* q, std::int64_t G, float* const* out,
+                          pariskv::detail::AttendScratch& ws) const {
+    const auto set = pariskv::detail::resolve_kernels(cfg_.search.kernels, "kvscore::ParisKVCache::attend_dense_group");
+    pariskv::detail::attend_dense_group(set, k_.data(), v_.data(), d_, n_, q, G, float(scale()), out, ws);
+  }
+
+  /// The same attention over any set of positions in fp64 (the reference the tests hold
+  /// attend() to): logits with the active kernel table's dot (fp32, as the exact rerank),
+  /// softmax and the value sum in fp64.
   void attend_over(const float* q, const std::vector<std::int64_t>& positions, float* out,
                    std::vector<double>& logits) const {
     const auto& dot = simd::active_table().template ops<T>().dot;

@@ -49,10 +49,10 @@ namespace detail {
 /// A kernel set that runs here (what Kernels::best resolves to).
 enum class KernelSet { portable, avx2, avx512, neon };
 
-/// AVX2 set: AVX2, FMA, POPCNT.
+/// AVX2 set: AVX2, FMA, POPCNT, F16C (the attention's fp16 rows, pariskv/attention.hpp).
 inline bool avx2_ok() noexcept {
   const auto& f = kvscore::detail::cpu();
-  return f.avx2 && f.fma && f.popcnt;
+  return f.avx2 && f.fma && f.popcnt && f.f16c;
 }
 /// AVX-512 set: F, BW, VL, DQ, VBMI (the 256-entry byte table lookup), BMI1/2, plus the AVX2 set.
 inline bool avx512_ok() noexcept {
@@ -83,7 +83,8 @@ inline KernelSet resolve_kernels(Kernels k, const std::string& who) {
     case Kernels::portable:
       return KernelSet::portable;
     case Kernels::avx2:
-      if (!avx2_ok()) throw std::invalid_argument(who + ": the avx2 kernel set (AVX2, FMA, POPCNT) is not supported by this CPU");
+      if (!avx2_ok())
+        throw std::invalid_argument(who + ": the avx2 kernel set (AVX2, FMA, POPCNT, F16C) is not supported by this CPU");
       return KernelSet::avx2;
     case Kernels::avx512:
       if (!avx512_ok())
@@ -111,6 +112,12 @@ inline const char* kernel_set_name(KernelSet s) noexcept {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #define KVSCORE_PARISKV_AVX2 __attribute__((target("avx2,fma,popcnt")))
+// constant-trip loops over vector arrays fully unrolled, so that -O2 keeps the arrays in registers
+#if defined(__clang__)
+#define KVSCORE_PARISKV_UNROLL _Pragma("unroll")
+#else
+#define KVSCORE_PARISKV_UNROLL _Pragma("GCC unroll 32")
+#endif
 #define KVSCORE_PARISKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,popcnt,bmi,bmi2")))
 #endif
 
@@ -537,7 +544,30 @@ KVSCORE_PARISKV_AVX2 inline float rsq_ip_avx2_one(const RerankPlan& p, const std
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1))) * p.qnorm;
 }
 
-KVSCORE_PARISKV_AVX512 inline float rsq_ip_avx512_one(const RerankPlan& p, const std::uint8_t* r) noexcept {
+/// Lane r = tree16(s[r]) for 16 lane vectors at once (a transposing butterfly whose adds are
+/// exactly tree16's: (l, l+8), then +4, then (0, 2) and (1, 3), then their sum).
+KVSCORE_PARISKV_AVX512 inline __m512 tree16x16_avx512(const __m512* s) noexcept {
+  __m512 u[8], v[4], w[2];
+  KVSCORE_PARISKV_UNROLL
+  for (int p = 0; p < 8; ++p)
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  KVSCORE_PARISKV_UNROLL
+  for (int p = 0; p < 4; ++p)
+    v[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  KVSCORE_PARISKV_UNROLL
+  for (int p = 0; p < 2; ++p)
+    w[p] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // f's lane 4k + e holds row 4e + k
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+/// The 16 lane sums s[l] of one record (before rsq_ip_tree).
+KVSCORE_PARISKV_AVX512 inline __m512 rsq_ip_lanes_avx512(const RerankPlan& p, const std::uint8_t* r) noexcept {
   const std::int64_t rows = (p.len + 1) / 2;
   const float* w = reinterpret_cast<const float*>(r + p.wofs);
   const __m512 vt = _mm512_loadu_ps(p.value);
@@ -555,6 +585,11 @@ KVSCORE_PARISKV_AVX512 inline float rsq_ip_avx512_one(const RerankPlan& p, const
     }
     s = _mm512_fmadd_ps(_mm512_permutexvar_ps(wl, _mm512_loadu_ps(w + 16 * g)), d, s);
   }
+  return s;
+}
+
+KVSCORE_PARISKV_AVX512 inline float rsq_ip_avx512_one(const RerankPlan& p, const std::uint8_t* r) noexcept {
+  const __m512 s = rsq_ip_lanes_avx512(p, r);
   const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
   const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
   const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
@@ -599,7 +634,18 @@ KVSCORE_PARISKV_AVX2 inline void rsq_ip_avx2(const RerankPlan& p, const std::int
 }
 KVSCORE_PARISKV_AVX512 inline void rsq_ip_avx512(const RerankPlan& p, const std::int64_t* cand, std::int64_t n,
                                                  float* out) noexcept {
-  for (std::int64_t c = 0; c < n; ++c) {
+  std::int64_t c = 0;
+  const __m512 qn = _mm512_set1_ps(p.qnorm);
+  for (; c + 16 <= n; c += 16) {  // 16 records' trees at once: the same sums as rsq_ip_tree
+    __m512 s[16];
+    KVSCORE_PARISKV_UNROLL
+    for (int r = 0; r < 16; ++r) {
+      prefetch_ahead(p, cand, c + r, n);
+      s[r] = rsq_ip_lanes_avx512(p, record(p, cand, c + r));
+    }
+    _mm512_storeu_ps(out + c, _mm512_mul_ps(tree16x16_avx512(s), qn));
+  }
+  for (; c < n; ++c) {
     prefetch_ahead(p, cand, c, n);
     out[c] = rsq_ip_avx512_one(p, record(p, cand, c));
   }

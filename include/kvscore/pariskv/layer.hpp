@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,6 +28,17 @@
 #include "kvscore/pariskv/cache.hpp"
 
 namespace kvscore {
+
+/// Cache length below which a decode step attends densely by default (kvscore.generation's
+/// RetrievalCache(dense_below=None); ParisKVCacheConfig::dense_min): where a step retrieving 10 %
+/// of the keys (4 sinks, a local window of 64) became faster than ParisKVLayerCache's dense step
+/// (each KV head's keys and values read once for its query heads, faster than torch's sdpa).
+/// Measured by python/bench/bench_decode.py on this project's 2-core Intel Xeon (AVX-512), one
+/// thread, 30 (SmolLM2) or 8 (synthetic) layers: head_dim 64 (SmolLM2-135M's keys, GQA 3:1;
+/// synthetic drift keys) between 5.5K and 8K tokens across runs, head_dim 128 (synthetic, GQA
+/// 4:1) about 5.3K; docs/generation.md "The dense threshold". Around the crossover the two steps
+/// are within ~10 % of each other. Other head dims take the nearer measured value.
+inline std::int64_t retrieval_dense_below(std::int64_t head_dim) noexcept { return head_dim <= 96 ? 6144 : 5120; }
 
 template <class T>
 class ParisKVLayerCache {
@@ -107,6 +119,24 @@ class ParisKVLayerCache {
         cache_[std::size_t(x)].append(keys + b * ks.batch + h * ks.head + i * ks.token,
                                       values + b * vs.batch + h * vs.head + i * vs.token, 1, d_, d_);
       });
+      if (cache_.front().dense()) {  // every head holds as many tokens: all dense or none
+        // a KV head's G queries together: its keys and values read once
+        detail::parallel_for(batch_ * heads_, num_threads, [&](std::int64_t x) {
+          const std::int64_t b = x / heads_, h = x % heads_;
+          typename Head::Workspace& w = ws_[std::size_t(b * q_heads + h * G)];
+          w.qptr.resize(std::size_t(G));
+          w.optr.resize(std::size_t(G));
+          for (std::int64_t g = 0; g < G; ++g) {
+            const std::int64_t j = h * G + g;
+            w.qptr[std::size_t(g)] = queries + b * qs.batch + j * qs.head + i * qs.token;
+            w.optr[std::size_t(g)] = out + b * os.batch + j * os.head + i * os.token;
+          }
+          cache_[std::size_t(x)].attend_dense_group(w.qptr.data(), G, w.optr.data(), w.attend);
+        });
+        dense_n_ = size();  // positions() lists them on demand: 0..n-1 for every query head
+        continue;
+      }
+      dense_n_ = -1;
       detail::parallel_for(batch_ * q_heads, num_threads, [&](std::int64_t x) {
         const std::int64_t b = x / q_heads, j = x % q_heads;
         cache_[std::size_t(b * heads_ + j / G)].attend(queries + b * qs.batch + j * qs.head + i * qs.token,
@@ -122,7 +152,12 @@ class ParisKVLayerCache {
       throw std::invalid_argument("kvscore::ParisKVLayerCache::positions: (row " + std::to_string(b) + ", query head " +
                                   std::to_string(j) + ") out of range [0, " + std::to_string(batch_) + ") x [0, " +
                                   std::to_string(q_heads_) + ") (no forward yet?)");
-    return ws_[std::size_t(b * q_heads_ + j)].positions;
+    std::vector<std::int64_t>& p = ws_[std::size_t(b * q_heads_ + j)].positions;
+    if (dense_n_ >= 0) {  // the last step was dense
+      p.resize(std::size_t(dense_n_));
+      std::iota(p.begin(), p.end(), std::int64_t(0));
+    }
+    return p;
   }
 
   /// Keeps the first n tokens of every row and head (ParisKVCache::crop).
@@ -183,7 +218,9 @@ class ParisKVLayerCache {
 
   std::int64_t batch_ = 0, heads_ = 0, d_ = 0, q_heads_ = 0;
   std::vector<Head> cache_;                          ///< [batch][kv_heads]
-  std::vector<typename Head::Workspace> ws_;         ///< [batch][q_heads]: scratch and last positions
+  /// [batch][q_heads]: scratch and last positions (mutable: a dense step's are listed on demand)
+  mutable std::vector<typename Head::Workspace> ws_;
+  std::int64_t dense_n_ = -1;  ///< the last step was dense over this many positions (-1: retrieval)
 };
 
 }  // namespace kvscore

@@ -120,6 +120,7 @@ class ParisKV {
     std::vector<std::int64_t> hist, cand, top, offsets, sel;
     std::vector<unsigned char> select_ws;
     std::vector<pariskv::detail::PatternNode> heap, group;
+    std::vector<std::uint64_t> keys;     ///< m <= 8: (cost, id) keys of the patterns to order
   };
 
   explicit ParisKV(std::int64_t head_dim, const ParisKVConfig& cfg = {}) : cfg_(cfg) {
@@ -530,6 +531,89 @@ class ParisKV {
     return {rec_.data(), stride_, groups_, len_, cb_, ws.qt.data(), value_.data(), wlane_.data(), qn};
   }
 
+  /// m <= 8: the weights of subspace b's patterns but the best one (already emitted, `before`
+  /// keys covered) into tb, as the emission in (cost, id) order gives them. The costs of all
+  /// 2^m flip sets by rank mask M (bit r: the r-th cheapest coordinate) come from M without its
+  /// highest bit plus that bit's cost: the same fp32 sums in sorted order that the best-first
+  /// enumeration forms. The sets are bucketed by a monotone function of the cost. A pattern's
+  /// weight is the number of tier limits above the keys of the patterns before it, so every
+  /// pattern of a bucket that no limit falls inside gets the same weight without ordering the
+  /// bucket; only the buckets a limit falls inside (at most the 6 tiers) are sorted on (cost,
+  /// id). Patterns that hold no key may get any weight (no key reads it).
+  void weight_table_small(Workspace& ws, std::int64_t b, const float* cost, const std::int64_t* ord,
+                          std::uint32_t best, const std::int64_t* limit, std::int64_t before) const {
+    constexpr int kBuckets = 128;
+    constexpr int T = pariskv::kTiers;
+    const std::int64_t n = std::int64_t(1) << m_;
+    const std::int64_t* pop = pop_.data() + b * nc_;
+    std::uint8_t* tb = ws.tbl.data() + b * nc_;
+    float cm[256];
+    std::uint32_t id[256];
+    cm[0] = 0.f;
+    id[0] = best;
+    for (std::int64_t h = 0; h < m_; ++h) {
+      const float c = cost[ord[h]];
+      const std::uint32_t bit = std::uint32_t(1) << ord[h];
+      for (std::int64_t M = 0; M < (std::int64_t(1) << h); ++M) {
+        cm[M | (std::int64_t(1) << h)] = cm[M] + c;
+        id[M | (std::int64_t(1) << h)] = id[M] ^ bit;
+      }
+    }
+    const float top = cm[n - 1];  // the largest cost (adding a cost >= 0 never lowers a rounded sum)
+    const float inv = top > 1e-30f ? float(kBuckets) / top : 0.f;
+    std::int64_t bpop[kBuckets] = {};
+    std::uint8_t bk[256];
+    for (std::int64_t M = 1; M < n; ++M) {
+      const float x = cm[M] * inv;  // monotone in the cost
+      const int k = x >= float(kBuckets - 1) ? kBuckets - 1 : int(x);
+      bk[M] = std::uint8_t(k);
+      bpop[k] += pop[id[M]];
+    }
+    // per bucket: the weight its patterns share, or kSplit when a tier limit falls inside it
+    constexpr std::uint8_t kSplit = 0xff;
+    std::uint8_t wk[kBuckets];
+    std::int64_t start[kBuckets];
+    bool any_split = false;
+    int below = 0;  // limits at or below `before` (the limits ascend)
+    for (int k = 0; k < kBuckets; ++k) {
+      while (below < T && limit[below] <= before) ++below;
+      start[k] = before;
+      const bool inside = below < T && limit[below] < before + bpop[k];
+      wk[k] = inside ? kSplit : std::uint8_t(T - below);  // 0 once every limit is reached
+      any_split |= inside;
+      before += bpop[k];
+    }
+    for (std::int64_t M = 1; M < n; ++M)
+      if (wk[bk[M]] != kSplit) tb[id[M]] = wk[bk[M]];
+    if (!any_split) return;
+    // the buckets a limit falls inside, in (cost, id) order: exact emission from their start
+    ws.keys.clear();
+    for (std::int64_t M = 1; M < n; ++M)
+      if (wk[bk[M]] == kSplit) {
+        std::uint32_t bits;
+        std::memcpy(&bits, &cm[M], sizeof(float));  // >= +0: the bits order as the values
+        ws.keys.push_back((std::uint64_t(bits) << 32) | id[M]);
+      }
+    std::sort(ws.keys.begin(), ws.keys.end());
+    int cur = -1;
+    for (std::uint64_t key : ws.keys) {
+      const std::uint32_t p = std::uint32_t(key & 0xffffffffu);
+      float c;
+      const std::uint32_t bits = std::uint32_t(key >> 32);
+      std::memcpy(&c, &bits, sizeof(float));
+      const float x = c * inv;
+      const int k = x >= float(kBuckets - 1) ? kBuckets - 1 : int(x);
+      if (k != cur) {
+        cur = k;
+        before = start[k];
+      }
+      int w = 0;
+      for (int t = 0; t < T; ++t) w += before < limit[t];
+      tb[p] = std::uint8_t(w);
+      before += pop[p];
+    }
+  }
+
   /// Stage I's weight table ws.tbl [B][2^m]: each subspace's patterns best-first by inner product
   /// with the query, tier weights until ⌈ρN⌉ = `collided` keys are covered.
   void weight_table(Workspace& ws, std::int64_t collided) const {
@@ -537,14 +621,15 @@ class ParisKV {
     std::int64_t limit[pariskv::kTiers];
     for (int t = 0; t < pariskv::kTiers; ++t) limit[t] = (collided * pariskv::kTierPercent[t] + 99) / 100;
     ws.tbl.assign(std::size_t(B_ * nc_), 0);
+    if (m_ <= 8)  // the populations the emission reads (2 KB per subspace): requested at once, not miss by miss
+      for (std::int64_t o = 0; o < B_ * nc_; o += 8) pariskv::detail::prefetch_line(reinterpret_cast<const char*>(pop_.data() + o));
     for (std::int64_t b = 0; b < B_; ++b) {
       const float* qb = ws.qrot.data() + b * m_;
       // ⟨q̃_b, s⟩ = Σ|q̃_j| − Σ_{j∈F} 2|q̃_j| for the pattern that flips the set F of the best
       // pattern sign(q̃_b) (q̃_j = 0 counts as +, like the keys). So the patterns in descending
-      // score are the flip sets in ascending cost: enumerated best-first with a small heap
-      // (successors of a set whose largest sorted index is i: add i+1, or replace i by i+1),
-      // only until ⌈ρN⌉ keys are covered. A set's cost is its costs summed in sorted order (a
-      // fixed fp32 value per set); equal costs go by the lower pattern id.
+      // score are the flip sets in ascending cost, a set's cost being its costs summed in sorted
+      // order (a fixed fp32 value per set); equal costs go by the lower pattern id, after the
+      // best pattern (the empty set). Emitted in that order until ⌈ρN⌉ keys are covered.
       std::int64_t ord[16];
       float cost[16];
       std::uint32_t best = 0;
@@ -554,8 +639,6 @@ class ParisKV {
         ord[j] = j;
       }
       std::sort(ord, ord + m_, [&](std::int64_t x, std::int64_t y) { return cost[x] < cost[y] || (cost[x] == cost[y] && x < y); });
-      auto& heap = ws.heap;
-      heap.clear();
       std::int64_t before = 0;
       std::uint8_t* tb = ws.tbl.data() + b * nc_;
       auto emit = [&](std::uint32_t id) {
@@ -565,6 +648,15 @@ class ParisKV {
         before += pop_[std::size_t(b * nc_ + id)];
       };
       emit(best);
+      if (m_ <= 8) {
+        weight_table_small(ws, b, cost, ord, best, limit, before);
+        continue;
+      }
+      // m > 8 (up to 2^16 patterns): best-first enumeration of the flip sets with a small heap
+      // (successors of a set whose largest sorted index is i: add i+1, or replace i by i+1),
+      // only until the keys are covered.
+      auto& heap = ws.heap;
+      heap.clear();
       if (before < limit[pariskv::kTiers - 1])
         heap.push_back({0.f + cost[ord[0]], 0.f, best ^ (std::uint32_t(1) << ord[0]), 0});
       // Patterns leave the heap in groups of equal cost. A group also takes equal-cost

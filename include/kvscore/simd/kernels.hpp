@@ -596,6 +596,48 @@ struct RowKernels {
     for (; i < n; ++i) unproject_rows<1>(codes + i * r, r, basis, d, out + i * d);
   }
 
+  // Plain loops, vectorised by each table's compile flags (src/isa_*.cpp); integers, so every
+  // table gives the same sums.
+  static void int4_dots(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes,
+                        std::int64_t h, std::int32_t* acc) noexcept {
+    if (h == 16) {  // blocks of 32 tokens (vLLM's CPU block size): 16-lane rows, up to 4 queries at once
+      for (std::int64_t k0 = 0; k0 < g; k0 += 4) {
+        const std::int64_t kn = g - k0 < 4 ? g - k0 : 4;
+        std::int32_t a[4][32] = {};
+        for (std::int64_t j = 0; j < d; ++j) {
+          std::int32_t lo[16], hi[16];
+          const std::uint8_t* c = codes + j * 16;
+          for (int t = 0; t < 16; ++t) {
+            lo[t] = c[t] & 15;
+            hi[t] = c[t] >> 4;
+          }
+          for (std::int64_t k = 0; k < kn; ++k) {
+            const std::int32_t wj = w[(k0 + k) * d + j];
+            for (int t = 0; t < 16; ++t) {
+              a[k][t] += wj * lo[t];
+              a[k][16 + t] += wj * hi[t];
+            }
+          }
+        }
+        for (std::int64_t k = 0; k < kn; ++k)
+          for (int t = 0; t < 32; ++t) acc[(k0 + k) * 32 + t] = a[k][t];
+      }
+      return;
+    }
+    for (std::int64_t k = 0; k < g; ++k) {
+      std::int32_t* a = acc + k * 2 * h;
+      for (std::int64_t t = 0; t < 2 * h; ++t) a[t] = 0;
+      for (std::int64_t j = 0; j < d; ++j) {
+        const std::uint8_t* c = codes + j * h;
+        const std::int32_t wj = w[k * d + j];
+        for (std::int64_t t = 0; t < h; ++t) {
+          a[t] += wj * std::int32_t(c[t] & 15);
+          a[h + t] += wj * std::int32_t(c[t] >> 4);
+        }
+      }
+    }
+  }
+
   template <class T>
   static constexpr RowOps<T> ops() noexcept {
     return RowOps<T>{&sqnorm<T>, &dot<T>, &dot_sqnorm<T>, &sqdist<T>, &sum<T>, &sum_normalized<T>, &project<T>};
@@ -618,7 +660,8 @@ const KernelTable& make_table(const char* name) noexcept {
                                  &RowKernels<P>::exp_sum,
                                  &RowKernels<P>::max_scaled,
                                  &RowKernels<P>::pack_panels,
-                                 &RowKernels<P>::gemm_panels};
+                                 &RowKernels<P>::gemm_panels,
+                                 &RowKernels<P>::int4_dots};
   return table;
 }
 

@@ -79,6 +79,11 @@ struct KernelTable {
   /// key falls in a tile or a call (SSE2 and scalar tables: a multiply and an add).
   void (*gemm_panels)(const float* q, std::int64_t nq, const float* kpack, std::int64_t nk, std::int64_t d, float* out,
                       std::int64_t ldo);
+  /// acc[k·2h + t] = Σ_j w[k·d + j]·code(j, t) for k < g queries and t < 2h tokens, where code(j, t)
+  /// is the low nibble of codes[j·h + t] for t < h and the high nibble of codes[j·h + t − h]
+  /// otherwise (block_sparse.hpp's int4 block score). Integer sums: the same on every table.
+  void (*int4_dots)(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes, std::int64_t h,
+                    std::int32_t* acc);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

@@ -37,6 +37,17 @@ _SCORERS = tuple(m["name"] for m in _REGISTRY
                  if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["name"] == _SNAPKV)
 
 
+# Sparse decode (docs/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
+# defaults chosen by the benchmark (docs/vllm.md#sparse-decode).
+BLOCK_SCORES = ("quest", "meanstd", "int4", "pariskv", "exact")
+DEFAULT_BLOCK_SCORE = "int4"
+DEFAULT_LOCAL = 64
+DEFAULT_DENSE_BELOW = 1024
+DEFAULT_SWAP_SPACE = 1.0
+DEFAULT_PREFILTER = 4
+DEFAULT_REFRESH = 4
+
+
 def register() -> None:
     """vllm.general_plugins entry point: makes "KvscoreConnector" a known connector name.
     Loaded in every vLLM process, possibly more than once; never fails an engine that does not
@@ -64,11 +75,35 @@ class Config:
     aggregate        over (layer, head) rows per token: "max" (default) or "mean"
     block_aggregate  over a block's tokens: "mean" (default) or "max"
     threads          scoring threads per worker (0 = OpenMP default)
+
+  Sparse decode (docs/block_sparse.md), on when `attend` < 1:
+    attend           keys each decode step attends: a fraction in (0, 1] of the request's tokens or a
+                     whole count of tokens > 1, rounded up to whole blocks (1.0 = dense, the default)
+    block_score      how a block is scored for the step's query: "int4" (default), "quest",
+                     "meanstd", "pariskv" or "exact" (BLOCK_SCORES)
+    query_group      "heads": each query head scores the blocks (default); "mean": one query per KV
+                     head, its group's mean (GQA: G times less scoring)
+    prefilter        int4: each query head scores exactly its best prefilter·k blocks by Quest's
+                     bound (k: the blocks to choose; 0 = every block)
+    refresh          a request's blocks are scored every `refresh` decode steps (per layer); in
+                     between its last choice stands
+    local            the newest positions whose blocks every decode step attends (the partial last
+                     block always); the first `sinks` positions' blocks too
+    dense_below      requests shorter than this many tokens decode densely
+    probe            also choose with the exact block score and count the overlap (benchmarks)
+
+  Preemption:
+    swap_space       GiB of host memory per worker for the kept blocks of preempted requests
+                     whose cache a recompute would not reproduce (evicted holes, sparse decode):
+                     they come back as they were; 0 (or full) = vLLM's recompute
     """
 
     def __init__(self, method: str, ratio: float, *, sinks: int = _k.kDefaultSinks,
                  recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
-                 threads: int = 0):
+                 threads: int = 0, attend: float = 1.0, block_score: str = DEFAULT_BLOCK_SCORE,
+                 local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False,
+                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = "heads",
+                 prefilter: int = DEFAULT_PREFILTER, refresh: int = DEFAULT_REFRESH):
         try:
             name = _method_name(method)
         except (ValueError, TypeError, KeyError) as e:
@@ -78,18 +113,48 @@ class Config:
                              f"filters or other queries, or is not a scorer); it runs: {', '.join(_SCORERS)}")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
             raise ValueError(f"kvscore.vllm: ratio {ratio!r} must be a number in [0, 1)")
-        for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads)):
+        for k, v in (("sinks", sinks), ("recent", recent), ("threads", threads), ("local", local),
+                     ("dense_below", dense_below), ("prefilter", prefilter), ("refresh", refresh)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kvscore.vllm: {k} {v!r} must be an integer >= 0")
         if aggregate not in ("max", "mean"):
             raise ValueError(f"kvscore.vllm: aggregate {aggregate!r} must be 'max' or 'mean'")
         if block_aggregate not in ("mean", "max"):
             raise ValueError(f"kvscore.vllm: block_aggregate {block_aggregate!r} must be 'mean' or 'max'")
+        if (isinstance(attend, bool) or not isinstance(attend, (int, float)) or not attend > 0
+                or not math.isfinite(attend) or (attend > 1 and attend != int(attend))):
+            raise ValueError(f"kvscore.vllm: attend {attend!r} must be a fraction in (0, 1] or a whole count of "
+                             f"tokens > 1")
+        if block_score not in BLOCK_SCORES:
+            raise ValueError(f"kvscore.vllm: block_score {block_score!r} must be one of {', '.join(BLOCK_SCORES)}")
+        if not isinstance(probe, bool):
+            raise ValueError(f"kvscore.vllm: probe {probe!r} must be True or False")
+        if (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0
+                or not math.isfinite(swap_space)):
+            raise ValueError(f"kvscore.vllm: swap_space {swap_space!r} must be a number of GiB >= 0")
+        self.swap_space = float(swap_space)
+        if query_group not in ("heads", "mean"):
+            raise ValueError(f"kvscore.vllm: query_group {query_group!r} must be 'heads' or 'mean'")
+        if refresh < 1:
+            raise ValueError(f"kvscore.vllm: refresh {refresh!r} must be an integer >= 1")
+        self.query_group, self.prefilter, self.refresh = query_group, prefilter, refresh
+        self.attend, self.block_score, self.local, self.dense_below, self.probe = (
+            float(attend) if attend <= 1 else int(attend), block_score, local, dense_below, probe)
         self.method, self.ratio, self.sinks, self.recent = name, float(ratio), sinks, recent
         self.aggregate, self.block_aggregate, self.threads = aggregate, block_aggregate, threads
         if name == _SNAPKV and recent < 1:
             raise ValueError(f"kvscore.vllm: {name} scores with the queries of the last `recent` prompt positions "
                              f"(its window, kept): recent {recent} must be >= 1")
+
+    @property
+    def sparse(self) -> bool:
+        """Sparse decode on (attend below the whole sequence)."""
+        return self.attend != 1.0
+
+    @property
+    def evicts(self) -> bool:
+        """The eviction pass runs: ratio > 0, or ratio 0 without sparse decode (scores, keeps all)."""
+        return self.ratio > 0 or not self.sparse
 
     @property
     def query_window(self) -> int:
@@ -99,7 +164,9 @@ class Config:
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Config":
         extra = dict(extra or {})
-        known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads"}
+        known = {"method", "ratio", "sinks", "recent", "aggregate", "block_aggregate", "threads", "attend",
+                 "block_score", "local", "dense_below", "probe", "swap_space", "query_group", "prefilter",
+                 "refresh"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvscore.vllm: unknown setting(s) {unknown} in kv_connector_extra_config "
@@ -118,7 +185,10 @@ class Config:
 
     def as_dict(self) -> dict:
         return {"method": self.method, "ratio": self.ratio, "sinks": self.sinks, "recent": self.recent,
-                "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads}
+                "aggregate": self.aggregate, "block_aggregate": self.block_aggregate, "threads": self.threads,
+                "attend": self.attend, "block_score": self.block_score, "local": self.local,
+                "dense_below": self.dense_below, "probe": self.probe, "swap_space": self.swap_space,
+                "query_group": self.query_group, "prefilter": self.prefilter, "refresh": self.refresh}
 
 
 def kv_transfer_config(method: str, ratio: float, **settings) -> dict:
@@ -130,4 +200,4 @@ def kv_transfer_config(method: str, ratio: float, **settings) -> dict:
 
 METHODS = _SCORERS
 
-__all__ = ["CONNECTOR", "METHODS", "Config", "kv_transfer_config", "register", "VLLM_VERSION"]
+__all__ = ["BLOCK_SCORES", "CONNECTOR", "METHODS", "Config", "kv_transfer_config", "register", "VLLM_VERSION"]

@@ -1,8 +1,17 @@
 """Why an engine wants kvscore (docs/vllm.md, scripts/vllm_bench.sh): vLLM CPU serving many long
-requests with a KV cache too small to hold them all, with and without kvscore, in one run.
+requests with a KV cache too small to hold them all, with and without kvscore, in one run; and
+(--workload decode) how fast decoding is with sparse decode and eviction.
 
     python -m kvscore.vllm.bench --model DIR [--prompts 32] [--length 2048] [--max-tokens 64]
                                  [--blocks 540] [--methods keydiff,knorm] [--ratio 0.5] [--out FILE]
+    python -m kvscore.vllm.bench --model DIR --workload decode [--length 8192] [--max-tokens 256]
+                                 [--batches 1,8,16] [--configs vllm,attend=0.1,attend=0.05,ratio=0.5,...]
+
+--workload decode: for each configuration one engine (max_num_seqs = the largest batch) runs the
+batches one after another (batch B: the first B prompts, all at once); every step is timed, and a
+step whose requests all decode (one token each) counts towards that batch's decode tokens/s. The
+CPU attention kernel's own time is measured in every run (its class method wrapped in this
+process), so the selection's cost compares with the dense attention it replaces.
 
 The prompts are the quality benchmark's needle contexts (kvscore.quality.make_contexts: licence
 texts with 4 planted facts), each asking for one fact with the answer prefix given; greedy, each
@@ -38,6 +47,156 @@ def _prompts(model: str, n: int, length: int):
                                        add_generation_prompt=True, tokenize=False) + prefix
         out.append((tok.encode(text, add_special_tokens=False), expected))
     return out
+
+
+def _time_attention() -> dict:
+    """Wraps vLLM CPU's attention kernel call (the backend class's forward) to add up its time."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    acc = {"s": 0.0}
+    orig = Impl.forward
+
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            acc["s"] += time.perf_counter() - t0
+
+    Impl.forward = forward
+    return acc
+
+
+def _decode_run(spec: dict) -> dict:
+    """--workload decode, one configuration: batches one after another in one engine."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "7")  # 16 requests of ~7.8K tokens: 5.8 GB at fp32
+    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    att = _time_attention()
+    kw = {}
+    if spec.get("plugin"):
+        from kvscore.vllm import kv_transfer_config
+        kw["kv_transfer_config"] = kv_transfer_config(**spec["plugin"])
+    if spec.get("blocks"):
+        kw["num_gpu_blocks_override"] = spec["blocks"]
+    batches = spec["batches"]
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
+              block_size=32, enable_prefix_caching=False, seed=0, max_num_seqs=max(batches),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **kw)
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    last = {}
+    orig_schedule = sched.schedule
+
+    def schedule(*a, **k):
+        out = orig_schedule(*a, **k)
+        last["n"] = dict(out.num_scheduled_tokens)
+        return out
+
+    sched.schedule = schedule
+    worker = None
+    if spec.get("plugin"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        worker = get_kv_transfer_group()
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    prompts = _prompts(spec["model"], max(batches), spec["length"])
+    res = {"batches": {}, "prompt_tokens_mean": sum(len(p) for p, _ in prompts) / len(prompts)}
+    for B in batches:
+        st0 = dict(worker.sparse_stats) if worker is not None else None
+        probe0 = worker._selector.probe if worker is not None and worker._selector is not None else (0, 0)
+        for i, (ids, _) in enumerate(prompts[:B]):
+            eng.add_request(f"b{B}q{i}", TokensPrompt(prompt_token_ids=ids), sp)
+        outs, dec_s, dec_tok, dec_att, all_s, steps, running = {}, 0.0, 0, 0.0, 0.0, 0, []
+        t_all = time.perf_counter()
+        while eng.has_unfinished_requests():
+            a0, t0 = att["s"], time.perf_counter()
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+            dt = time.perf_counter() - t0
+            n = last.get("n", {})
+            if n and all(v == 1 for v in n.values()):  # every request decodes one token
+                dec_s += dt
+                dec_tok += len(n)
+                dec_att += att["s"] - a0
+                steps += 1
+                running.append(len(n))
+        wall = time.perf_counter() - t_all
+        correct = 0
+        for i, (_, expected) in enumerate(prompts[:B]):
+            text = tok.decode(outs[f"b{B}q{i}"], skip_special_tokens=True)
+            correct += int(text.strip()[: len(expected) + 2].startswith(expected))
+        r = {"wall_s": wall, "decode_steps": steps, "decode_s": dec_s, "decode_tokens": dec_tok,
+             "decode_tokens_per_s": dec_tok / max(dec_s, 1e-9), "decode_attention_s": dec_att,
+             "mean_decode_batch": sum(running) / max(1, len(running)), "needle_correct": correct, "needle_total": B}
+        if worker is not None:
+            st = {k: worker.sparse_stats[k] - st0[k] for k in st0}
+            r["sparse"] = st
+            r["select_s_per_decode_step"] = (st["select_s"] + st["plan_s"]) / max(1, steps)
+            if st["blocks_total"]:
+                r["blocks_attended_fraction"] = st["blocks_attended"] / st["blocks_total"]
+            if worker._selector is not None:
+                p1 = worker._selector.probe
+                if p1[0] > probe0[0]:
+                    r["recall_of_exact_blocks"] = (p1[1] - probe0[1]) / (p1[0] - probe0[0])
+        res["batches"][str(B)] = r
+    return res
+
+
+def _decode_main(a) -> int:
+    batches = [int(x) for x in a.batches.split(",")]
+    base = {"model": a.model, "length": a.length, "max_tokens": a.max_tokens, "batches": batches,
+            "max_model_len": a.length + a.max_tokens + 64}
+    if a.blocks_decode:
+        base["blocks"] = a.blocks_decode
+    report = {"workload": "decode", "config": {k: v for k, v in base.items() if k != "model"}, "runs": {}}
+    print(f"vLLM CPU decode bench: prompts of ~{a.length} tokens, {a.max_tokens} generated each, batches {batches}",
+          flush=True)
+    for entry in (e for e in a.configs.split(",") if e):
+        # "vllm" (plain) or "attend=0.1@ratio=0.5@block_score=meanstd" (kvscore settings; method knorm)
+        plugin = None
+        if entry != "vllm":
+            plugin = {"method": a.method, "ratio": 0.0}
+            for kv in entry.split("@"):
+                k, v = kv.split("=", 1)
+                plugin[k] = v if k in ("method", "block_score", "query_group") else (v == "True" if k == "probe" else float(v))
+            for k in ("local", "dense_below", "sinks", "prefilter"):
+                if k in plugin:
+                    plugin[k] = int(plugin[k])
+        r = _spawn({**base, "plugin": plugin, "decode": True})
+        report["runs"][entry] = r
+        for B, x in r["batches"].items():
+            extra = ""
+            if "sparse" in x:
+                extra = (f"  selection {1e3 * x['select_s_per_decode_step']:.1f} ms/step"
+                         + (f", blocks attended {x['blocks_attended_fraction']:.3f}" if "blocks_attended_fraction" in x else "")
+                         + (f", recall of exact blocks {x['recall_of_exact_blocks']:.3f}" if "recall_of_exact_blocks" in x else ""))
+            print(f"  {entry:32s} batch {B:>2s}: decode {x['decode_tokens_per_s']:.2f} tok/s ({x['decode_steps']} steps, "
+                  f"attention {x['decode_attention_s']:.1f} of {x['decode_s']:.1f} s)  needle "
+                  f"{x['needle_correct']}/{x['needle_total']}{extra}", flush=True)
+    plain = report["runs"].get("vllm")
+    if plain:
+        for entry, r in report["runs"].items():
+            for B, x in r["batches"].items():
+                p = plain["batches"][B]
+                x["x_decode_tokens_per_s"] = x["decode_tokens_per_s"] / p["decode_tokens_per_s"]
+                if "select_s_per_decode_step" in x:
+                    x["selection_vs_dense_attention"] = x["select_s_per_decode_step"] / max(
+                        p["decode_attention_s"] / max(1, p["decode_steps"]), 1e-9)
+            if entry != "vllm":
+                print(f"  {entry}: " + ", ".join(
+                    f"batch {B} x{x['x_decode_tokens_per_s']:.2f}"
+                    + (f" (selection {100 * x['selection_vs_dense_attention']:.1f} % of dense attention)"
+                       if "selection_vs_dense_attention" in x else "") for B, x in r["batches"].items()), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
 
 def _run(spec: dict) -> dict:
@@ -132,14 +291,24 @@ def main(argv=None) -> int:
     ap.add_argument("--watermark", type=float, default=0.0,
                     help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", choices=("concurrency", "decode"), default="concurrency")
+    ap.add_argument("--batches", default="1,8,16", help="decode workload: batch sizes, run one after another")
+    ap.add_argument("--configs", default="vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5",
+                    help="decode workload: 'vllm' (plain) or kvscore settings joined by '@'")
+    ap.add_argument("--method", default="knorm", help="decode workload: the eviction scorer")
+    ap.add_argument("--blocks-decode", type=int, default=0,
+                    help="decode workload: KV blocks in the pool (0: VLLM_CPU_KVCACHE_SPACE decides)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.run is not None:
-        print("RESULT " + json.dumps(_run(json.loads(a.run))), flush=True)
+        spec = json.loads(a.run)
+        print("RESULT " + json.dumps(_decode_run(spec) if spec.get("decode") else _run(spec)), flush=True)
         return 0
     if not a.model:
         ap.error("--model is required")
+    if a.workload == "decode":
+        return _decode_main(a)
     base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,
             "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64, "watermark": a.watermark}
     extra = {k: v for k, v in (("block_aggregate", a.block_aggregate), ("aggregate", a.aggregate)) if v is not None}

@@ -20,14 +20,32 @@ Flow of one request (R):
    tokens. Keys carry their RoPE positions already, so attention over the kept blocks is
    attention over the same keys with holes; new tokens keep their true positions and slots.
 
+Preemption: vLLM frees every block of a preempted request and recomputes it later with a dense
+prefill, which would not give back the cache R had (its evicted positions were not attended, its
+generated tokens' keys came from sparse steps). So the scheduler keeps a snapshot of the block
+table of every request with holes or sparse steps; when vLLM preempts one, the workers copy its
+kept blocks to host memory (swap_space GiB at most, before the step's forward can reuse them), and
+when vLLM admits it again the connector reports those tokens as already computed
+(get_num_new_matched_tokens), the workers copy the blocks back into the new ones, and the same
+holes are made again: R goes on with the cache it had. Beyond swap_space, vLLM's recompute (R is
+scored again).
+
 A worker identifies R's row in the batch by the physical id of R's first block: the block of
 position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix caching off).
+
+Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, the first
+blocks of the requests that decode in it; on the worker, the first attention call of a step plans
+it once (kvscore::PagedBlockSelector::begin_step with the step's written slots; which rows decode
+sparsely and how many blocks each attends; their sequence lengths and one attention schedule for
+every layer), then every layer's call chooses that layer's blocks of every sparse row in one C++
+call (PagedBlockSelector::select) into a scratch block table the kernel reads.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import re
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +83,10 @@ class KvscoreMeta(KVConnectorMetadata):
     def __init__(self) -> None:
         self.score: list[tuple[str, list[int], int]] = []    # (req_id, block ids, prompt tokens)
         self.holes: dict[int, tuple[str, list[int]]] = {}     # first block id -> (req_id, evicted logical blocks)
+        self.decoding: list[int] = []                        # sparse decode: first block ids of decoding requests
+        self.save: list[tuple[str, list[int]]] = []          # preempted: (req_id, kept physical blocks) to host
+        self.load: list[tuple[str, list[int]]] = []          # readmitted: (req_id, new physical blocks) from host
+        self.drop: list[str] = []                            # finished while swapped out
 
 
 class KvscoreWorkerMeta(KVConnectorWorkerMetadata):
@@ -105,6 +127,13 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._seconds = 0.0
             self._holes: dict[int, tuple[str, list[int]]] = {}
             self._holes_version = 0
+            self._swap: dict[str, list[torch.Tensor]] = {}      # preempted requests' kept blocks, per layer
+            self._loaded_blocks: list[int] = []                 # blocks written by a load since the last step
+            self._selector = None                               # sparse decode: kvscore's PagedBlockSelector
+            self._decoding: set[int] = set()
+            self._layer_index: dict[str, int] = {}
+            self.sparse_stats = {"steps": 0, "rows": 0, "blocks_attended": 0, "blocks_total": 0, "plan_s": 0.0,
+                                 "select_s": 0.0}
         else:
             self._reqs: dict[str, "Request"] = {}
             self._scoring: dict[str, tuple[list[int], int]] = {}  # req_id -> (block ids, tokens) sent to score
@@ -112,8 +141,18 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._holes_by_req: dict[str, tuple[int, list[int]]] = {}
             self._freed_total = 0
             self._score_seconds = 0.0
+            # preemption: snapshots (block ids, -1 for a hole; tokens computed) of requests a recompute
+            # would not reproduce; the swapped-out ones; the orders for the next step's metadata
+            self._snap: dict[str, tuple[list[int], int]] = {}
+            self._swapped: dict[str, dict] = {}
+            self._swap_bytes = 0
+            self._sparse_decoded: set[str] = set()
+            self._orders = KvscoreMeta()
+            self.swaps = {"saved": 0, "restored": 0, "recomputed": 0}
             # the last decisions (req_id, kept logical blocks, evicted logical blocks, ranks' partials), for tests
             self.decisions: collections.deque = collections.deque(maxlen=1024)
+            from . import check
+            self._audit = check.audit_from_env()  # KVSCORE_VLLM_AUDIT: decisions and pool checks to a file
 
     # ------------------------------------------------------------------ engine checks
 
@@ -163,6 +202,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                                  f"[num_blocks, kv_heads, {self.block_size}, 2 * head_dim]")
         self._caches = [kv_caches[n] for n in names]
         self._layer_names = names
+        self._layer_index = {n: i for i, n in enumerate(names)}
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, names)
         for n, layer in layers.items():
             impl = layer.impl
@@ -175,15 +215,43 @@ class KvscoreConnector(KVConnectorBase_V1):
             if impl.sliding_window not in (None, -1):
                 raise ValueError(f"kvscore.vllm: layer {n} has a sliding window; not supported")
             _wrap_impl(impl, self)
+        if self.cfg.sparse and names:
+            c0, impl0 = self._caches[0], layers[names[0]].impl
+            self._selector_scale = float(impl0.scale)
+            from . import check
+            check.install_from_env(sys.modules[__name__])
+            self._selector = _k.PagedBlockSelector(
+                len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
+                sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
+                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self.cfg.threads, probe=self.cfg.probe)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, KvscoreMeta):
+            self._move_swapped(connector_metadata)  # before this step's forward can write the blocks
             if connector_metadata.holes != self._holes:
                 self._holes = dict(connector_metadata.holes)
                 self._holes_version += 1
             if self._window:
                 self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
+            self._decoding = set(connector_metadata.decoding)
+
+    def _move_swapped(self, meta: KvscoreMeta) -> None:
+        """Preempted requests' kept blocks to host memory (save) and back into their new blocks
+        (load), every layer; in bind_connector_metadata, before the step's forward."""
+        for req_id, ids in meta.save:
+            idx = torch.tensor(ids, dtype=torch.long)
+            self._swap[req_id] = [c.index_select(0, idx) for c in self._caches]
+        for req_id, ids in meta.load:
+            saved = self._swap.pop(req_id, None)
+            if saved is None or saved[0].shape[0] != len(ids):
+                raise RuntimeError(f"kvscore.vllm: no saved blocks of request {req_id} to load")
+            idx = torch.tensor(ids, dtype=torch.long)
+            for c, t in zip(self._caches, saved):
+                c.index_copy_(0, idx, t)
+            self._loaded_blocks += ids  # written outside a forward: the selector must know
+        for req_id in meta.drop:
+            self._swap.pop(req_id, None)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return
@@ -228,24 +296,69 @@ class KvscoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
-        return 0, False
+        sw = self._swapped.get(request.request_id)
+        if sw is None or num_computed_tokens != 0:
+            return 0, False
+        return min(sw["tokens"], request.num_tokens - 1), False  # loaded in the step that admits it
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
-        self._reqs[request.request_id] = request
+        rid = request.request_id
+        self._reqs[rid] = request
+        sw = self._swapped.pop(rid, None)
+        if sw is None:
+            return
+        if num_external_tokens != min(sw["tokens"], request.num_tokens - 1):  # not taken: drop the copy
+            self._orders.drop.append(rid)
+            self._swap_bytes -= sw["bytes"]
+            self._done.discard(rid)  # recomputed: scored again
+            return
+        ids = blocks.get_block_ids()[0]
+        self._orders.load.append((rid, [ids[b] for b in sw["kept"]]))
+        self._swap_bytes -= sw["bytes"]
+        self._free_runs(rid, sw["evicted"])  # the same holes again
+        if sw["evicted"]:
+            self._holes_by_req[rid] = (ids[0], sw["evicted"])
+        self._done.add(rid)  # its prompt is computed: not scored again
+        self.swaps["restored"] += 1
+        if self._audit is not None:
+            self._audit.swap("restored", rid, len(sw["kept"]))
 
     def on_new_request(self, request: "Request") -> None:
         self._reqs[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvscoreMeta()
+        meta, self._orders = self._orders, KvscoreMeta()  # loads and drops ordered since the last step
         km = self._kv_cache_manager
         for req_id in scheduler_output.preempted_req_ids or ():
-            # vLLM freed all its blocks; its prefill runs again and is scored again
+            # vLLM freed all its blocks: swap its kept blocks out (its snapshot), or its prefill
+            # runs again and is scored again
+            lossy = req_id in self._holes_by_req or req_id in self._sparse_decoded  # a recompute would differ
             self._holes_by_req.pop(req_id, None)
+            self._scoring.pop(req_id, None)
+            self._sparse_decoded.discard(req_id)
+            snap = self._snap.pop(req_id, None)
+            if self._audit is not None:
+                self._audit.preempted(req_id)
+            if snap is not None and self._swap_out(req_id, snap, meta):
+                continue
             self._done.discard(req_id)
+            if lossy:
+                self.swaps["recomputed"] += 1
+        mgr = km.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._reqs.get(req_id)
-            if req is None or req_id in self._done:
+            if req is None:
+                continue
+            if self.cfg.sparse and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                blocks = mgr.req_to_blocks.get(req_id)
+                if blocks:
+                    meta.decoding.append(blocks[0].block_id)
+                    self._sparse_decoded.add(req_id)
+            if self._swap_limit and (req_id in self._holes_by_req or req_id in self._sparse_decoded):
+                # what a swap-out after this step would save: the table, the tokens computed by then
+                self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in mgr.req_to_blocks.get(req_id, ())],
+                                      req.num_computed_tokens + n)
+            if req_id in self._done or not self.cfg.evicts:
                 continue
             done_before = req.num_computed_tokens
             P = req.num_prompt_tokens
@@ -259,6 +372,8 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._scoring[req_id] = (ids, P)
             meta.score.append((req_id, ids, P))
         meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
+        if self._audit is not None:
+            self._audit.step(mgr, km.block_pool, meta.holes)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -282,22 +397,62 @@ class KvscoreConnector(KVConnectorBase_V1):
             blocks = mgr.req_to_blocks[req_id]
             if [b.block_id for b in blocks[:nblocks]] != ids:
                 continue  # not the blocks that were scored (cannot happen without preemption)
-            # free each run of evicted blocks [a, e) (vLLM's sliding-window path)
-            i = 0
-            while i < len(evicted):
-                j = i
-                while j + 1 < len(evicted) and evicted[j + 1] == evicted[j] + 1:
-                    j += 1
-                mgr._remove_blocks_in_range(req_id, evicted[i], evicted[j] + 1)
-                i = j + 1
+            freed_ids = [ids[b] for b in evicted]
+            self._free_runs(req_id, evicted)
             self._score_seconds += time.perf_counter() - t0
             self._freed_total += len(evicted)
             if evicted:
                 self._holes_by_req[req_id] = (ids[0], evicted)
             self.decisions.append((req_id, sorted(keep), evicted, len(parts)))
+            if self._audit is not None:
+                self._audit.decision(self._reqs.get(req_id), sorted(keep), evicted, freed_ids)
+
+    def _free_runs(self, req_id: str, evicted: list[int]) -> None:
+        """Frees each run [a, e) of the evicted logical blocks (vLLM's sliding-window path)."""
+        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
+        i = 0
+        while i < len(evicted):
+            j = i
+            while j + 1 < len(evicted) and evicted[j + 1] == evicted[j] + 1:
+                j += 1
+            mgr._remove_blocks_in_range(req_id, evicted[i], evicted[j] + 1)
+            i = j + 1
+
+    @property
+    def _swap_limit(self) -> int:
+        return int(self.cfg.swap_space * (1 << 30))
+
+    def _block_bytes(self) -> int:
+        c = self._kv_cache_config
+        return max(1, sum(t.size for t in c.kv_cache_tensors) // max(1, c.num_blocks))
+
+    def _swap_out(self, req_id: str, snap: tuple[list[int], int], meta: KvscoreMeta) -> bool:
+        """Orders the preempted request's kept blocks to host memory; False beyond swap_space."""
+        ids, tokens = snap
+        n = -(-tokens // self.block_size)
+        kept = [b for b in range(min(n, len(ids))) if ids[b] >= 0]
+        nbytes = len(kept) * self._block_bytes()
+        if not kept or self._swap_bytes + nbytes > self._swap_limit:
+            return False
+        evicted = [b for b in range(min(n, len(ids))) if ids[b] < 0]
+        meta.save.append((req_id, [ids[b] for b in kept]))
+        self._swapped[req_id] = {"tokens": tokens, "kept": kept, "evicted": evicted, "bytes": nbytes}
+        self._swap_bytes += nbytes
+        self.swaps["saved"] += 1
+        if self._audit is not None:
+            self._audit.swap("saved", req_id, len(kept))
+        return True
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         rid = request.request_id
+        self._snap.pop(rid, None)
+        self._sparse_decoded.discard(rid)
+        sw = self._swapped.pop(rid, None)
+        if sw is not None:  # finished (aborted) while swapped out: the workers drop its copy
+            self._orders.drop.append(rid)
+            self._swap_bytes -= sw["bytes"]
+        if self._audit is not None:
+            self._audit.finished(request, rid in self._holes_by_req)
         self._reqs.pop(rid, None)
         self._done.discard(rid)
         self._scoring.pop(rid, None)
@@ -307,10 +462,15 @@ class KvscoreConnector(KVConnectorBase_V1):
 
 # ---------------------------------------------------------------------- the attention wrapper
 
+# Tests and the benchmark may set this to observe every layer's sparse choice:
+# f(connector, layer_name, kv_cache, query, step) after the layer's PagedBlockSelector.select.
+SPARSE_OBSERVER = None
+
 
 def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     """impl.forward of this layer (an instance attribute; vLLM's class is untouched) hands the CPU
-    kernel the batch's block table and sequence lengths without the evicted blocks."""
+    kernel the batch's block table and sequence lengths without the evicted blocks, and with
+    sparse decode only the blocks each decode row attends in this layer."""
     if getattr(impl, "_kvscore_wrapped", False):
         return
     orig = impl.forward
@@ -318,8 +478,17 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if attn_metadata is not None and connector._want_queries:
             _capture_queries(layer, query, attn_metadata, connector)
-        if attn_metadata is not None and connector._holes:
-            attn_metadata = _compacted(impl, layer, query, attn_metadata, connector)
+        if attn_metadata is not None and (connector._holes or connector._selector is not None):
+            step = _step(impl, layer, query, attn_metadata, connector)
+            if step.rows is not None:
+                t0 = time.perf_counter()
+                step.fresh = connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query,
+                                                        step.token_index, step.src, step.rows, step.tokens,
+                                                        step.attend, step.dst)
+                connector.sparse_stats["select_s"] += time.perf_counter() - t0
+                if SPARSE_OBSERVER is not None:
+                    SPARSE_OBSERVER(connector, layer.layer_name, kv_cache, query, step)
+            attn_metadata = step.md
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
     impl.forward = forward
@@ -339,35 +508,86 @@ def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
         connector._queries.setdefault(rid, {})[layer.layer_name] = q
 
 
-def _compacted(impl, layer, query, md, connector: KvscoreConnector):
-    """The metadata with each holed request's row compacted (cached on the metadata object: every
-    layer of the step shares it)."""
+@dataclasses.dataclass
+class _Step:
+    """One engine step's plan, shared by its layers (cached on the step's metadata object)."""
+    version: int
+    md: Any                              # the metadata the kernel gets (md itself when nothing changes)
+    src: torch.Tensor | None = None      # block table with holes removed
+    dst: torch.Tensor | None = None      # src with each sparse row's chosen blocks (rewritten per layer)
+    rows: np.ndarray | None = None       # sparse rows (None: none this step) and, per row:
+    token_index: np.ndarray | None = None  # its query's token
+    tokens: np.ndarray | None = None     # its length after the holes
+    attend: np.ndarray | None = None     # blocks it attends
+    fresh: np.ndarray | None = None      # the last layer's: 1 where scored, 0 where a kept choice stood
+
+
+def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
+    """The step's plan, made by its first attention call: the holes of evicted blocks removed from
+    each row, which decode rows attend sparsely and their shorter sequence lengths, one attention
+    schedule for every layer (the counts do not depend on the layer). Every layer of the step
+    shares one metadata object, which is never edited."""
     cached = md.__dict__.get("_kvscore")
-    if cached is not None and cached[0] == connector._holes_version:
-        return cached[1]
-    bs = connector.block_size
-    bt = md.block_table
-    seq_lens = md.seq_lens
-    num_reqs = md.query_start_loc.shape[0] - 1
-    new_bt, new_sl = None, None
-    for i in range(num_reqs):
-        hole = connector._holes.get(int(bt[i, 0]))
+    if cached is not None and cached.version == connector._holes_version:
+        return cached
+    t0 = time.perf_counter()
+    cfg, bs, sel = connector.cfg, connector.block_size, connector._selector
+    bt, qsl = md.block_table, md.query_start_loc
+    num_reqs = qsl.shape[0] - 1
+    firsts = bt[:num_reqs, 0]
+    if sel is not None:  # every step: the blocks written since the last one lose their summaries
+        written = md.slot_mapping[: md.num_actual_tokens]
+        if connector._loaded_blocks:  # and the blocks a swap-in wrote
+            written = torch.cat([written.to(torch.int64),
+                                 torch.tensor(connector._loaded_blocks, dtype=torch.int64) * bs])
+            connector._loaded_blocks = []
+        sel.begin_step(written, firsts)
+    firsts = firsts.tolist()
+    lens = md.seq_lens[:num_reqs].tolist()
+    src, new_len = bt, list(lens)
+    for i, first in enumerate(firsts):
+        hole = connector._holes.get(first)
         if hole is None:
             continue
         evicted = hole[1]
-        L = int(seq_lens[i])
-        n_log = -(-L // bs)
+        n_log = -(-lens[i] // bs)
         if evicted[-1] >= n_log:
             continue
-        if new_bt is None:
-            new_bt, new_sl = bt.clone(), seq_lens.clone()
+        if src is bt:
+            src = bt.clone()
         ev = set(evicted)
         keep = [j for j in range(n_log) if j not in ev]
-        new_bt[i, : len(keep)] = bt[i, keep]
-        new_sl[i] = L - len(evicted) * bs
-    if new_bt is None:
-        out = md
-    else:
+        src[i, : len(keep)] = bt[i, keep]
+        new_len[i] = lens[i] - len(evicted) * bs
+    step = _Step(connector._holes_version, md, src)
+    if sel is not None and connector._decoding:
+        starts = qsl[: num_reqs + 1].tolist()
+        rows, tix, toks, att = [], [], [], []
+        for i, first in enumerate(firsts):
+            n = new_len[i]
+            if first not in connector._decoding or starts[i + 1] - starts[i] != 1 or n < cfg.dense_below:
+                continue
+            a = _k.attended_blocks(n, bs, cfg.attend, sinks=cfg.sinks, local=cfg.local)
+            nb = -(-n // bs)
+            if a >= nb:
+                continue
+            rows.append(i)
+            tix.append(starts[i])
+            toks.append(n)
+            att.append(a)
+            new_len[i] = (a - 1) * bs + (n - (nb - 1) * bs)  # the last block may be partial
+        if rows:
+            st = connector.sparse_stats
+            st["steps"] += 1
+            st["rows"] += len(rows)
+            st["blocks_attended"] += sum(att)
+            st["blocks_total"] += sum(-(-n // bs) for n in toks)
+            step.dst = src.clone()
+            step.rows, step.token_index = np.asarray(rows, np.int64), np.asarray(tix, np.int64)
+            step.tokens, step.attend = np.asarray(toks, np.int64), np.asarray(att, np.int64)
+    if new_len != lens:
+        new_sl = md.seq_lens.clone()
+        new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=num_reqs,
             num_heads=impl.num_heads,
@@ -383,7 +603,9 @@ def _compacted(impl, layer, query, md, connector: KvscoreConnector):
             dynamic_causal=md.dynamic_causal,
             kv_cache_dtype=impl.kv_cache_dtype,
         )
-        out = dataclasses.replace(md, block_table=new_bt, seq_lens=new_sl, scheduler_metadata=sched,
-                                  max_seq_len=int(new_sl[:num_reqs].max()) if num_reqs else md.max_seq_len)
-    md.__dict__["_kvscore"] = (connector._holes_version, out)
-    return out
+        table = step.dst if step.dst is not None else src
+        step.md = dataclasses.replace(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
+                                      max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
+    md.__dict__["_kvscore"] = step
+    connector.sparse_stats["plan_s"] += time.perf_counter() - t0
+    return step

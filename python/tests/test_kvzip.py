@@ -7,7 +7,6 @@ test_smollm2.py."""
 
 import contextlib
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +17,7 @@ import kvscore  # noqa: E402
 from kvscore import presses  # noqa: E402
 from kvscore.presses import KvscorePress, KVzipPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
+from byte_tokenizer import ByteTokenizer  # noqa: E402  (no chat template: the prompt is the plain text, "\n" its suffix)
 
 
 # ------------------------------------------------------------------ the scorer against torch
@@ -97,33 +97,6 @@ def test_score_span_errors():
 
 
 # ------------------------------------------------------------------ the press against KVzipPress
-
-class ByteTokenizer(transformers.PreTrainedTokenizer):
-    """A byte-level tokenizer without files and without a chat template (KVzip's prompt is then the
-    plain text and "\\n" its suffix, as kvpress does it)."""
-
-    def __init__(self, **kw):
-        super().__init__(eos_token="\x00", pad_token="\x00", bos_token="\x01", **kw)
-
-    @property
-    def vocab_size(self):
-        return 256
-
-    def get_vocab(self):
-        return {chr(i): i for i in range(256)}
-
-    def _tokenize(self, text):
-        return list(text)
-
-    def _convert_token_to_id(self, t):
-        return ord(t) % 256
-
-    def _convert_id_to_token(self, i):
-        return chr(i)
-
-    def convert_tokens_to_string(self, tokens):
-        return "".join(tokens)
-
 
 def tiny_llama():
     torch.manual_seed(0)

@@ -21,10 +21,12 @@ static_assert(kvscore::Scorer<kvscore::WindowedManifoldL2>);
 static_assert(kvscore::Scorer<kvscore::QFilter>);
 static_assert(kvscore::Scorer<kvscore::SnapKV>);
 static_assert(kvscore::Scorer<kvscore::ProtoKV>);
+static_assert(kvscore::Scorer<kvscore::KVzip>);
 static_assert(kvscore::Scorer<kvscore::OjaResidual>);
 // query-aware scorers tell the selector what to protect; the others need nothing
 static_assert(kvscore::QueryScorer<kvscore::SnapKV>);
 static_assert(kvscore::QueryScorer<kvscore::ProtoKV>);
+static_assert(kvscore::QueryScorer<kvscore::KVzip>);
 static_assert(kvscore::QueryScorer<kvscore::OjaResidual>);
 static_assert(!kvscore::QueryScorer<kvscore::KNorm>);
 static_assert(!kvscore::QueryScorer<kvscore::QFilter>);
@@ -53,6 +55,7 @@ static_assert(registered_as<kvscore::WindowedManifoldL2>("WindowedManifoldL2"));
 static_assert(registered_as<kvscore::QFilter>("QFilter"));
 static_assert(registered_as<kvscore::SnapKV>("SnapKV"));
 static_assert(registered_as<kvscore::ProtoKV>("ProtoKV"));
+static_assert(registered_as<kvscore::KVzip>("KVzip"));
 static_assert(kvscore::kMethods[std::size_t(kvscore::method_index("pariskv"))].kind == kvscore::MethodKind::retriever);
 static_assert(kvscore::kMethods[std::size_t(kvscore::method_index("ojakv"))].kind == kvscore::MethodKind::hybrid);
 // OjaResidual is a part of ojakv (its full-rank rule), not a method of its own
@@ -86,6 +89,7 @@ TEST_CASE("contract: protected_recent follows each scorer's query placement", "[
   const std::vector<float> q(static_cast<std::size_t>(qh * w * d), 0.5f);
   kvscore::SnapKV snap(q.data(), qh, w, d);
   kvscore::ProtoKV proto(q.data(), qh, w, d);
+  kvscore::KVzip zip(q.data(), qh, w, d);
   const std::vector<Eigen::MatrixXd> bases(2, kvscore::oja::random_orthonormal(d, 4, 1));
   kvscore::OjaResidual oja(q.data(), qh, w, d, bases);
   CHECK(kvscore::protected_recent(kvscore::KNorm{}) == 0);
@@ -93,7 +97,9 @@ TEST_CASE("contract: protected_recent follows each scorer's query placement", "[
   CHECK(kvscore::protected_recent(snap) == w);
   CHECK(kvscore::protected_recent(proto) == w);
   CHECK(kvscore::protected_recent(oja) == w);
-  snap.placement = proto.placement = oja.placement = kvscore::QueryPlacement::after_cache;
+  CHECK(kvscore::protected_recent(zip) == w);
+  snap.placement = proto.placement = oja.placement = zip.placement = kvscore::QueryPlacement::after_cache;
+  CHECK(kvscore::protected_recent(zip) == 0);
   CHECK(kvscore::protected_recent(snap) == 0);
   CHECK(kvscore::protected_recent(proto) == 0);
   CHECK(kvscore::protected_recent(oja) == 0);

@@ -155,6 +155,10 @@ TEST_CASE("make_scorer: every scorer of the registry, under every spelling, equa
         ProtoKV want(q.v.data(), q_heads, w, 16);
         want.placement = QueryPlacement::after_cache;
         same_scorer(s, want, c);
+      } else if (m.name == "kvzip") {
+        KVzip want(q.v.data(), q_heads, w, 16);
+        want.placement = QueryPlacement::after_cache;
+        same_scorer(s, want, c);
       } else
         FAIL("a scorer of kMethods this test does not know: add it above");
     }
@@ -210,6 +214,7 @@ TEST_CASE("make_scorer: each option reaches the scorers whose registry entry rea
       {"chunks", [](ScorerArgs& a) { a.chunks = 7; }},
       {"bandwidth", [](ScorerArgs& a) { a.bandwidth = 0.5; }},
       {"psi", [](ScorerArgs& a) { a.psi = ProtoKV::Psi::sum; }},
+      {"aggregate", [](ScorerArgs& a) { a.aggregate = QueryAggregate::mean; }},
   };
   const std::set<std::string> inputs = {"queries", "group", "filters"};
   for (const MethodInfo& m : kMethods) {
@@ -248,6 +253,10 @@ TEST_CASE("make_scorer: each option reaches the scorers whose registry entry rea
   SnapKV snap(q.v.data(), 4, 6, 16);
   snap.kernel_size = 3;
   same_scorer(make_scorer("snapkv", a), snap, c);
+  a.aggregate = QueryAggregate::mean;
+  KVzip zip(q.v.data(), 4, 6, 16);
+  zip.aggregate = QueryAggregate::mean;
+  same_scorer(make_scorer("kvzip", a), zip, c);
 }
 
 TEST_CASE("make_scorer: a method that is not a scorer, an unknown name, missing queries or filters are errors",

@@ -1,6 +1,7 @@
 // Every kernel table the machine supports against the scalar table, on the same data.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -117,6 +118,76 @@ TEST_CASE("exp_shifted matches std::exp on every table - a value does not depend
     // The same element computed in a call that starts 7 elements later (a different tail).
     t->exp_shifted(x.data() + 7, shift, std::int64_t(x.size()) - 7, e2.data());
     for (std::size_t i = 7; i < x.size(); ++i) CHECK(e2[i - 7] == e[i]);
+  }
+}
+
+TEST_CASE("KVzip's row kernels on every table: max_f32, exp_sum (exp_shifted's values and their sum), max_scaled",
+          "[simd][kvzip]") {
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(15), std::size_t(203), std::size_t(3000)}) {
+    std::vector<float> x(n), e(n), ref(n), acc(n), acc0(n), kw(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      x[i] = -30.f + 0.37f * float((i * 7919) % 101);
+      acc0[i] = 0.001f * float(i % 17);
+      kw[i] = 0.5f + 0.01f * float(i % 29);
+    }
+    if (n > 4) x[3] = -std::numeric_limits<float>::infinity();  // an excluded key
+    const float mx = n ? *std::max_element(x.begin(), x.end()) : -std::numeric_limits<float>::infinity();
+    for (const auto* t : simd::available_tables()) {
+      INFO("isa " << t->name << " n " << n);
+      CHECK(t->max_f32(x.data(), std::int64_t(n)) == mx);
+      const double z = t->exp_sum(x.data(), mx, std::int64_t(n), e.data());
+      t->exp_shifted(x.data(), mx, std::int64_t(n), ref.data());
+      double want = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        CHECK(e[i] == ref[i]);  // the same values as exp_shifted
+        want += double(ref[i]);
+      }
+      CHECK(z == Approx(want).epsilon(1e-6));
+      for (const float* w : {static_cast<const float*>(nullptr), static_cast<const float*>(kw.data())}) {
+        acc = acc0;
+        t->max_scaled(e.data(), 0.75f, w, std::int64_t(n), acc.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          float v = e[i] * 0.75f;
+          if (w) v *= w[i];
+          CHECK(acc[i] == std::max(acc0[i], v));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gemm_panels on every table: the dot products of queries and packed keys, independent of the tiling",
+          "[simd][kvzip]") {
+  const std::int64_t nk = 53, d = 37, nq = 29;  // partial panels, partial query tiles, odd head_dim
+  std::vector<float> k(std::size_t(nk * d)), q(std::size_t(nq * d));
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = std::sin(0.37f * float(i));
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * float(i));
+  for (const auto* t : simd::available_tables()) {
+    INFO("isa " << t->name);
+    std::vector<float> kp(std::size_t(((nk + simd::kGemmPanel - 1) / simd::kGemmPanel) * simd::kGemmPanel * d), -1.f);
+    t->pack_panels(k.data(), nk, d, d, kp.data());
+    std::vector<float> out(std::size_t(nq * (nk + 3)), 9.f);
+    t->gemm_panels(q.data(), nq, kp.data(), nk, d, out.data(), nk + 3);
+    for (std::int64_t i = 0; i < nq; ++i) {
+      for (std::int64_t c = 0; c < nk; ++c) {
+        double want = 0, mag = 0;
+        for (std::int64_t j = 0; j < d; ++j) {
+          want += double(q[std::size_t(i * d + j)]) * double(k[std::size_t(c * d + j)]);
+          mag += std::abs(double(q[std::size_t(i * d + j)]) * double(k[std::size_t(c * d + j)]));
+        }
+        CHECK(std::abs(double(out[std::size_t(i * (nk + 3) + c)]) - want) <= 1e-6 * mag);
+      }
+      for (std::int64_t c = nk; c < nk + 3; ++c) CHECK(out[std::size_t(i * (nk + 3) + c)] == 9.f);  // untouched
+    }
+    // one query at a time, and the keys from panel 1 on: the same values
+    std::vector<float> one(static_cast<std::size_t>(nk));
+    for (std::int64_t i = 0; i < nq; i += 5) {
+      t->gemm_panels(q.data() + i * d, 1, kp.data(), nk, d, one.data(), nk);
+      for (std::int64_t c = 0; c < nk; ++c) CHECK(one[std::size_t(c)] == out[std::size_t(i * (nk + 3) + c)]);
+      t->gemm_panels(q.data() + i * d, 1, kp.data() + simd::kGemmPanel * d, nk - simd::kGemmPanel, d, one.data(), nk);
+      for (std::int64_t c = simd::kGemmPanel; c < nk; ++c)
+        CHECK(one[std::size_t(c - simd::kGemmPanel)] == out[std::size_t(i * (nk + 3) + c)]);
+    }
   }
 }
 

@@ -437,6 +437,48 @@ TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-a
   CHECK(kept.head(1).back() == tokens - 1);
 }
 
+TEST_CASE("snippet kvzip (docs/kvzip.md): two reconstruction passes fill one score array, one top-k keeps",
+          "[snippets]") {
+  const std::int64_t kv_heads = 2, q_heads = 6, head_dim = 32, n = 300, budget = 2 * 100;
+  const std::vector<float> kbuf = layer<float>(kv_heads, n, head_dim, 31);
+  const kvscore::KeysView<float> cache_keys(kbuf.data(), kv_heads, n, head_dim, n * head_dim, head_dim);
+  struct Pass {
+    std::int64_t begin, end, m;
+    std::vector<float> q, k;
+    const float* queries;
+    kvscore::KeysView<float> keys;
+  };
+  std::vector<Pass> passes;
+  for (auto [b, e] : {std::pair<std::int64_t, std::int64_t>{4, 150}, {150, n}}) {
+    Pass p{b, e, e - b + 10, randn(std::size_t(q_heads * (e - b + 10) * head_dim), std::uint32_t(b)),
+           layer<float>(kv_heads, e - b + 10, head_dim, std::uint32_t(e)), nullptr, {}};
+    passes.push_back(std::move(p));
+  }
+  for (Pass& p : passes) {
+    p.queries = p.q.data();
+    p.keys = kvscore::KeysView<float>(p.k.data(), kv_heads, p.m, head_dim, p.m * head_dim, head_dim);
+  }
+  // [snippet kvzip]
+  // each reconstruction pass: its post-RoPE queries [q_heads][m][head_dim] and its own keys (m rows)
+  kvscore::Scores s(kv_heads, n);                      // one score array, filled span by span
+  for (const Pass& p : passes) {
+    kvscore::KVzip zip(p.queries, q_heads, p.m, head_dim);
+    zip.score_span(cache_keys, p.keys, kvscore::KVzipSpan{p.begin, p.end, /*sinks*/ 4}, s.view());
+  }
+  kvscore::SelectOptions o;
+  o.sinks = 4;
+  o.alloc = kvscore::Alloc::adakv;                     // kvpress: one top-k over the heads (and layers),
+  o.alpha = 0;                                         // no per-head safeguard
+  kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_layer(budget), o);
+  // [snippet end]
+  CHECK(kept.total() == budget);
+  for (std::int64_t h = 0; h < kv_heads; ++h) {
+    CHECK(s.head(h)[3] == 0.f);  // before the first span: not scored
+    CHECK(s.head(h)[4] > 0.f);
+    CHECK(kept.head(h)[0] == 0);  // the sinks are kept
+  }
+}
+
 TEST_CASE("snippet manifoldkv and integration (docs/manifoldkv.md, docs/integration.md)", "[snippets]") {
   const std::int64_t N = 400;
   const std::vector<float> kbuf = layer<float>(2, N, 32, 23);

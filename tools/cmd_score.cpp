@@ -35,6 +35,7 @@ constexpr OptionFlag kOptionFlags[] = {
     {"--kappa", "kappa"},          {"--sat-candidates", "sat_candidates"},
     {"--lsh-bits", "lsh_bits"},    {"--chunks", "chunks"},
     {"--bandwidth", "bandwidth"},  {"--psi", "psi"},
+    {"--query-aggregate", "aggregate"},
 };
 
 /// Whether a method reads one of `options` (comma-separated).
@@ -93,6 +94,9 @@ std::string usage() {
          pad + "default: causal mask, protect --recent w) or follow the cache (after-cache:\n" +
          pad + "every query sees every key, nothing to protect, w may exceed the tokens)\n"
          "  --group G         " + readers("group") + ": GQA group size, must equal q_heads / heads (default: that)\n"
+         "  --query-aggregate max|mean\n" +
+         pad + readers("aggregate") + ": a key's score is the largest probability any query (and head\n" +
+         pad + "of its group) gives it (max, default: KVzip) or their mean\n"
          "  --isa NAME        pin the SIMD kernel table (scalar, sse2, avx2, avx512, ...;\n" +
          pad + "see 'kvscore version'); default: the best this CPU supports\n"
          "  --threads N       threads over heads (default 0 = OpenMP default); results do not depend on it\n"
@@ -176,6 +180,7 @@ Request parse_request(const Args& args) {
     a.bandwidth = parse_double(b, "score: --bandwidth");
     if (!(a.bandwidth > 0)) throw UsageError("score: --bandwidth must be > 0 (got " + b + ")");
   }
+  a.aggregate = get_enum(args, "--query-aggregate", a.aggregate, kQueryAggregates, "score: --query-aggregate: ");
   if (args.has("--psi")) {
     const std::string p = args.required("--psi");
     try {

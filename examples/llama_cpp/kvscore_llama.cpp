@@ -9,6 +9,16 @@
 //   kvscore_llama --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file text.txt \
 //                 --method knorm --keep 0.5 --sinks 4 --recent 64 --n-predict 32
 //
+// --method kvzip (KVzip, docs/kvzip.md; kvzip.hpp): after the prefill the model reconstructs the
+// prompt from its cache in passes decoded after it; each pass's queries and keys are captured, the
+// prompt's tokens are scored by the attention they receive, the pass's tokens are dropped
+// (llama_memory_seq_rm), and the same joint selection evicts. --question-file F (repeatable): each
+// question is decoded after the compressed prompt and answered greedily, then removed, so every
+// question sees the same compressed cache. --save-session F writes the compressed sequence with
+// llama.cpp's state files (llama_state_seq_save_file); --check-session loads it into a fresh
+// context and asks the questions again: the answers must be the same tokens (the writer itself
+// answers from the file's packed cells, see below).
+//
 // --check reads the cache back through the state API (llama_state_seq_get_data) after the
 // eviction and after generation: the cells must hold exactly the kept positions (then those plus
 // the generated ones), and each kept cell's K row, in every layer, must equal the captured key
@@ -32,6 +42,7 @@
 #include <vector>
 
 #include "capture.hpp"
+#include "kvzip.hpp"
 #include "util.hpp"
 
 namespace {
@@ -40,17 +51,22 @@ using namespace kvscore_llama;
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string model, prompt, prompt_file, method = "knorm", aggregate;
+  std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, dump;
+  std::vector<std::string> questions;  ///< question files
   std::int64_t max_tokens = 0, n_predict = 32, sinks = 4, recent = 64, window = 64, ubatch = 512;
+  std::int64_t chunk = kvscore::kDefaultKVzipChunk, kvzip_prefix = -1;
+  std::string kvzip_suffix = "\n";
   double keep = 0.5;
   int threads = 0;
-  bool check = false, compare_plain = false, print_text = true, verbose = false;
+  bool check = false, compare_plain = false, print_text = true, verbose = false, check_session = false;
+  bool special = false;
 };
 
 const char* kUsage =
     "usage: kvscore_llama --model FILE.gguf (--prompt TEXT | --prompt-file FILE) [options]\n"
     "  --method NAME      kvscore scorer (knorm, keydiff, manifold_l2, windowed_manifold_l2, qfilter,\n"
-    "                     snapkv, protokv; default knorm); query scorers use the last --window prompt queries\n"
+    "                     snapkv, protokv, kvzip; default knorm); snapkv, protokv and qfilter use the last\n"
+    "                     --window prompt queries; kvzip the queries of its reconstruction passes\n"
     "  --keep R           fraction of the prompt's tokens kept, in (0, 1] (default 0.5)\n"
     "  --sinks N          first positions always kept (default 4)\n"
     "  --recent N         last positions always kept, >= 1: llama.cpp continues at the last kept position + 1\n"
@@ -61,6 +77,19 @@ const char* kUsage =
     "  --max-tokens N     use the prompt's first N tokens (default: all)\n"
     "  --threads N        CPU threads for llama.cpp and kvscore (default: all hardware threads)\n"
     "  --ubatch N         llama.cpp's physical batch (default 512)\n"
+    "  --chunk N          kvzip: prompt tokens reconstructed per pass (default 2048, kvpress's)\n"
+    "  --kvzip-prefix N   kvzip: first prompt tokens not reconstructed (a chat template's opening; default:\n"
+    "                     the BOS token if the model adds one)\n"
+    "  --kvzip-suffix S   kvzip: text between the reconstruction prompt and the chunk (default \"\\n\"; with a\n"
+    "                     chat template its end of the user turn, as kvpress)\n"
+    "  --question-file F  a question decoded after the compressed prompt and answered (--n-predict tokens),\n"
+    "                     then removed; repeatable\n"
+    "  --special          parse special tokens (<|im_start|>, ...) in the prompt and the questions\n"
+    "  --save-session F   save the compressed sequence (llama_state_seq_save_file)\n"
+    "  --check-session    with --save-session: load it into a fresh context; the questions' answers must\n"
+    "                     be the same tokens\n"
+    "  --dump DIR         kvzip: write the context's keys, each pass's keys, queries and span and the kept\n"
+    "                     positions as .npy (kvzip_replay recomputes the selection from them)\n"
     "  --check            read the cache back (state API) and verify it holds exactly the kept positions\n"
     "  --compare-plain    run plain llama.cpp first; with --keep 1 the tokens must be identical\n"
     "  --no-text          do not print the generated text\n"
@@ -93,6 +122,14 @@ Args parse(int argc, char** argv) {
     else if (f == "--max-tokens") a.max_tokens = parse_int(f, value(i));
     else if (f == "--threads") a.threads = int(parse_int(f, value(i)));
     else if (f == "--ubatch") a.ubatch = parse_int(f, value(i));
+    else if (f == "--chunk") a.chunk = parse_int(f, value(i));
+    else if (f == "--kvzip-prefix") a.kvzip_prefix = parse_int(f, value(i));
+    else if (f == "--kvzip-suffix") a.kvzip_suffix = value(i);
+    else if (f == "--question-file") a.questions.push_back(value(i));
+    else if (f == "--special") a.special = true;
+    else if (f == "--save-session") a.save_session = value(i);
+    else if (f == "--check-session") a.check_session = true;
+    else if (f == "--dump") a.dump = value(i);
     else if (f == "--check") a.check = true;
     else if (f == "--compare-plain") a.compare_plain = true;
     else if (f == "--no-text") a.print_text = false;
@@ -115,20 +152,25 @@ Args parse(int argc, char** argv) {
   if (a.max_tokens < 0) throw Usage("--max-tokens must be >= 0 (got " + std::to_string(a.max_tokens) + ")");
   if (a.threads < 0) throw Usage("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
   if (a.ubatch < 1) throw Usage("--ubatch must be >= 1 (got " + std::to_string(a.ubatch) + ")");
+  if (a.chunk < 1) throw Usage("--chunk must be >= 1 (got " + std::to_string(a.chunk) + ")");
+  if (a.check_session && a.save_session.empty()) throw Usage("--check-session needs --save-session FILE");
   if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
   const kvscore::MethodInfo& info = kvscore::method_info(a.method);       // unknown name: the same
   if (!kvscore::is_scorer(info))
     throw Usage("--method '" + a.method + "' is a " + std::string(kvscore::kind_name(info.kind)) +
                 ", not a scorer (scorers: " + kvscore::method_list(kvscore::is_scorer) + ")");
+  if (!a.dump.empty() && info.name != kvscore::KVzip::name) throw Usage("--dump is for --method kvzip");
   return a;
 }
 
-llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_prompt, Capture* cap) {
+/// `extra`: the longest batch decoded after the prompt (a KVzip pass, a question), beside --n-predict.
+llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_prompt, Capture* cap,
+                            std::int64_t extra = 0) {
   llama_context_params p = llama_context_default_params();
-  p.n_ctx = std::uint32_t(n_prompt + a.n_predict + 16);
-  p.n_batch = std::uint32_t(n_prompt);  // the prompt in one llama_decode call
-  p.n_ubatch = std::uint32_t(std::min<std::int64_t>(a.ubatch, n_prompt));
+  p.n_ctx = std::uint32_t(n_prompt + extra + a.n_predict + 16);
+  p.n_batch = std::uint32_t(std::max(n_prompt, extra));  // the prompt (or a pass) in one llama_decode call
+  p.n_ubatch = std::uint32_t(std::min<std::int64_t>(a.ubatch, std::max(n_prompt, extra)));
   p.n_seq_max = 1;
   p.n_threads = a.threads;
   p.n_threads_batch = a.threads;
@@ -142,10 +184,10 @@ llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_pr
   return ctx;
 }
 
-/// Greedy continuation after the prompt's logits: n tokens (stops early at end of generation).
-std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, std::int64_t n) {
+/// Greedy continuation from its first token `t` (the argmax of the logits before it): n tokens
+/// (stops early at end of generation).
+std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, std::int64_t n, llama_token t) {
   std::vector<llama_token> out;
-  llama_token t = argmax(ctx, vocab);
   out.push_back(t);
   while (std::int64_t(out.size()) < n && !llama_vocab_is_eog(vocab, t)) {
     llama_batch b = llama_batch_get_one(&t, 1);
@@ -154,6 +196,28 @@ std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, 
     out.push_back(t);
   }
   return out;
+}
+
+/// Each question decoded after the prompt's N tokens (positions N, N+1, ...), answered greedily
+/// with n tokens, then removed with its answer: every question sees the same cache.
+std::vector<std::vector<llama_token>> answer_all(llama_context* ctx, const llama_vocab* vocab,
+                                                 const std::vector<std::vector<llama_token>>& questions,
+                                                 std::int64_t N, std::int64_t n) {
+  std::vector<std::vector<llama_token>> out;
+  for (std::vector<llama_token> q : questions) {
+    if (llama_decode(ctx, llama_batch_get_one(q.data(), std::int32_t(q.size()))) != 0)
+      throw std::runtime_error("llama_decode failed on a question");
+    out.push_back(generate(ctx, vocab, n, argmax(ctx, vocab)));
+    if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(N), -1))
+      throw std::runtime_error("llama_memory_seq_rm refused to drop a question");
+  }
+  return out;
+}
+
+std::string text_of(const llama_vocab* vocab, const std::vector<llama_token>& t) {
+  std::string s;
+  for (llama_token x : t) s += piece(vocab, x);
+  return s;
 }
 
 /// Sequence 0 of the cache, as llama_state_seq_get_data writes it (llama-kv-cache.cpp
@@ -270,14 +334,24 @@ int run(const Args& a) {
   if (!model) throw Usage("cannot load model '" + a.model + "'");
   const llama_vocab* vocab = llama_model_get_vocab(model);
   const std::vector<llama_token> prompt =
-      tokenize(vocab, a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file), a.max_tokens);
+      tokenize(vocab, a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file), a.max_tokens, a.special);
   const auto N = std::int64_t(prompt.size());
+  std::vector<std::vector<llama_token>> questions;
+  for (const std::string& f : a.questions) {
+    const std::string q = read_file(f);
+    questions.push_back(a.special ? tokenize_plain(vocab, q) : tokenize(vocab, q, 0));
+    if (!a.special && !questions.back().empty() && llama_vocab_get_add_bos(vocab))
+      questions.back().erase(questions.back().begin());  // no BOS inside the sequence
+    if (questions.back().empty()) throw Usage("--question-file " + f + " holds no token");
+  }
   const std::int64_t L = llama_model_n_layer(model), Hq = llama_model_n_head(model),
                      Hkv = llama_model_n_head_kv(model), D = llama_model_n_embd(model) / Hq;
 
-  // The scorer (query scorers get the last `window` prompt queries of each layer, so one per layer).
+  // The scorer (query scorers get the last `window` prompt queries of each layer, so one per layer;
+  // kvzip the queries of its reconstruction passes, kvzip.hpp).
   const kvscore::MethodInfo& info = kvscore::method_info(a.method);  // checked in parse()
-  const bool needs_queries = info.kind == kvscore::MethodKind::query_scorer || info.name == "qfilter";
+  const bool kvzip = info.name == kvscore::KVzip::name;
+  const bool needs_queries = !kvzip && (info.kind == kvscore::MethodKind::query_scorer || info.name == "qfilter");
   const std::int64_t window = needs_queries ? std::min(a.window, N) : 0;
   const std::int64_t budget = kvscore::budget_from_ratio(N, a.keep);
   kvscore::JointOptions jo;
@@ -291,6 +365,23 @@ int run(const Args& a) {
     throw Usage("--keep " + num(a.keep) + " keeps " + std::to_string(budget) + " of " + std::to_string(N) +
                 " tokens, fewer than the " + std::to_string(protect) + " protected by --sinks " +
                 std::to_string(jo.sinks) + " and --recent " + std::to_string(jo.recent));
+  KVzipOptions zo;
+  std::int64_t extra = 0;  // the longest batch after the prompt: a KVzip pass or a question
+  for (const auto& q : questions) extra = std::max(extra, std::int64_t(q.size()));
+  if (kvzip) {
+    zo.chunk = a.chunk;
+    zo.prefix = a.kvzip_prefix >= 0 ? a.kvzip_prefix : (llama_vocab_get_add_bos(vocab) ? 1 : 0);
+    zo.suffix = a.kvzip_suffix;
+    zo.sinks = a.sinks;
+    zo.threads = a.threads;
+    zo.dump = a.dump;
+    for (const KVzipPass& p : kvzip_passes(vocab, prompt, zo)) extra = std::max(extra, std::int64_t(p.tokens.size()));
+    const std::int64_t limit = llama_model_n_ctx_train(model);
+    if (N + extra > limit)
+      throw Usage("kvzip: the prompt of " + std::to_string(N) + " tokens and a reconstruction pass of " +
+                  std::to_string(extra) + " leave no room in the model's " + std::to_string(limit) +
+                  " positions (a smaller --chunk)");
+  }
 
   std::printf("prompt: %lld tokens; model: %lld layers, %lld KV heads, head_dim %lld; method %s, keep %lld of %lld, "
               "sinks %lld, recent %lld, aggregate %s, %d threads\n",
@@ -302,18 +393,18 @@ int run(const Args& a) {
   std::vector<llama_token> plain;
   double plain_prefill = 0;
   if (a.compare_plain) {  // plain llama.cpp: no callback, no eviction
-    llama_context* ctx = make_context(model, a, N, nullptr);
+    llama_context* ctx = make_context(model, a, N, nullptr, extra);
     auto t0 = Clock::now();
     std::vector<llama_token> p = prompt;
     if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
       throw std::runtime_error("llama_decode failed on the prompt");
     plain_prefill = ms_since(t0);
-    plain = generate(ctx, vocab, a.n_predict);
+    plain = generate(ctx, vocab, a.n_predict, argmax(ctx, vocab));
     llama_free(ctx);
   }
 
   Capture cap;
-  llama_context* ctx = make_context(model, a, N, &cap);
+  llama_context* ctx = make_context(model, a, N, &cap, extra);
   cap.start(L, Hkv, Hq, D, N, window);
   auto t0 = Clock::now();
   std::vector<llama_token> p = prompt;
@@ -325,38 +416,55 @@ int run(const Args& a) {
     throw std::runtime_error("the cb_eval capture is incomplete (" +
                              (cap.error.empty() ? std::string("a layer's Kcur ROPE tensor was not seen") : cap.error) +
                              ")");
+  const llama_token first = argmax(ctx, vocab);  // the continuation's first token, before any other decode
 
   // One scorer per layer (query scorers hold that layer's last `window` prompt queries). Building
   // one is separate from scoring: for qfilter it is the calibration (an SVD per query head), which
   // a deployment does once per model, offline; it is timed on its own.
-  t0 = Clock::now();
-  std::vector<kvscore::AnyScorer> scorers;
-  scorers.reserve(std::size_t(L));
-  for (std::int64_t l = 0; l < L; ++l) {
-    kvscore::ScorerArgs sa;
-    sa.threads = a.threads;
-    sa.kv_heads = Hkv;
-    if (window > 0) {
-      sa.queries = cap.queries[std::size_t(l)].data();
-      sa.q_heads = Hq;
-      sa.n_queries = window;
-      sa.head_dim = D;
-    }
-    scorers.push_back(kvscore::make_scorer(info.name, sa));
-  }
-  const double t_setup = ms_since(t0);
-
-  // Score every layer: keys [tokens][kv_heads][head_dim] fp32, read in place.
-  t0 = Clock::now();
   std::vector<kvscore::Scores> scores;
-  scores.reserve(std::size_t(L));
-  for (std::int64_t l = 0; l < L; ++l)
-    scores.push_back(
-        scorers[std::size_t(l)].score(kvscore::KeysView<float>::token_major(cap.keys[std::size_t(l)].data(), N, Hkv, D)));
-  const double t_score = ms_since(t0);
+  double t_setup = 0, t_score = 0;
+  KVzipRun zr;
+  Capture context;  // kvzip: the prompt's keys, while its passes reuse `cap`
+  if (kvzip) {
+    context = std::move(cap);
+    cap = Capture();
+    zr = kvzip_score(ctx, vocab, prompt, context, cap, zo);
+    scores = std::move(zr.scores);
+    t_score = zr.score_ms;
+  } else {
+    t0 = Clock::now();
+    std::vector<kvscore::AnyScorer> scorers;
+    scorers.reserve(std::size_t(L));
+    for (std::int64_t l = 0; l < L; ++l) {
+      kvscore::ScorerArgs sa;
+      sa.threads = a.threads;
+      sa.kv_heads = Hkv;
+      if (window > 0) {
+        sa.queries = cap.queries[std::size_t(l)].data();
+        sa.q_heads = Hq;
+        sa.n_queries = window;
+        sa.head_dim = D;
+      }
+      scorers.push_back(kvscore::make_scorer(info.name, sa));
+    }
+    t_setup = ms_since(t0);
+
+    // Score every layer: keys [tokens][kv_heads][head_dim] fp32, read in place.
+    t0 = Clock::now();
+    scores.reserve(std::size_t(L));
+    for (std::int64_t l = 0; l < L; ++l)
+      scores.push_back(scorers[std::size_t(l)].score(
+          kvscore::KeysView<float>::token_major(cap.keys[std::size_t(l)].data(), N, Hkv, D)));
+    t_score = ms_since(t0);
+  }
   t0 = Clock::now();
   const std::vector<std::int64_t> kept = kvscore::select_joint(scores, budget, jo);
   const double t_select = ms_since(t0);
+  if (!a.dump.empty()) {
+    kvscore::npy::save<std::int64_t>(a.dump + "/kept.npy", {std::int64_t(kept.size())}, kept.data());
+    const std::vector<std::int64_t> o{budget, jo.sinks, jo.recent, std::int64_t(jo.aggregate)};
+    kvscore::npy::save<std::int64_t>(a.dump + "/options.npy", {4}, o.data());
+  }
   t0 = Clock::now();
   llama_memory_t mem = llama_get_memory(ctx);
   const std::vector<kvscore::PositionRange> evict = kvscore::evicted_ranges(kept, N);
@@ -366,16 +474,60 @@ int run(const Args& a) {
                                std::to_string(r.end) + ")");
   const double t_evict = ms_since(t0);
 
-  if (a.check && !check_cache(ctx, kept, &cap, "after eviction")) rc = 1;
+  if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction")) rc = 1;
+  if (!a.save_session.empty()) {
+    if (llama_state_seq_save_file(ctx, a.save_session.c_str(), 0, prompt.data(), prompt.size()) == 0)
+      throw std::runtime_error("llama_state_seq_save_file failed for " + a.save_session);
+    // Read back into this context too: a load packs the kept cells at the cache's front, and
+    // attention sums over cells in cell order, so the writer answers from the layout every reader
+    // of the file gets (from the scattered cells a near-tie can flip a token: docs/kvzip.md).
+    std::vector<llama_token> back(prompt.size() + 1);
+    std::size_t n_back = 0;
+    llama_memory_seq_rm(mem, 0, -1, -1);
+    if (llama_state_seq_load_file(ctx, a.save_session.c_str(), 0, back.data(), back.size(), &n_back) == 0)
+      throw std::runtime_error("llama_state_seq_load_file failed for " + a.save_session);
+  }
 
   t0 = Clock::now();
-  const std::vector<llama_token> out = generate(ctx, vocab, a.n_predict);
+  const std::vector<std::vector<llama_token>> answers = answer_all(ctx, vocab, questions, N, a.n_predict);
+  const double t_answer = ms_since(t0);
+  for (std::size_t i = 0; i < answers.size(); ++i) {
+    std::printf("answer %zu:", i);
+    for (llama_token t : answers[i]) std::printf(" %d", t);
+    std::printf(" | %s\n", text_of(vocab, answers[i]).c_str());
+  }
+
+  t0 = Clock::now();
+  const std::vector<llama_token> out = generate(ctx, vocab, a.n_predict, first);
   const double t_decode = ms_since(t0);
 
   if (a.check) {  // the generated tokens were appended after the kept ones (the last is not decoded)
     std::vector<std::int64_t> expect = kept;
     for (std::int64_t i = 0; i + 1 < std::int64_t(out.size()); ++i) expect.push_back(N + i);
     if (!check_cache(ctx, expect, nullptr, "after generation")) rc = 1;
+  }
+
+  if (a.check_session) {  // a fresh context from the state file answers the same
+    llama_context* fresh = make_context(model, a, N, nullptr, extra);
+    std::vector<llama_token> saved(prompt.size() + 1);
+    std::size_t n_saved = 0;
+    if (llama_state_seq_load_file(fresh, a.save_session.c_str(), 0, saved.data(), saved.size(), &n_saved) == 0)
+      throw std::runtime_error("llama_state_seq_load_file failed for " + a.save_session);
+    saved.resize(n_saved);
+    const std::vector<std::vector<llama_token>> again = answer_all(fresh, vocab, questions, N, a.n_predict);
+    const bool same = again == answers && saved == prompt;
+    std::printf("session: %s loaded into a fresh context (%zu prompt tokens, %lld cells): %zu answers %s\n",
+                a.save_session.c_str(), n_saved, (long long)(llama_memory_seq_pos_max(llama_get_memory(fresh), 0) + 1),
+                again.size(), same ? "identical" : "DIFFER");
+    if (!same) {
+      rc = 1;
+      for (std::size_t i = 0; i < again.size(); ++i) {
+        std::printf("session answer %zu:", i);
+        for (llama_token t : again[i]) std::printf(" %d", t);
+        std::printf(" | %s\n", text_of(vocab, again[i]).c_str());
+      }
+    }
+    llama_free(fresh);
   }
 
   const double t_kv = t_score + t_select + t_evict;
@@ -385,6 +537,14 @@ int run(const Args& a) {
               t_prefill, (long long)N, t_kv, 100.0 * t_kv / t_prefill, t_score, t_select, t_evict, evict.size(),
               t_decode, out.size(), out.size() > 1 ? 1000.0 * double(out.size() - 1) / t_decode : 0.0, t_setup,
               info.name == "qfilter" ? " (Q-Filters calibration on the window queries: offline, once per model, in a deployment)" : "");
+  if (kvzip)
+    std::printf("kvzip: %lld passes of %lld tokens in all: forward %.1f ms (%.1f %% of prefill), scoring %.2f ms = "
+                "%.2f %% of the passes' forward; everything (passes + score + select + evict) %.1f ms = %.1f %% of "
+                "prefill\n",
+                (long long)zr.passes, (long long)zr.tokens, zr.forward_ms, 100.0 * zr.forward_ms / t_prefill,
+                zr.score_ms, 100.0 * zr.score_ms / zr.forward_ms, zr.forward_ms + t_kv,
+                100.0 * (zr.forward_ms + t_kv) / t_prefill);
+  if (!questions.empty()) std::printf("questions: %zu answered in %.1f ms\n", questions.size(), t_answer);
   std::printf("tokens:");
   for (llama_token t : out) std::printf(" %d", t);
   std::printf("\n");

@@ -44,13 +44,15 @@ inline std::string read_file(const std::string& path) {
   return s.str();
 }
 
-/// The prompt's tokens with BOS (the model's special tokens added), first max_tokens (0: all).
-inline std::vector<llama_token> tokenize(const llama_vocab* vocab, const std::string& text, std::int64_t max_tokens) {
+/// The prompt's tokens with BOS (the model's special tokens added), first max_tokens (0: all);
+/// `special`: special tokens in the text (a chat template's <|im_start|>, ...) are parsed as such.
+inline std::vector<llama_token> tokenize(const llama_vocab* vocab, const std::string& text, std::int64_t max_tokens,
+                                         bool special = false) {
   std::vector<llama_token> t(text.size() + 8);
-  int n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), t.data(), std::int32_t(t.size()), true, false);
+  int n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), t.data(), std::int32_t(t.size()), true, special);
   if (n < 0) {
     t.resize(std::size_t(-n));
-    n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), t.data(), std::int32_t(t.size()), true, false);
+    n = llama_tokenize(vocab, text.data(), std::int32_t(text.size()), t.data(), std::int32_t(t.size()), true, special);
   }
   if (n < 0) throw std::runtime_error("llama_tokenize failed");
   t.resize(std::size_t(n));

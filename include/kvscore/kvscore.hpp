@@ -26,6 +26,7 @@
 #include "kvscore/pariskv/pariskv.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
+#include "kvscore/scorers/kvzip.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
 #include "kvscore/scorers/protokv.hpp"
 #include "kvscore/scorers/qfilter.hpp"

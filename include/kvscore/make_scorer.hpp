@@ -29,6 +29,7 @@
 #include "kvscore/methods.hpp"
 #include "kvscore/scorers/keydiff.hpp"
 #include "kvscore/scorers/knorm.hpp"
+#include "kvscore/scorers/kvzip.hpp"
 #include "kvscore/scorers/manifold_l2.hpp"
 #include "kvscore/scorers/protokv.hpp"
 #include "kvscore/scorers/qfilter.hpp"
@@ -38,7 +39,7 @@
 namespace kvscore {
 
 /// Every scorer type of the registry, in kMethods' order.
-using ScorerTypes = std::tuple<KNorm, KeyDiff, ManifoldL2, WindowedManifoldL2, QFilter, SnapKV, ProtoKV>;
+using ScorerTypes = std::tuple<KNorm, KeyDiff, ManifoldL2, WindowedManifoldL2, QFilter, SnapKV, ProtoKV, KVzip>;
 
 /// What a scorer may need beyond the keys; each scorer reads its part (its registry entry's
 /// `options`, kvscore/methods.hpp) and ignores the rest. The defaults are the registry's.
@@ -51,11 +52,12 @@ struct ScorerArgs {
   /// calibrate_qfilters on `queries` (the evaluator's choice).
   std::vector<float> filters;
   std::int64_t kv_heads = 0;                ///< qfilter: filter rows
-  /// snapkv, protokv (and qfilter's calibration): [q_heads][n_queries][head_dim] fp32, row-major.
+  /// snapkv, protokv, kvzip (and qfilter's calibration): [q_heads][n_queries][head_dim] fp32, row-major.
   const float* queries = nullptr;
   std::int64_t q_heads = 0, n_queries = 0, head_dim = 0;
-  std::int64_t group = 0;                   ///< snapkv, protokv: q_heads / kv_heads, 0 = from the keys
-  QueryPlacement placement = QueryPlacement::in_cache;  ///< snapkv, protokv
+  std::int64_t group = 0;                   ///< snapkv, protokv, kvzip: q_heads / kv_heads, 0 = from the keys
+  QueryPlacement placement = QueryPlacement::in_cache;  ///< snapkv, protokv, kvzip
+  QueryAggregate aggregate = QueryAggregate::max;       ///< kvzip: max (KVzip) or mean over the queries
   std::int64_t kernel_size = kDefaultSnapKVKernel;      ///< snapkv: pooling kernel, odd >= 1
   // protokv (docs/protokv.md)
   std::uint64_t seed = 0;                                   ///< RFF seed
@@ -108,6 +110,14 @@ inline ProtoKV build(std::type_identity<ProtoKV>, const ScorerArgs& a) {
   ProtoKV s(a.queries, a.q_heads, a.n_queries, a.head_dim, a.group);
   s.placement = a.placement, s.seed = a.seed, s.kappa = a.kappa, s.sat_candidates = a.sat_candidates;
   s.lsh_bits = a.lsh_bits, s.chunks = a.chunks, s.bandwidth = a.bandwidth, s.psi = a.psi;
+  return s;
+}
+
+inline KVzip build(std::type_identity<KVzip>, const ScorerArgs& a) {
+  need_queries(a, "kvzip");
+  KVzip s(a.queries, a.q_heads, a.n_queries, a.head_dim, a.group);
+  s.placement = a.placement;
+  s.aggregate = a.aggregate;
   return s;
 }
 

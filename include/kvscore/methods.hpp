@@ -45,6 +45,14 @@ inline constexpr std::int64_t kDefaultProtoKVChunks = 496;
 inline constexpr std::int64_t kDefaultSinks = 4;
 /// ParisKV's zones: the local window is min(kDefaultParisKVLocal, (n − sinks) / 2).
 inline constexpr std::int64_t kDefaultParisKVLocal = 256;
+/// KVzip: context tokens reconstructed per pass (kvpress KVzipPress's chunk_size).
+inline constexpr std::int64_t kDefaultKVzipChunk = 2048;
+/// KVzip: tokens of the previous chunk a later pass's prompt repeats (kvpress's prev_postfix_size).
+inline constexpr std::int64_t kDefaultKVzipRepeat = 8;
+/// KVzip's reconstruction prompts (the paper's, kvpress KVzipPress's): the first pass, and the
+/// later ones, which continue with the last kDefaultKVzipRepeat tokens of the previous chunk.
+inline constexpr std::string_view kKVzipPromptFirst = "\n\nRepeat the previous context exactly.";
+inline constexpr std::string_view kKVzipPromptNext = "\n\nRepeat the part of the previous context exactly, starting with";
 
 /// What shape of method an entry is (the concepts of contract.hpp where one exists); each kind
 /// has its constructor in kvscore/make_method.hpp.
@@ -85,7 +93,7 @@ struct MethodInfo {
 };
 
 /// Every method, in the evaluator's report order (`--methods all`).
-inline constexpr std::array<MethodInfo, 12> kMethods = {{
+inline constexpr std::array<MethodInfo, 13> kMethods = {{
     {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "knorm.md",
      "K-norm: keep low-norm keys"},
     {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "keydiff.md",
@@ -105,6 +113,9 @@ inline constexpr std::array<MethodInfo, 12> kMethods = {{
     {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "protokv.md",
      "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)",
      "queries,group,placement,seed,kappa,sat_candidates,lsh_bits,chunks,bandwidth,psi"},
+    {"kvzip", "kvzip", "", MethodKind::query_scorer, "KVzip", "kvscore/scorers/kvzip.hpp", "kvzip.md",
+     "KVzip: attention received from a set of queries (a context-reconstruction pass), max over queries",
+     "queries,group,placement,aggregate"},
     {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp", "pariskv.md",
      "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
     {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp",

@@ -32,7 +32,7 @@ from . import _kvscore as _k
 __version__ = _k.__version__
 
 __all__ = [
-    "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV",
+    "KNorm", "KeyDiff", "ManifoldL2", "WindowedManifoldL2", "QFilter", "SnapKV", "ProtoKV", "KVzip",
     "calibrate_qfilters", "select", "select_joint", "select_joint_blocks", "compact", "budget_from_ratio", "evaluate", "synth", "ParisKV",
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
     "StreamingLLM", "make_selection_rule", "cuda_available", "cuda_status",
@@ -443,6 +443,50 @@ class ProtoKV(_QueryScorer):
         self._options = {"window": window, "kappa": kappa, "sat_candidates": sat_candidates, "lsh_bits": lsh_bits,
                          "chunks": chunks, "bandwidth": bandwidth, "seed": seed, "psi": psi, "placement": placement,
                          "threads": threads}
+
+
+class KVzip(_QueryScorer):
+    """KVzip (Kim et al. 2025): the attention each key receives from a set of queries, max over the
+    queries and the query heads of its group (docs/kvzip.md). KVzip's queries are those of a
+    context-reconstruction pass; kvscore.presses.KvscorePress("kvzip") runs that pass inside
+    kvpress's pipeline, and score_span() scores one pass of it.
+
+    Parameters
+    ----------
+    queries : array_like
+        ``[q_heads, n, head_dim]`` (or ``[1, ...]``) post-RoPE queries.
+    aggregate : {'max', 'mean'}, optional
+        A key's score: the largest probability any query gives it (KVzip) or their mean.
+    placement : {'in_cache', 'after_cache'}, optional
+        'in_cache': the queries are the cache's last n rows (causal; the window protected: pass
+        ``recent=protected_recent`` to select). 'after_cache': they follow the cache.
+    threads : int, optional
+        Threads over heads (0 = OpenMP's default).
+    """
+
+    def __init__(self, queries, *, aggregate: str = _ARGS.aggregate, placement: str = _ARGS.placement,
+                 threads: int = 0):
+        super().__init__(threads=threads, queries=queries, aggregate=aggregate, placement=placement)
+        self._options = {"aggregate": aggregate, "placement": placement, "threads": threads}
+
+    @staticmethod
+    def score_span(cache, own, queries, out, begin: int, end: int = -1, *, sinks: int = 0,
+                   aggregate: str = _ARGS.aggregate, query_weights=None, key_weights=None, threads: int = 0,
+                   query_block: int = 0):
+        """One reconstruction pass (kvscore::KVzip::score_span): the attention the cache rows
+        ``[begin, end)`` receive from ``queries`` ``[q_heads, m, head_dim]``, whose own keys are
+        ``own`` ``[kv_heads, m, head_dim]`` (query i sees own rows up to i), over the softmax of the
+        first ``min(sinks, begin)`` cache rows, the span and the own rows. Writes
+        ``out[:, begin:end]`` in place (float32 ``[kv_heads, tokens]``, numpy or torch);
+        ``query_weights`` ``[m]`` and ``key_weights`` ``[q_heads, end - begin]`` are KVzip+'s
+        1/||h|| and ||W_O v||."""
+        c, own_a, q, o = (_arg(cache, "cache")[0], _arg(own, "own")[0], _arg(queries, "queries")[0],
+                          _arg(out, "out", writable=True)[0])
+        qw = None if query_weights is None else _arg(query_weights, "query_weights")[0]
+        kw = None if key_weights is None else _arg(key_weights, "key_weights")[0]
+        _k.kvzip_score_span(c, own_a, q, o, _index(begin, "begin"), _index(end, "end"), _index(sinks, "sinks"),
+                            aggregate, qw, kw, _index(threads, "threads"), _index(query_block, "query_block"))
+        return out
 
 
 # ------------------------------------------------------------------ selection rules

@@ -21,6 +21,10 @@ kernel= and ProtoKV's options, StreamingLLM's n_sink=). `sinks=` / `recent=` pro
 any method. `alloc="adakv"` (`alpha=`, SelectOptions' default): kvscore's AdaKV allocation across
 the heads of a layer, applied by masking as kvpress's AdaKVPress does. PerLayerPress: one
 method per layer (PerLayerPress.from_report: a leak-free `kvscore eval` report's choice).
+KVzip (method "kvzip", or KVzipPress with kvpress's KVzipPress defaults) scores in a pass of its
+own after the prefill: the model reconstructs the context from the cache and each context token is
+scored by the attention it receives (kvscore::KVzip::score_span); see KvscorePress's kvzip options
+and docs/kvzip.md.
 Every default is the registry's (include/kvscore/methods.hpp) or the option structs'.
 kvpress is optional for kvscore; this module needs it.
 
@@ -33,11 +37,13 @@ model left them; without the module, a CUDA cache is a ValueError naming that sw
 
 from __future__ import annotations
 
+import contextlib as _contextlib
+
 try:
     import torch
     from kvpress.presses.decoding_press import DecodingPress
     from kvpress.presses.scorer_press import ScorerPress
-    from kvpress.utils import compute_n_kept, get_prerope_query_states
+    from kvpress.utils import compute_n_kept, get_prerope_query_states  # noqa: F401 (kvzip uses both)
 except ImportError as e:  # pragma: no cover - exercised only without kvpress
     raise ImportError(
         f"kvscore.presses needs kvpress and torch (pip install kvpress): {e}. "
@@ -100,7 +106,13 @@ class KvscorePress(ScorerPress):
     alpha : float, optional
         AdaKV's safeguard share in [0, 1] (SelectOptions' default).
     **method_options
-        The method's options (see the module doc).
+        The method's options (see the module doc). KVzip ("kvzip"; docs/kvzip.md): ``chunk_size``
+        (context tokens per reconstruction pass, the registry's kDefaultKVzipChunk), ``kvzip_plus``
+        (KVzip+'s normalization), ``layerwise`` (alloc='adakv' per layer instead of one top-k over
+        every layer and head), ``tokenizer`` (the model's; default: AutoTokenizer of the model's name,
+        as kvpress), ``score_prefix`` (score the chat template's prefix too). ``sinks`` are then also
+        the reconstruction's softmax sinks (kvpress's n_sink); alloc 'joint' keeps one set of
+        positions for every head and layer (select_joint).
 
     Raises
     ------
@@ -124,8 +136,9 @@ class KvscorePress(ScorerPress):
         self.method_options = dict(method_options)
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks {sinks} and recent {recent} must be >= 0")
-        if self.alloc not in ("per_head", "adakv"):
-            raise ValueError(f"alloc '{alloc}' must be 'per_head' or 'adakv'")
+        if self.alloc not in ("per_head", "adakv") and not (self.alloc == "joint" and self.method == _KVZIP):
+            raise ValueError(f"alloc '{alloc}' must be 'per_head' or 'adakv'" +
+                             (" or 'joint'" if self.method == _KVZIP else ""))
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha {alpha} must be in [0, 1]")
         if not 0 <= compression_ratio < 1:
@@ -134,6 +147,7 @@ class KvscorePress(ScorerPress):
         self._filters = None
         self._rule = None
         self._scorer = None
+        self._kvzip = None
         if "filters" in _OPTIONS[self.method]:  # Q-Filters: one filter set per layer
             f = self.method_options.get("filters")
             path = self.method_options.get("filters_path")
@@ -145,6 +159,8 @@ class KvscorePress(ScorerPress):
             n_sink = self.method_options.pop("n_sink", _k.kDefaultSinks)
             self.sinks = self.sinks or _int(n_sink, "n_sink")
             self._rule = _kv.make_selection_rule(self.method, sinks=self.sinks)
+        elif self.method == _KVZIP:
+            self._kvzip = _kvzip_options(self.method_options)
         elif self.method in _QUERY_METHODS:
             w = _int(self.method_options.get("window", _k.kDefaultSnapKVWindow), "window")
             if w < 1:
@@ -157,6 +173,13 @@ class KvscorePress(ScorerPress):
         alloc = f", alloc='adakv', alpha={self.alpha}" if self.alloc == "adakv" else ""
         return (f"KvscorePress(method={self.method!r}, compression_ratio={self.compression_ratio}, "
                 f"sinks={self.sinks}, recent={self.recent}{alloc}, **{self.method_options!r})")
+
+    def __call__(self, model):
+        """kvpress's context manager (`with press(model): model.model(context_ids, past_key_values=cache)`);
+        for KVzip, the prefill runs untouched and the reconstruction pass, scoring and eviction follow it."""
+        if self._kvzip is not None:
+            return _kvzip_context(self, model)
+        return super().__call__(model)
 
     # --- scoring
     def _scorer_for(self, module, hidden_states, kwargs, b: int):
@@ -211,6 +234,9 @@ class KvscorePress(ScorerPress):
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvscore's fp32 scores [batch, kv_heads, tokens] (higher = keep); zeros for a
         selection rule, which needs none."""
+        if self._kvzip is not None:
+            raise ValueError(f"{self.method} scores in a reconstruction pass after the prefill, not per layer: use the "
+                             "press as kvpress does, `with press(model): model.model(input_ids=..., past_key_values=cache)`")
         if _cuda.is_cuda(keys):
             return self._scores_cuda(module, hidden_states, keys, kwargs)[0]
         out = []
@@ -433,3 +459,268 @@ class PerLayerPress(KvscorePress):
         if self.compression_ratio == 0:
             return keys, values
         return self._layer_press(module).compress(module, hidden_states, keys, values, attentions, kwargs)
+
+
+# ------------------------------------------------------------------ KVzip: scoring by context reconstruction
+
+_KVZIP = _kv.KVzip.name
+#: The registry's KVzip defaults (kvpress KVzipPress's): context tokens reconstructed per pass, the
+#: last tokens of the previous chunk a later pass's prompt repeats, and the two prompts.
+KVZIP_CHUNK_SIZE = _k.kDefaultKVzipChunk
+KVZIP_PREV_POSTFIX = _k.kDefaultKVzipRepeat
+KVZIP_PROMPT_FIRST = _k.kKVzipPromptFirst
+KVZIP_PROMPT_NEXT = _k.kKVzipPromptNext
+
+
+def _kvzip_options(opts: dict) -> dict:
+    """KVzip's options out of KvscorePress's method options (ValueError / TypeError naming them)."""
+    o = {"chunk_size": opts.pop("chunk_size", KVZIP_CHUNK_SIZE), "plus": bool(opts.pop("kvzip_plus", False)),
+         "layerwise": bool(opts.pop("layerwise", False)), "tokenizer": opts.pop("tokenizer", None),
+         "score_prefix": bool(opts.pop("score_prefix", False))}
+    o["chunk_size"] = _int(o["chunk_size"], "chunk_size")
+    if o["chunk_size"] < 1:
+        raise ValueError(f"{_KVZIP}: chunk_size {o['chunk_size']} must be >= 1 (context tokens reconstructed per "
+                         "pass)")
+    if opts:
+        raise ValueError(f"{_KVZIP}: unknown option(s) {sorted(opts)} ({_KVZIP} takes chunk_size, kvzip_plus, "
+                         "layerwise, tokenizer, score_prefix and KvscorePress's sinks, recent, alloc, alpha, threads)")
+    return o
+
+
+def kvzip_template(tokenizer):
+    """(prefix_length, suffix_ids) of the tokenizer's chat template, as kvpress's KVzipPress finds them:
+    the user turn's opening tokens before the context and the tokens after it up to the assistant's
+    turn ("\\n" without a chat template)."""
+    if tokenizer.chat_template is None:
+        prefix_text, suffix_text = "", "\n"
+    else:
+        dummy = "dummy context"
+        sep = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + sep}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=False)
+        context, suffix_text = text.split(sep)
+        prefix_text = context.split(dummy)[0]
+    prefix = tokenizer.encode(prefix_text, return_tensors="pt", add_special_tokens=False).shape[-1]
+    return prefix, tokenizer.encode(suffix_text, return_tensors="pt", add_special_tokens=False)
+
+
+def kvzip_passes(tokenizer, context_ids, prefix_length: int, chunk_size: int, suffix_ids):
+    """The reconstruction passes of a context [1, n] (kvpress KVzipPress.prepare): per chunk of at most
+    chunk_size tokens after the prefix, (begin, end, input ids) with input ids = the prompt ("Repeat the
+    previous context exactly." for the first chunk, "... the part ... starting with" + the previous chunk's
+    last 8 tokens for the others) + the chat template's suffix + the chunk."""
+    ctx = context_ids[:, prefix_length:].cpu()
+    first = tokenizer.encode(KVZIP_PROMPT_FIRST, return_tensors="pt", add_special_tokens=False)
+    nxt = tokenizer.encode(KVZIP_PROMPT_NEXT, return_tensors="pt", add_special_tokens=False)
+    out, prev = [], None
+    for b in range(0, ctx.shape[1], chunk_size):
+        a = ctx[:, b:b + chunk_size]
+        q = first if prev is None else torch.cat([nxt, prev[:, -KVZIP_PREV_POSTFIX:]], 1)
+        out.append((prefix_length + b, prefix_length + b + a.shape[1], torch.cat([q, suffix_ids, a], 1)))
+        prev = a
+    return out
+
+
+def _rope(q, position_embeddings):
+    """q [b, heads, n, d] rotated as Llama's apply_rotary_pos_emb."""
+    cos, sin = position_embeddings
+    half = q.shape[-1] // 2
+    rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return q * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+
+
+def _wov_norms(module, values):
+    """||W_O^{(g)} v_t|| [q_heads, n] for values [kv_heads, n, d] (KVzip+): the signal each value writes
+    into the residual stream through query head g's block of o_proj, from the Gram matrices
+    W_gᵀ W_g (d × d per query head, fp64) instead of the [n, hidden] products."""
+    cfg = module.config
+    kv, qh, d = cfg.num_key_value_heads, cfg.num_attention_heads, module.head_dim
+    w = module.o_proj.weight.detach().double().view(-1, qh, d)          # [hidden, q_heads, d]
+    gram = torch.einsum("jgi,jgk->gik", w, w)                          # [q_heads, d, d]
+    v = values.detach().double().repeat_interleave(qh // kv, dim=0)     # [q_heads, n, d]
+    sq = torch.einsum("gti,gik,gtk->gt", v, gram, v)
+    return sq.clamp_min(0).sqrt().float()
+
+
+@_contextlib.contextmanager
+def _kvzip_context(press, model):
+    """KvscorePress("kvzip") around the pipeline's prefill: remember the context ids and the cache,
+    let the prefill run, then reconstruct, score and evict (_kvzip_compress)."""
+    lm = model.model
+    seen = {}
+    original = lm.forward
+
+    def forward(*args, **kwargs):
+        seen["ids"], seen["cache"] = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        return original(*args, **kwargs)
+
+    lm.forward = forward
+    try:
+        yield
+    finally:
+        lm.forward = original
+    if press.compression_ratio > 0 and seen.get("ids") is not None:
+        _kvzip_compress(press, model, seen["ids"], seen["cache"])
+
+
+def _kvzip_tokenizer(press, model):
+    tok = press._kvzip["tokenizer"]
+    if tok is None:  # as kvpress's KVzipPress: the model's own tokenizer files
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model.config.name_or_path)
+    return tok
+
+
+def kvzip_scores(press, model, context_ids, cache, timings=None):
+    """KVzip's scores [layers, kv_heads, n] (fp32) of the context in `cache` (its first n =
+    context_ids.shape[1] rows per layer): the reconstruction passes run through the model with the
+    cache, and in each attention layer's forward hook kvscore::KVzip::score_span scores the pass's
+    chunk by the attention it receives from the pass's post-RoPE queries (captured from q_proj's
+    output, not recomputed); the pass's own rows are then cut from the cache. Positions before the
+    chunks (the chat template's prefix) keep 0, as in kvpress, unless score_prefix. timings: a dict that receives
+    the seconds of the passes ("forward", hooks included) and of the hooks' work ("scoring").
+    score_prefix: the first pass scores the prefix's tokens after the sinks too (the same passes; the
+    prefix then joins that pass's softmax), so they compete instead of going first."""
+    import time
+
+    o = press._kvzip
+    tok = _kvzip_tokenizer(press, model)
+    n = int(context_ids.shape[1])
+    prefix, suffix = kvzip_template(tok)
+    passes = kvzip_passes(tok, context_ids, prefix, o["chunk_size"], suffix)
+    if passes and o["score_prefix"]:  # the first pass also scores the template's prefix after the sinks
+        passes[0] = (min(press.sinks, prefix), *passes[0][1:])
+    if not passes:
+        raise ValueError(f"{_KVZIP}: the context of {n} tokens has nothing after the chat template's {prefix}-token "
+                         "prefix to reconstruct")
+    lm = model.model
+    longest = max(ids.shape[1] for _, _, ids in passes)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and n + longest > limit:
+        raise ValueError(f"{_KVZIP}: the context of {n} tokens and a reconstruction pass of {longest} leave no room in "
+                         f"the model's {limit} positions (use a smaller chunk_size, {o['chunk_size']} now)")
+    layers = list(lm.layers)
+    kv = model.config.num_key_value_heads
+    scores = torch.zeros(len(layers), kv, n, dtype=torch.float32)
+    state = {"span": (0, 0), "q": {}, "t": 0.0}
+
+    def q_hook(module, args, output):
+        state["q"][module] = output
+
+    def attn_hook(module, args, kwargs, output):
+        t0 = time.perf_counter()
+        hs = kwargs["hidden_states"]
+        cache_layer = kwargs["past_key_values"].layers[module.layer_idx]
+        keys, values = cache_layer.keys, cache_layer.values
+        m = hs.shape[1]
+        q = state["q"].pop(module.q_proj, None)
+        if q is None:
+            q = get_prerope_query_states(module, hs)
+        else:
+            q = q.view(hs.shape[0], m, -1, module.head_dim).transpose(1, 2)
+            if hasattr(module, "q_norm"):  # Qwen3 / Gemma3: the norm before RoPE, as kvpress
+                q = module.q_norm(q)
+        q = _rope(q, kwargs["position_embeddings"])[0].float().contiguous()
+        b, e = state["span"]
+        qw = kw = None
+        if o["plus"]:
+            qw = (1.0 / hs[0].float().norm(dim=-1)).contiguous()
+            kw = _wov_norms(module, values[0, :, b:e])
+        if keys.device.type != "cpu":  # score_span runs on the host: the layer's keys copied there
+            keys_h, q, qw, kw = keys[0].cpu(), q.cpu(), None if qw is None else qw.cpu(), None if kw is None else kw.cpu()
+        else:
+            keys_h = keys[0]
+        _kv.KVzip.score_span(keys_h[:, :n], keys_h[:, n:], q, scores[module.layer_idx], b, e,
+                             sinks=press.sinks, query_weights=qw, key_weights=kw, threads=press.threads)
+        cache_layer.keys, cache_layer.values = keys[:, :, :n], values[:, :, :n]
+        state["t"] += time.perf_counter() - t0
+        return output
+
+    hooks = []
+    try:
+        for layer in layers:
+            attn = layer.self_attn
+            if hasattr(attn, "q_proj"):
+                hooks.append(attn.q_proj.register_forward_hook(q_hook))
+            hooks.append(attn.register_forward_hook(attn_hook, with_kwargs=True))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b, e, ids in passes:
+                state["span"] = (b, e)
+                lm(input_ids=ids.to(context_ids.device), past_key_values=cache)
+        if timings is not None:
+            timings["forward"] = time.perf_counter() - t0
+            timings["scoring"] = state["t"]
+    finally:
+        for h in hooks:
+            h.remove()
+    return scores
+
+
+def kvzip_select(press, scores):
+    """The kept positions of KVzip scores [layers, kv_heads, n] under the press's allocation: per layer
+    a list of kv_heads int64 arrays (ascending). alloc='adakv': one top-k over every layer and head
+    (kvpress's KVzipPress; per layer with layerwise=True) keeping total - int(total * ratio), each head
+    at least floor(alpha * budget / heads) and its sinks / recent; 'per_head': every head of every layer
+    keeps compute_n_kept(n, ratio); 'joint': the same compute_n_kept(n, ratio) positions in every head
+    and layer (kvscore.select_joint: what llama.cpp's cells allow)."""
+    L, H, n = scores.shape
+    if press.alloc == "joint":  # one set of positions for every head and layer (llama.cpp's cells)
+        k = compute_n_kept(n, press.compression_ratio)
+        idx = _kv.select_joint(scores, k, sinks=press.sinks, recent=press.recent, threads=press.threads)
+        return [[idx] * H for _ in range(L)]
+    if press.alloc == "per_head":
+        k = compute_n_kept(n, press.compression_ratio)
+        return [list(_kv.select(scores[i], k, sinks=press.sinks, recent=press.recent)) for i in range(L)]
+    if press._kvzip["layerwise"]:
+        total = H * n - int(H * n * press.compression_ratio)
+        return [_k.select_total(scores[i].numpy(), total, sinks=press.sinks, recent=press.recent, alpha=press.alpha)
+                for i in range(L)]
+    total = L * H * n - int(L * H * n * press.compression_ratio)
+    rows = _k.select_total(scores.reshape(L * H, n).numpy(), total, sinks=press.sinks, recent=press.recent,
+                           alpha=press.alpha)
+    return [rows[i * H:(i + 1) * H] for i in range(L)]
+
+
+def kvzip_apply(press, model, cache, kept):
+    """Evict all but `kept` (kvzip_select): alloc='adakv' masks the others (module.masked_key_indices,
+    kvpress's attention patch, the cache keeps its length, as KVzipPress); 'per_head' and 'joint' remove
+    them from the cache (every head keeps the same count)."""
+    for i, layer in enumerate(model.model.layers):
+        layer_cache = cache.layers[i]
+        n = layer_cache.keys.shape[2]
+        if press.alloc in ("per_head", "joint"):
+            idx = torch.stack([torch.as_tensor(x) for x in kept[i]]).to(layer_cache.keys.device)
+            g = idx.unsqueeze(0).unsqueeze(-1)
+            layer_cache.keys = layer_cache.keys.gather(2, g.expand(-1, -1, -1, layer_cache.keys.shape[-1])).contiguous()
+            layer_cache.values = layer_cache.values.gather(2, g.expand(-1, -1, -1, layer_cache.values.shape[-1])).contiguous()
+            continue
+        keep = torch.zeros(len(kept[i]), n, dtype=torch.bool)
+        for h, idx in enumerate(kept[i]):
+            keep[h, torch.as_tensor(idx)] = True
+        h_idx, s_idx = (~keep).nonzero(as_tuple=True)
+        dev = layer_cache.keys.device
+        layer.self_attn.masked_key_indices = (torch.zeros_like(h_idx).to(dev), h_idx.to(dev), s_idx.to(dev))
+
+
+def _kvzip_compress(press, model, context_ids, cache):
+    if press.alloc == "adakv" and getattr(model.config, "_attn_implementation", None) == "eager":
+        raise ValueError(f"{_KVZIP} with alloc='adakv' masks through kvpress's attention patch, which eager "
+                         "attention does not use: load the model with attn_implementation='sdpa' (or alloc='per_head')")
+    if context_ids.shape[0] != 1:
+        raise ValueError(f"{_KVZIP}: batch {context_ids.shape[0]} must be 1 (as kvpress's KVzipPress)")
+    scores = kvzip_scores(press, model, context_ids, cache)
+    kvzip_apply(press, model, cache, kvzip_select(press, scores))
+
+
+class KVzipPress(KvscorePress):
+    """KVzip with kvpress KVzipPress's defaults (4 sinks, one top-k over every layer and head, no
+    safeguard, chunks of 2048): its kept rows equal kvpress's at fp32 (python/tests/test_kvzip.py).
+    kvzip_plus=True is KVzip+'s normalization; any KvscorePress option changes the rest."""
+
+    def __init__(self, compression_ratio: float = 0.0, *, kvzip_plus: bool = False, layerwise: bool = False,
+                 chunk_size: int = KVZIP_CHUNK_SIZE, sinks: int = _k.kDefaultSinks, alloc: str = "adakv",
+                 alpha: float = 0.0, **options):
+        super().__init__(_KVZIP, compression_ratio, kvzip_plus=kvzip_plus, layerwise=layerwise, chunk_size=chunk_size,
+                         sinks=sinks, alloc=alloc, alpha=alpha, **options)

@@ -116,6 +116,8 @@ RETRIEVAL_LOCAL = 64
 # share is what brings the store to the row's memory (ojakv_anchor_share), where it can.
 OJAKV_RANKS = (8, 16, 24, 32)
 KVZIP_SCORING_RATIO = 0.5  # any ratio > 0 makes KVzipPress compute its scores, which do not depend on it
+# kvscore's KVzip with AdaKV's safeguard: every head keeps at least this share of the average head's budget
+KVZIP_SAFEGUARD = 0.2
 
 # --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
 FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 3}, "ratios": RATIOS,
@@ -312,6 +314,7 @@ def method_table(filters=None, mix=None):
     cli = {m["name"]: m["cli"] for m in kv.REGISTRY}
     knorm, keydiff, l2, wl2 = kv.KNorm.name, kv.KeyDiff.name, kv.ManifoldL2.name, kv.WindowedManifoldL2.name
     snap, proto, stream, qf = kv.SnapKV.name, kv.ProtoKV.name, kv.StreamingLLM.name, kv.QFilter.name
+    zip_ = kv.KVzip.name
     ours = lambda m, tail="": "kvscore:" + cli[m] + tail  # noqa: E731
     theirs = lambda m: "kvpress:" + cli[m]  # noqa: E731
     s, w = SINKS, _kvscore.kDefaultSnapKVWindow
@@ -326,6 +329,14 @@ def method_table(filters=None, mix=None):
         ours(stream): ("kvscore", lambda r: ks.KvscorePress(stream, r, sinks=s)),
         ours(keydiff, "-adakv"): ("kvscore", lambda r: ks.KvscorePress(keydiff, r, sinks=s, alloc="adakv")),
         ours(l2, "-adakv"): ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s, alloc="adakv")),
+        # KVzip (docs/kvzip.md): kvpress's KVzipPress's kept rows (tested), KVzip+, and what kvscore's
+        # version adds: AdaKV's safeguard, the chat template's prefix scored, one set of positions for
+        # every head and layer (llama.cpp's cells; the rows are removed: memory 1 - ratio)
+        ours(zip_): ("kvscore", lambda r: ks.KVzipPress(r)),
+        ours(zip_, "_plus"): ("kvscore", lambda r: ks.KVzipPress(r, kvzip_plus=True)),
+        ours(zip_, "-safeguard"): ("kvscore", lambda r: ks.KVzipPress(r, alpha=KVZIP_SAFEGUARD)),
+        ours(zip_, "-prefix"): ("kvscore", lambda r: ks.KVzipPress(r, score_prefix=True)),
+        ours(zip_, "-joint"): ("kvscore", lambda r: ks.KVzipPress(r, alloc="joint")),
     }
     if filters is not None:
         t[ours(qf)] = ("kvscore", lambda r: ks.KvscorePress(qf, r, filters=filters, sinks=s))
@@ -348,8 +359,8 @@ def method_table(filters=None, mix=None):
         # KVzip (context reconstruction) and KVzip+ (its normalisation), kvpress's strongest presses by its
         # maintainers; Compactor (leverage scores + non-causal chunked attention). FastKVzipPress and
         # KVzapPress load weights trained per model from the model hub, which is unreachable here.
-        "kvpress:kvzip": ("kvpress", lambda r: KVzipRow(False, r)),
-        "kvpress:kvzip_plus": ("kvpress", lambda r: KVzipRow(True, r)),
+        theirs(zip_): ("kvpress", lambda r: KVzipRow(False, r)),
+        theirs(zip_) + "_plus": ("kvpress", lambda r: KVzipRow(True, r)),
         "kvpress:compactor": ("kvpress", lambda r: kp.CompactorPress(compression_ratio=r)),
     })
     # Decode-time caches (kvscore.generation): per-query retrieval and OjaKV's low-rank store.
@@ -540,6 +551,7 @@ class SharedPrefill:
             for h in hooks:
                 h.remove()
         self.context_length = int(context_ids.shape[1])
+        self.context_ids = context_ids
 
     def replay(self, press):
         import torch
@@ -638,11 +650,16 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
     cont_ids = tok.encode(ctx.continuation, add_special_tokens=False, return_tensors="pt")[:, :CONTINUATION]
     if n + max(CONTINUATION, max(i["questions_ids"][0].shape[1] for i in inputs) + MAX_NEW_TOKENS) > maxlen:
         raise ValueError(f"context {ctx.key}: {n} tokens leave too few of the model's {maxlen} positions")
+    t_pre = time.perf_counter()
     prefill = SharedPrefill(model, context_ids) if shared else None
-    records, seen, kvzip = [], {}, {}
+    t_pre = time.perf_counter() - t_pre
+    records, seen, kvzip, timing = [], {}, {}, {}
     for method, ratio, make in [("none", 0.0, lambda: None)] + list(configs):
         t0 = time.perf_counter()
         spec = make()
+        extra = {"prefill_s": t_pre} if method == "none" and shared else {}
+        if getattr(spec, "_kvzip", None) is not None:  # kvscore's KVzip: the loaded model's tokenizer
+            spec._kvzip["tokenizer"] = spec._kvzip["tokenizer"] or tok
         with torch.inference_mode():
             if isinstance(spec, CacheRow):
                 cache = spec.build(model, context_ids, prefill)
@@ -653,9 +670,24 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
                 memory, attended = cache.memory_bytes() / cache.full_memory_bytes(), spec.attended(n)
             elif isinstance(spec, KVzipRow) and shared:
                 if spec.plus not in kvzip:
+                    t1 = time.perf_counter()
                     kvzip[spec.plus] = kvzip_scores(model, tok, context_ids, spec.plus)
+                    timing[("kvpress", spec.plus)] = {"kvzip_total_s": time.perf_counter() - t1}
                 cache = prefill.replay(None)
                 kvzip_apply(model, kvzip[spec.plus], spec.plus, spec.ratio)
+                extra = timing[("kvpress", spec.plus)]
+            elif shared and getattr(spec, "_kvzip", None) is not None:  # kvscore's KVzip: scores once per variant
+                from . import presses as ks
+
+                o = spec._kvzip
+                key = ("kvscore", o["plus"], o["score_prefix"], o["chunk_size"], spec.sinks)
+                if key not in kvzip:
+                    t = {}
+                    kvzip[key] = ks.kvzip_scores(spec, model, context_ids, prefill.replay(None), t)
+                    timing[key] = {"reconstruct_s": t["forward"] - t["scoring"], "scoring_s": t["scoring"]}
+                cache = prefill.replay(None)
+                ks.kvzip_apply(spec, model, cache, ks.kvzip_select(spec, kvzip[key]))
+                extra = timing[key]
             elif shared:
                 cache = prefill.replay(spec)
                 fp = cache_fingerprint(model, cache) if dedupe else None
@@ -691,7 +723,7 @@ def run_context(pipe, ctx: Context, configs, shared: bool = True, progress=None,
             nll = continuation_nll(model, cache, n, cont_ids)
         secs = time.perf_counter() - t0
         base = {"method": method, "ratio": ratio, "length": ctx.length, "context": ctx.index, "tokens": n,
-                "kept": attended * n, "memory": memory, "attended": attended, "seconds": secs}
+                "kept": attended * n, "memory": memory, "attended": attended, "seconds": secs, **extra}
         mine = [dict(base, task="needle", depth=depth, expected=expected, answer=a, correct=expected in a)
                 for (q, _, expected), (_, _, depth), a in zip(qs, ctx.needles, answers)]
         mine.append(dict(base, task="continuation", nll=nll))

@@ -240,6 +240,9 @@ inline void bind_scorer_args(nb::module_& m) {
       .def_prop_rw(
           "placement", [](const A& a) -> std::string { return kvscore::to_string(a.placement); },
           [](A& a, const std::string& s) { a.placement = kvscore::parse_query_placement(s); })
+      .def_prop_rw(
+          "aggregate", [](const A& a) -> std::string { return kvscore::to_string(a.aggregate); },
+          [](A& a, const std::string& s) { a.aggregate = kvscore::parse_query_aggregate(s); })
       .def_rw("kernel_size", &A::kernel_size)
       .def_rw("seed", &A::seed)
       .def_rw("kappa", &A::kappa)

@@ -184,6 +184,10 @@ void bind_registry(nb::module_& m) {
   m.attr("kDefaultProtoKVChunks") = kvscore::kDefaultProtoKVChunks;
   m.attr("kDefaultSinks") = kvscore::kDefaultSinks;
   m.attr("kDefaultParisKVLocal") = kvscore::kDefaultParisKVLocal;
+  m.attr("kDefaultKVzipChunk") = kvscore::kDefaultKVzipChunk;
+  m.attr("kDefaultKVzipRepeat") = kvscore::kDefaultKVzipRepeat;
+  m.attr("kKVzipPromptFirst") = std::string(kvscore::kKVzipPromptFirst);
+  m.attr("kKVzipPromptNext") = std::string(kvscore::kKVzipPromptNext);
   m.attr("struct_defaults") = struct_defaults();
 
   // Selection rules (make_method.hpp): StreamingLLM.
@@ -719,6 +723,85 @@ void bind_isa(nb::module_& m) {
 
 }  // namespace
 
+// ------------------------------------------------------------------ KVzip's reconstruction passes
+
+/// kvscore::KVzip::score_span (docs/kvzip.md): one reconstruction pass scored into `out`.
+void bind_kvzip(nb::module_& m) {
+  m.def(
+      "kvzip_score_span",
+      [](const Any& cache, const Any& own, const Any& queries, const Mut& out, std::int64_t begin, std::int64_t end,
+         std::int64_t sinks, const std::string& aggregate, nb::handle query_weights, nb::handle key_weights,
+         int threads, std::int64_t query_block) {
+        Queries q = gather_queries(queries, "queries");
+        kvscore::KVzip z(q.data.data(), q.heads, q.n, q.dim);
+        z.aggregate = kvscore::parse_query_aggregate(aggregate);
+        z.num_threads = threads;
+        z.query_block = query_block;
+        std::vector<float> qw, kw;
+        if (!query_weights.is_none()) {
+          qw = f32_copy(as_array(query_weights, "query_weights"), "query_weights [n_queries]", 1);
+          if (std::int64_t(qw.size()) != q.n)
+            bad("query_weights: " + std::to_string(qw.size()) + " values for " + std::to_string(q.n) + " queries");
+        }
+        if (!key_weights.is_none()) {
+          const Any k = as_array(key_weights, "key_weights");
+          kw = f32_copy(k, "key_weights [q_heads, end - begin]", 2);
+          if (std::int64_t(k.shape(0)) != q.heads)
+            bad("key_weights: " + std::to_string(k.shape(0)) + " rows for " + std::to_string(q.heads) + " query heads");
+        }
+        if (out.ndim() != 2 || dtype_of(out, "out") != DT::f32)
+          bad("out: expected float32 [kv_heads, tokens] scores");
+        const auto H = std::int64_t(out.shape(0)), N = std::int64_t(out.shape(1));
+        if (N > 1 && out.stride(1) != 1) bad("out: the token stride must be 1");
+        const kvscore::ScoresView sv(static_cast<float*>(out.data()), H, N, H > 1 ? std::int64_t(out.stride(0)) : N);
+        if (!key_weights.is_none()) {
+          const std::int64_t e = end < 0 ? N : end;
+          if (std::int64_t(kw.size()) != q.heads * (e - begin))
+            bad("key_weights: " + std::to_string(kw.size() / std::size_t(std::max<std::int64_t>(q.heads, 1))) +
+                " columns for the span's " + std::to_string(e - begin) + " rows");
+        }
+        const kvscore::KVzipSpan span{begin, end, sinks, qw.empty() ? nullptr : qw.data(),
+                                      kw.empty() ? nullptr : kw.data()};
+        with_keys(cache, "cache", [&](const auto& cv) {
+          with_keys(own, "own", [&](const auto& ov) {
+            nb::gil_scoped_release unlocked;
+            z.score_span(cv, ov, span, sv);
+            return 0;
+          });
+          return 0;
+        });
+      },
+      "cache"_a, "own"_a, "queries"_a, "out"_a, "begin"_a, "end"_a, "sinks"_a, "aggregate"_a = "max",
+      "query_weights"_a = nb::none(), "key_weights"_a = nb::none(), "threads"_a = 0, "query_block"_a = 0,
+      "kvscore::KVzip::score_span: the attention the cache rows [begin, end) receive from the queries\n"
+      "[q_heads, m, head_dim] of one reconstruction pass whose own keys are own [kv_heads, m, head_dim]\n"
+      "(causal), over the softmax of sinks + span + own rows; written into out[:, begin:end] (float32\n"
+      "[kv_heads, tokens], in place).");
+
+  m.def(
+      "select_total",
+      [](const Any& scores, std::int64_t total, std::int64_t sinks, std::int64_t recent, double alpha, int threads) {
+        const F32Rows r = f32_rows(scores, "scores [rows, tokens]");
+        kvscore::SelectOptions o;
+        o.sinks = sinks;
+        o.recent = recent;
+        o.alloc = kvscore::Alloc::adakv;
+        o.alpha = alpha;
+        o.num_threads = threads;
+        kvscore::Selection s;
+        {
+          nb::gil_scoped_release unlocked;
+          s = kvscore::select(kvscore::ConstScoresView(r.data, r.rows, r.cols, r.row_stride),
+                              kvscore::Budget::per_layer(total), o);
+        }
+        return selection_out(std::move(s), false);
+      },
+      "scores"_a, "total"_a, nb::kw_only(), "sinks"_a = 0, "recent"_a = 0, "alpha"_a = 0.0, "threads"_a = 0,
+      "kvscore::select(scores, Budget::per_layer(total), alloc = adakv): `total` tokens over all rows of\n"
+      "float32 [rows, tokens] (KVzip's one top-k over every layer and head: the rows of all layers stacked),\n"
+      "every row keeping at least floor(alpha * total / rows) and its sinks / recent; a list of int64 arrays.");
+}
+
 void bind_generation(nb::module_& m);  // python/src/bind_generation.cpp
 void bind_vllm(nb::module_& m);  // python/src/bind_vllm.cpp
 
@@ -734,6 +817,7 @@ NB_MODULE(_kvscore, m) {
   bind_evaluator(m);
   bind_pariskv(m);
   bind_ojakv(m);
+  bind_kvzip(m);
   bind_generation(m);
   bind_vllm(m);
 }

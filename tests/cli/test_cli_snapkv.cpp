@@ -125,7 +125,29 @@ TEST_CASE("cli snapkv: --query-placement after-cache scores as the library's aft
   check_bad(base + " --query-placement inside --out " + path("bad_out.npy"), "'inside'");
   check_bad("score --method knorm --keys " + path("ka.npy") + " --query-placement after-cache --out " +
                 path("bad_out.npy"),
-            "--query-placement applies only to --method snapkv or protokv");
+            "--query-placement applies only to --method snapkv, protokv or kvzip");
+}
+
+TEST_CASE("cli kvzip: scores equal the library's KVzip (max and mean, in and after the cache)", "[cli][kvzip]") {
+  const Inputs& in = inputs();
+  const std::string out = path("zip.npy");
+  const std::string base = "score --method kvzip --keys " + path("k16.npy") + " --queries " + path("q.npy") + " --out " + out;
+  for (const char* agg : {"", "max", "mean"})
+    for (const char* pl : {"in-cache", "after-cache"}) {
+      INFO(agg << " " << pl);
+      fs::remove(out);
+      const Result r = cli(base + (*agg ? std::string(" --query-aggregate ") + agg : std::string()) +
+                           " --query-placement " + pl);
+      REQUIRE(r.rc == 0);
+      kvscore::KVzip z(in.q.data(), H * G, W, D);
+      z.aggregate = std::string(agg) == "mean" ? kvscore::QueryAggregate::mean : kvscore::QueryAggregate::max;
+      z.placement = std::string(pl) == "in-cache" ? kvscore::QueryPlacement::in_cache : kvscore::QueryPlacement::after_cache;
+      check_scores(out, z.score(kvscore::KeysView<kvscore::half>(in.k16.data(), H, T, D, T * D, D)));
+    }
+  check_bad(base + " --query-aggregate median", "--query-aggregate: 'median' (expected max or mean)");
+  check_bad("score --method snapkv --keys " + path("k16.npy") + " --queries " + path("q.npy") + " --out " +
+                path("bad_out.npy") + " --query-aggregate max",
+            "--query-aggregate applies only to --method kvzip");
 }
 
 TEST_CASE("cli snapkv: help lists the method and its flags", "[cli][snapkv]") {
@@ -160,7 +182,7 @@ TEST_CASE("cli snapkv: bad input gives exit 2 and one line", "[cli][snapkv]") {
               "--queries applies only to --method snapkv");
     check_bad("score --method l2 --keys " + k + " --out " + out + " --group 2", "--group applies only to --method snapkv");
     check_bad("score --method knorm --keys " + k + " --out " + out + " --window 8",
-              "--window applies only to --method windowed-l2, snapkv or protokv");
+              "--window applies only to --method windowed-l2, snapkv, protokv or kvzip");
     check_bad(base + " --queries " + q + " --group 0", "--group must be > 0 (got 0)");
     check_bad(base + " --queries " + q + " --group two", "--group: 'two' is not an integer");
     check_bad(base + " --queries " + q + " --window 0", "--window must be > 0 (got 0)");

@@ -37,6 +37,22 @@ inline QueryPlacement parse_query_placement(std::string_view s) {
   return detail::parse_enum(s, kQueryPlacements, "query placement");
 }
 
+/// How a scorer of attention received (KVzip) reduces the probabilities a key receives from
+/// the queries (and the query heads of its GQA group) to one score:
+///   max   the largest probability any query gives it (KVzip: a key matters if one query of the
+///         reconstruction needs it);
+///   mean  the mean over every query and head of the group (SnapKV's reduction, unpooled).
+enum class QueryAggregate { max, mean };
+
+inline constexpr QueryAggregate kQueryAggregates[] = {QueryAggregate::max, QueryAggregate::mean};
+
+inline const char* to_string(QueryAggregate a) noexcept { return a == QueryAggregate::max ? "max" : "mean"; }
+
+/// "max" or "mean"; anything else is std::invalid_argument naming it.
+inline QueryAggregate parse_query_aggregate(std::string_view s) {
+  return detail::parse_enum(s, kQueryAggregates, "query aggregate");
+}
+
 /// Execution options common to every scorer.
 struct ScorerOptions {
   /// Threads over heads; 0 = OpenMP's default, 1 = serial. Results are bit-identical for any value.

@@ -51,6 +51,8 @@ struct ScalarPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return a * b + c; }
   static float hsum(V a) noexcept { return a; }
+  static V vmax(V a, V b) noexcept { return a < b ? b : a; }
+  static float hmax(V a) noexcept { return a; }
   /// W vectors -> one vector of their horizontal sums (here: one value).
   static V hsum_many(const V* a) noexcept { return a[0]; }
   static V exp(V a) noexcept { return std::exp(a); }
@@ -119,6 +121,14 @@ struct XsimdPolicy {
   static V mul(V a, V b) noexcept { return a * b; }
   static V fma(V a, V b, V c) noexcept { return xsimd::fma(a, b, c); }
   static float hsum(V a) noexcept { return xsimd::hadd(a); }
+  static V vmax(V a, V b) noexcept { return xsimd::max(a, b); }
+  static float hmax(V a) noexcept {
+    alignas(64) float t[V::size];
+    a.store_aligned(t);
+    float m = t[0];
+    for (std::size_t k = 1; k < V::size; ++k) m = m < t[k] ? t[k] : m;
+    return m;
+  }
   /// W batches -> lane k = Σ lanes of a[k], by one tree for every k (a lane-symmetric transpose).
   static V hsum_many(const V* a) noexcept {
 #if defined(__AVX512F__)
@@ -365,6 +375,113 @@ struct RowKernels {
     }
   }
 
+  // ---- KVzip's softmax rows: the max, exp with its sum, the running max of the probabilities
+  static float max_f32(const float* x, std::int64_t n) noexcept {
+    V m = P::splat(-__builtin_inff());
+    std::int64_t j = 0;
+    for (; j + W <= n; j += W) m = P::vmax(m, P::loadf(x + j));
+    float r = P::hmax(m);
+    for (; j < n; ++j) r = r < x[j] ? x[j] : r;
+    return r;
+  }
+
+  static double exp_sum(const float* x, float shift, std::int64_t n, float* e) noexcept {
+    const V s = P::splat(shift);
+    double total = 0;
+    V acc = P::zero();
+    std::int64_t j = 0, vecs = 0;
+    for (; j + W <= n; j += W) {
+      const V v = P::exp(P::sub(P::loadf(x + j), s));
+      P::store(e + j, v);
+      acc = P::add(acc, v);
+      if (++vecs == kSumBlockRows) {
+        total += double(P::hsum(acc));
+        acc = P::zero();
+        vecs = 0;
+      }
+    }
+    total += double(P::hsum(acc));
+    if (j < n) {  // the tail as exp_shifted computes it (padded with `shift`: exp(0), not summed)
+      exp_shifted(x + j, shift, n - j, e + j);
+      for (; j < n; ++j) total += double(e[j]);
+    }
+    return total;
+  }
+
+  static void max_scaled(const float* e, float w, const float* kw, std::int64_t n, float* acc) noexcept {
+    const V ws = P::splat(w);
+    std::int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      V v = P::mul(P::loadf(e + j), ws);
+      if (kw != nullptr) v = P::mul(v, P::loadf(kw + j));
+      P::store(acc + j, P::vmax(P::loadf(acc + j), v));
+    }
+    for (; j < n; ++j) {
+      float v = e[j] * w;
+      if (kw != nullptr) v *= kw[j];
+      acc[j] = acc[j] < v ? v : acc[j];
+    }
+  }
+
+  // ---- Query-key logits from packed key panels (KVzip): a register tile of QT queries × one
+  // panel of kGemmPanel keys (VP vectors), one broadcast-FMA chain per value over j.
+  static constexpr std::int64_t kVP = kGemmPanel / W;  // vectors per panel
+  static constexpr int kQT = kVP >= 12 ? 1 : int(12 / kVP);  // queries per tile: 12 accumulators
+
+  static void pack_panels(const float* k, std::int64_t n, std::int64_t ld, std::int64_t d, float* out) noexcept {
+    for (std::int64_t p = 0; p * kGemmPanel < n; ++p) {
+      float* dst = out + p * kGemmPanel * d;
+      for (std::int64_t c = 0; c < kGemmPanel; ++c) {
+        const std::int64_t row = p * kGemmPanel + c;
+        for (std::int64_t j = 0; j < d; ++j) dst[j * kGemmPanel + c] = row < n ? k[row * ld + j] : 0.f;
+      }
+    }
+  }
+
+  static void gemm_tile(const float* const* q, std::int64_t d, const float* panel, float* const* out,
+                        std::int64_t qv, std::int64_t kv) noexcept {
+    V acc[kQT][kVP];
+    KVSCORE_UNROLL
+    for (int i = 0; i < kQT; ++i)
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < kVP; ++v) acc[i][v] = P::zero();
+    for (std::int64_t j = 0; j < d; ++j) {
+      V b[kVP];
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < kVP; ++v) b[v] = P::loadf(panel + j * kGemmPanel + v * W);
+      KVSCORE_UNROLL
+      for (int i = 0; i < kQT; ++i) {
+        const V a = P::splat(q[i][j]);
+        KVSCORE_UNROLL
+        for (std::int64_t v = 0; v < kVP; ++v) acc[i][v] = P::fma(a, b[v], acc[i][v]);
+      }
+    }
+    alignas(64) float tmp[kGemmPanel];
+    for (std::int64_t i = 0; i < qv; ++i) {
+      if (kv == kGemmPanel) {
+        for (std::int64_t v = 0; v < kVP; ++v) P::store(out[i] + v * W, acc[i][v]);
+      } else {
+        for (std::int64_t v = 0; v < kVP; ++v) P::store(tmp + v * W, acc[i][v]);
+        for (std::int64_t c = 0; c < kv; ++c) out[i][c] = tmp[c];
+      }
+    }
+  }
+
+  static void gemm_panels(const float* q, std::int64_t nq, const float* kpack, std::int64_t nk, std::int64_t d,
+                          float* out, std::int64_t ldo) noexcept {
+    for (std::int64_t i0 = 0; i0 < nq; i0 += kQT) {
+      const std::int64_t qv = nq - i0 < kQT ? nq - i0 : kQT;
+      const float* qr[kQT];
+      for (int i = 0; i < kQT; ++i) qr[i] = q + (i0 + (i < qv ? i : qv - 1)) * d;  // a short tile repeats its last row
+      for (std::int64_t p = 0; p * kGemmPanel < nk; ++p) {
+        const std::int64_t kv = nk - p * kGemmPanel < kGemmPanel ? nk - p * kGemmPanel : kGemmPanel;
+        float* o[kQT];
+        for (int i = 0; i < kQT; ++i) o[i] = out + (i0 + (i < qv ? i : qv - 1)) * ldo + p * kGemmPanel;
+        gemm_tile(qr, d, kpack + p * kGemmPanel * d, o, qv, kv);
+      }
+    }
+  }
+
   // ---- Low-rank projection (OjaKV): codes = rows · U and rows = codes · Uᵀ, U given as r
   // contiguous rows u_j of d floats. A group of kRows rows stays in L1 (and in registers, one
   // vector at a time) while the r basis rows stream past it kCols at a time; the basis itself
@@ -539,6 +656,11 @@ const KernelTable& make_table(const char* name) noexcept {
                                  &RowKernels<P>::reduce_f32,
                                  &RowKernels<P>::exp_shifted,
                                  &RowKernels<P>::unproject,
+                                 &RowKernels<P>::max_f32,
+                                 &RowKernels<P>::exp_sum,
+                                 &RowKernels<P>::max_scaled,
+                                 &RowKernels<P>::pack_panels,
+                                 &RowKernels<P>::gemm_panels,
                                  &RowKernels<P>::int4_dots};
   return table;
 }

@@ -41,6 +41,10 @@ struct RowOps {
                   std::int64_t r, float* out);
 };
 
+/// Rows per packed panel of gemm_panels' right-hand side (every table): panel p holds rows
+/// [16p, 16p + 16) transposed, [d][16], zero-padded past the last row.
+inline constexpr std::int64_t kGemmPanel = 16;
+
 struct KernelTable {
   const char* name;  ///< "scalar", "sse2", "avx2", "avx512", or an xsimd arch name
   int width;         ///< fp32 lanes per vector (1 for scalar)
@@ -59,6 +63,22 @@ struct KernelTable {
   /// whatever the type of the rows they came from.
   void (*unproject)(const float* codes, std::int64_t n, std::int64_t r, const float* basis, std::int64_t d,
                     float* out);
+  /// max_j x[j] over finite or -inf values (-inf for n = 0): a softmax row's max (KVzip).
+  float (*max_f32)(const float* x, std::int64_t n);
+  /// e[j] = exp(x[j] - shift), each value as exp_shifted computes it; returns Σ e[j] (fp32 lanes
+  /// over blocks of kSumBlockRows vectors, the blocks added in fp64): a softmax row (KVzip).
+  double (*exp_sum)(const float* x, float shift, std::int64_t n, float* e);
+  /// acc[j] = max(acc[j], e[j]·w·kw[j]) (kw = nullptr: 1), fp32: KVzip's max over queries.
+  void (*max_scaled)(const float* e, float w, const float* kw, std::int64_t n, float* acc);
+  /// out = the panels of n fp32 rows of d elements (row i at k + i·ld): ceil(n/16)·16·d floats,
+  /// see kGemmPanel.
+  void (*pack_panels)(const float* k, std::int64_t n, std::int64_t ld, std::int64_t d, float* out);
+  /// out[i·ldo + t] = Σ_j q[i·d + j]·k_t[j] for i < nq, t < nk, the rows k_t packed by pack_panels
+  /// (KVzip's logits: a block of queries against every key, query-major). Each value is one fp32
+  /// chain of fused multiply-adds over j in order, so it does not depend on where its query or
+  /// key falls in a tile or a call (SSE2 and scalar tables: a multiply and an add).
+  void (*gemm_panels)(const float* q, std::int64_t nq, const float* kpack, std::int64_t nk, std::int64_t d, float* out,
+                      std::int64_t ldo);
   /// acc[k·2h + t] = Σ_j w[k·d + j]·code(j, t) for k < g queries and t < 2h tokens, where code(j, t)
   /// is the low nibble of codes[j·h + t] for t < h and the high nibble of codes[j·h + t − h]
   /// otherwise (block_sparse.hpp's int4 block score). Integer sums: the same on every table.

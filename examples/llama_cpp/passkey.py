@@ -1,0 +1,118 @@
+"""Passkey retrieval through kvscore_llama (docs/kvzip.md): a pass key hidden at several depths of
+filler text (Mohtashami & Jaggi's passkey prompt) inside SmolLM2's chat template; the context is
+prefilled, compressed by --method at each --keep, and the question is decoded after the compressed
+cache and answered greedily. A cell's accuracy: the share of depths whose answer holds the key.
+For kvzip the reconstruction skips the template's opening (--kvzip-prefix, measured by tokenizing
+it) and puts the template's end of the user turn before each chunk (--kvzip-suffix), as kvpress.
+
+  python examples/llama_cpp/passkey.py --bin build/examples/llama_cpp/kvscore_llama \\
+      --model SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 1000] [--depths 0.1,0.3,0.5,0.7,0.9] \\
+      [--keeps 0.5,0.25,0.1] [--methods kvzip,knorm,keydiff] [--out passkey.json]
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+OPEN = "<|im_start|>user\n"
+CLOSE = "<|im_end|>\n<|im_start|>assistant\n"
+QUESTION = "\nWhat is the pass key? Answer with the number only." + CLOSE + "The pass key is"
+
+
+def run(binary, model, args):
+    r = subprocess.run([binary, "--model", model, "--threads", "1", "--special", *args], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        sys.exit(f"passkey.py: {binary} {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def tokens_of(binary, model, text, tmp):
+    """The prompt's token count as kvscore_llama tokenizes it (its first output line)."""
+    path = os.path.join(tmp, "probe.txt")
+    with open(path, "w") as f:
+        f.write(text)
+    out = run(binary, model, ["--prompt-file", path, "--keep", "1", "--n-predict", "1", "--recent", "1",
+                              "--no-text"])
+    return int(re.search(r"prompt: (\d+) tokens", out).group(1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", required=True, help="kvscore_llama")
+    ap.add_argument("--model", required=True, help="the GGUF file")
+    ap.add_argument("--tokens", type=int, default=1000, help="about this many context tokens (default 1000)")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--keeps", default="0.5,0.25,0.1", help="--keep values (compression 0.5 / 0.75 / 0.9)")
+    ap.add_argument("--methods", default="kvzip,knorm,keydiff")
+    ap.add_argument("--recent", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the records as JSON")
+    a = ap.parse_args()
+    depths = [float(x) for x in a.depths.split(",")]
+    keeps = [float(x) for x in a.keeps.split(",")]
+    methods = a.methods.split(",")
+    rng = random.Random(a.seed)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = tokens_of(a.bin, a.model, OPEN, tmp)
+        per = tokens_of(a.bin, a.model, FILLER * 20, tmp) / 20
+        n_fill = max(1, int(a.tokens / per))
+        q = os.path.join(tmp, "question.txt")
+        with open(q, "w") as f:
+            f.write(QUESTION)
+        for depth in depths:
+            key = str(rng.randrange(10000, 100000))
+            needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+            at = int(depth * n_fill)
+            text = OPEN + FILLER * at + needle + FILLER * (n_fill - at)
+            p = os.path.join(tmp, "prompt.txt")
+            with open(p, "w") as f:
+                f.write(text)
+            runs = [("full", 1.0)] + [(m, k) for m in methods for k in keeps]
+            for method, keep in runs:
+                args = ["--prompt-file", p, "--question-file", q, "--keep", str(keep), "--recent", str(a.recent),
+                        "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" else method]
+                if method == "kvzip":
+                    args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
+                out = run(a.bin, a.model, args)
+                answer = re.search(r"answer 0:[^|]*\| (.*)", out).group(1)
+                rec = {"method": method, "keep": keep, "depth": depth, "key": key, "answer": answer,
+                       "correct": key in answer,
+                       "tokens": int(re.search(r"prompt: (\d+) tokens", out).group(1))}
+                t = re.search(r"timing: prefill ([\d.]+) ms .*?score\+select\+evict ([\d.]+) ms", out)
+                rec["prefill_ms"], rec["kv_ms"] = float(t.group(1)), float(t.group(2))
+                z = re.search(r"kvzip: .*?forward ([\d.]+) ms .*?scoring ([\d.]+) ms", out)
+                if z:
+                    rec["kvzip_forward_ms"], rec["kvzip_scoring_ms"] = float(z.group(1)), float(z.group(2))
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    print(f"\n| method | " + " | ".join(f"keep {k}" for k in keeps) + " |")
+    print("| --- | " + " | ".join("---:" for _ in keeps) + " |")
+    full = [r["correct"] for r in records if r["method"] == "full"]
+    print(f"| full cache | {sum(full) / len(full):.2f} |" + " |" * (len(keeps) - 1))
+    for m in methods:
+        cells = []
+        for k in keeps:
+            c = [r["correct"] for r in records if r["method"] == m and r["keep"] == k]
+            cells.append(f"{sum(c) / len(c):.2f}")
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    z = [r for r in records if "kvzip_forward_ms" in r]
+    if z:
+        fwd = sum(r["kvzip_forward_ms"] / r["prefill_ms"] for r in z) / len(z)
+        sc = sum(r["kvzip_scoring_ms"] / r["kvzip_forward_ms"] for r in z) / len(z)
+        print(f"\nkvzip: reconstruction forward {100 * fwd:.0f} % of the prefill, scoring {100 * sc:.1f} % of that "
+              f"forward (mean of {len(z)} runs; {records[0]['tokens']} prompt tokens)")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

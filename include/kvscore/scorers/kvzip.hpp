@@ -1,0 +1,311 @@
+// kvscore/scorers/kvzip.hpp — KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache
+// Compression with Context Reconstruction"): each cached token is scored by the attention it
+// receives from a set of queries — in KVzip, the queries of a second forward pass in which the
+// model reconstructs the context from its cache ("Repeat the previous context exactly." + the
+// context). The scorer itself takes any set of post-RoPE queries (a reconstruction pass, a
+// SnapKV window, a question); docs/kvzip.md has the algorithm around it.
+//
+// Per KV head h, with the G = q_heads / kv_heads query heads of its group (contiguous, the
+// Hugging Face repeat_kv order) and m queries, query i of head g sees the key set
+//
+//   S_i = sinks [0, s) ∪ span [b, e) ∪ own rows [0, i]        (s = min(sinks, b))
+//
+// where the own rows are the queries' own keys (query i sits at own row i: causal), and
+//
+//   p_{g,i}(t) = exp(q_{g,i}·k_t/√d) / Σ_{u ∈ S_i} exp(q_{g,i}·k_u/√d)       t ∈ S_i
+//   score(t)   = max_{g,i} α_i β_{g,t} p_{g,i}(t)       (aggregate = max: KVzip)
+//              = 1/(G·m) Σ_{g,i} α_i β_{g,t} p_{g,i}(t)  (aggregate = mean)
+//
+// for the span's rows t ∈ [b, e) (α_i: query weights, β_{g,t}: key weights, default 1; KVzip+
+// uses α_i = 1/‖h_i‖ and β_{g,t} = ‖W_O^{(g)} v_t‖). score_span() runs one such pass: kvpress's
+// KVzipPress scores the context in chunks, one reconstruction pass per chunk [b, e), with its
+// first n_sink cache rows as sinks, and writes only the chunk's scores.
+//
+// score(keys) is the registry's form (make_scorer, the CLI, the evaluator): with
+// `placement = in_cache` the queries are the cache's last w rows (P = N − w): span [0, P), own
+// rows [P, N), and the window rows are scored too, by the attention they receive from the later
+// window queries (causal); protected_recent() = w. With `after_cache` every query sees every
+// key (span [0, N), no own rows) and nothing is protected.
+//
+// Decisions (docs/kvzip.md): the softmax is over S_i only, as kvpress computes it (not over the
+// whole cache the model attended to); invalid keys (fp32 squared norm not finite,
+// scorer_base.hpp) take no part in any softmax and score -inf; a +inf logit is clamped to
+// FLT_MAX and a NaN logit dropped (as SnapKV); a query that sees no valid key adds nothing.
+//
+// Cost and numerics: the keys a head's queries see are widened to fp32 once (one contiguous
+// copy, invalid rows zeroed, packed in panels of 16 keys), then one GEMM pass per block of
+// queries: the logits of a block (its G heads × up to kMaxBlock queries against every key it
+// sees) come from the kernel table's gemm_panels (broadcast-FMA register tiles; each logit one
+// fp32 chain over the dimensions, independent of the tiling) into a buffer of at most ~256 KB; each query row then takes its max (max_f32), exp and sum (exp_sum: fp32 exp, the sum
+// in fp32 blocks added in fp64), and its probabilities go into the per-token max (max_scaled,
+// fp32) or the fp64 sum (mean). So the scores do not depend on `query_block` (the chunking over
+// queries) or on the thread count: bit-identical.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvscore/methods.hpp"
+#include "kvscore/scorers/scorer_base.hpp"
+
+namespace kvscore {
+
+/// One reconstruction pass of KVzip::score_span(): the cache rows it scores, its sinks, and the
+/// optional weights of KVzip+.
+struct KVzipSpan {
+  std::int64_t begin = 0;  ///< first scored cache row
+  std::int64_t end = -1;   ///< one past the last scored cache row (-1: the cache's end)
+  std::int64_t sinks = 0;  ///< cache rows [0, min(sinks, begin)) join every softmax, unscored (kvpress's n_sink)
+  /// α_i > 0, [n_queries] (KVzip+: 1/‖h_i‖ of the query's hidden state); nullptr = 1.
+  const float* query_weights = nullptr;
+  /// β_{g,t} >= 0, [q_heads][end − begin] (KVzip+: ‖W_O^{(g)} v_t‖ of query head g); nullptr = 1.
+  const float* key_weights = nullptr;
+};
+
+class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
+ public:
+  using detail::AllocatingScore<KVzip>::score;
+
+  static constexpr const char* name = "kvzip";
+  static constexpr int passes = 1;  ///< reads of the keys per block of queries
+  /// Queries per block at most (query_block = 0 picks up to this many by the buffer's size).
+  static constexpr std::int64_t kMaxBlock = 64;
+
+  /// max (KVzip, default) or mean over the group's query heads and the queries.
+  QueryAggregate aggregate = QueryAggregate::max;
+  /// score(keys): the queries are the cache's last rows (default) or follow the cache.
+  QueryPlacement placement = QueryPlacement::in_cache;
+  /// Queries per block (the chunking over queries), >= 0; 0 = automatic. The scores are the same
+  /// for any value.
+  std::int64_t query_block = 0;
+
+  /// queries: [q_heads][n_queries][head_dim] row-major fp32, post-RoPE. Copied. `group` =
+  /// q_heads / kv_heads, checked against the keys; 0 = derive it from the keys.
+  KVzip(const float* queries, std::int64_t q_heads, std::int64_t n_queries, std::int64_t head_dim,
+        std::int64_t group = 0)
+      : q_heads_(q_heads), n_(n_queries), dim_(head_dim), group_(group) {
+    const std::string who = "kvscore::KVzip: ";
+    const std::int64_t total = detail::check_query_window("kvscore::KVzip", queries, q_heads, n_queries, head_dim, group);
+    queries_.assign(queries, queries + total);
+    scaled_.resize(std::size_t(total));
+    const double inv_sqrt_d = 1.0 / std::sqrt(double(head_dim));
+    for (std::int64_t k = 0; k < total; ++k) {
+      const float x = queries_[std::size_t(k)];
+      if (!std::isfinite(x))
+        detail::throw_invalid(who + "query value " + std::to_string(x) + " at [head " +
+                              std::to_string(k / (n_queries * head_dim)) + ", query " +
+                              std::to_string((k / head_dim) % n_queries) + ", dim " + std::to_string(k % head_dim) +
+                              "] is not finite");
+      scaled_[std::size_t(k)] = float(double(x) * inv_sqrt_d);  // q/√d, rounded once
+    }
+  }
+
+  std::int64_t q_heads() const noexcept { return q_heads_; }
+  std::int64_t n_queries() const noexcept { return n_; }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t group() const noexcept { return group_; }
+  const std::vector<float>& queries() const noexcept { return queries_; }
+  /// Tokens at the end of the cache to protect (SelectOptions::recent): the in-cache queries'
+  /// own rows; 0 when they follow the cache.
+  std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? n_ : 0; }
+
+  /// Throws std::invalid_argument unless score(keys) can run on these keys.
+  template <class View>
+  void check(const View& keys) const {
+    const std::string who = "kvscore::KVzip: ";
+    check_common(who, keys.heads(), keys.head_dim());
+    if (placement == QueryPlacement::in_cache && n_ > keys.tokens())
+      detail::throw_invalid(who + "n_queries " + std::to_string(n_) + " > tokens " + std::to_string(keys.tokens()) +
+                            " (in_cache: the queries are the cache's last rows; set placement = "
+                            "QueryPlacement::after_cache for queries that follow the cache)");
+  }
+
+  /// The registry's form: every token scored (see the header comment).
+  template <KeyCacheView View>
+  void score(const View& keys, ScoresView out) const {
+    detail::check_scores_shape(keys, out, name);
+    check(keys);
+    const std::int64_t n = keys.tokens();
+    const bool own = placement == QueryPlacement::in_cache;
+    const std::int64_t P = own ? n - n_ : n;
+    run(keys, keys, own ? P : 0, own ? n_ : 0, 0, P, 0, own, nullptr, nullptr, out);
+  }
+
+  /// One reconstruction pass: the queries are the pass's tokens, whose own keys are `own`'s n_queries
+  /// rows (query i at own row i); `cache` holds the context. Writes out[h][t] for t in
+  /// [span.begin, span.end) and nothing else (out: [heads][cache.tokens()]), so the passes of a
+  /// chunked reconstruction fill one score array.
+  template <KeyCacheView Cache, KeyCacheView Own>
+  void score_span(const Cache& cache, const Own& own, const KVzipSpan& span, ScoresView out) const {
+    const std::string who = "kvscore::KVzip::score_span: ";
+    detail::check_scores_shape(cache, out, name);
+    check_common(who, cache.heads(), cache.head_dim());
+    if (own.heads() != cache.heads() || own.head_dim() != cache.head_dim())
+      detail::throw_invalid(who + "own keys [" + std::to_string(own.heads()) + " heads, head_dim " +
+                            std::to_string(own.head_dim()) + "] do not match the cache [" +
+                            std::to_string(cache.heads()) + ", " + std::to_string(cache.head_dim()) + "]");
+    if (own.tokens() != n_)
+      detail::throw_invalid(who + "own keys have " + std::to_string(own.tokens()) + " rows, expected one per query (" +
+                            std::to_string(n_) + ")");
+    const std::int64_t n = cache.tokens(), e = span.end < 0 ? n : span.end;
+    if (span.begin < 0 || span.begin > e || e > n)
+      detail::throw_invalid(who + "span [" + std::to_string(span.begin) + ", " + std::to_string(span.end) +
+                            ") is not inside the cache's " + std::to_string(n) + " rows");
+    if (span.sinks < 0) detail::throw_invalid(who + "sinks must be >= 0 (got " + std::to_string(span.sinks) + ")");
+    if (span.query_weights)
+      for (std::int64_t i = 0; i < n_; ++i)
+        if (!(span.query_weights[i] > 0.f) || !std::isfinite(span.query_weights[i]))
+          detail::throw_invalid(who + "query_weights[" + std::to_string(i) + "] = " +
+                                std::to_string(span.query_weights[i]) + " must be finite and > 0");
+    if (span.key_weights)
+      for (std::int64_t i = 0; i < q_heads_ * (e - span.begin); ++i)
+        if (!(span.key_weights[i] >= 0.f) || !std::isfinite(span.key_weights[i]))
+          detail::throw_invalid(who + "key_weights[" + std::to_string(i / (e - span.begin)) + "][" +
+                                std::to_string(i % (e - span.begin)) + "] = " + std::to_string(span.key_weights[i]) +
+                                " must be finite and >= 0");
+    run(cache, own, 0, n_, span.begin, e, std::min(span.sinks, span.begin), false, span.query_weights,
+        span.key_weights, out);
+  }
+
+ private:
+  void check_common(const std::string& who, std::int64_t kv_heads, std::int64_t key_dim) const {
+    detail::check_queries_match_keys(who, q_heads_, group_, dim_, kv_heads, key_dim);
+    if (query_block < 0)
+      detail::throw_invalid(who + "query_block must be >= 0 (got " + std::to_string(query_block) + "; 0 = automatic)");
+  }
+
+  /// Cache rows [0, s) and [b, e) plus own rows [o0, o0 + m_own) (query i sees own rows up to o0 + i).
+  template <class Cache, class Own>
+  void run(const Cache& cache, const Own& own, std::int64_t o0, std::int64_t m_own, std::int64_t b, std::int64_t e,
+           std::int64_t s, bool score_own, const float* qw, const float* kw, ScoresView out) const {
+    const std::int64_t heads = cache.heads();
+    if (heads == 0) return;
+    const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
+    detail::for_each_head(heads, num_threads, [&](std::int64_t h) {
+      score_head(table, cache, own, h, o0, m_own, b, e, s, score_own, qw, kw, out.head(h));
+    });
+  }
+
+  /// Invalid or NaN logits -> -inf, +inf -> FLT_MAX (the rare path: a row whose max or sum is not finite).
+  static void clean_row(float* l, std::int64_t n, const unsigned char* valid) noexcept {
+    constexpr float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
+    for (std::int64_t t = 0; t < n; ++t) {
+      float x = l[t];
+      x = (valid[t] && x == x) ? x : -inf;
+      l[t] = x > big ? big : x;
+    }
+  }
+
+  template <class Cache, class Own>
+  void score_head(const simd::KernelTable& table, const Cache& cache, const Own& own, std::int64_t h, std::int64_t o0,
+                  std::int64_t m_own, std::int64_t b, std::int64_t e, std::int64_t s, bool score_own, const float* qw,
+                  const float* kw, float* out) const {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    const std::int64_t G = q_heads_ / cache.heads(), m = n_, d = dim_;
+    const std::int64_t nb = e - b, nc = s + nb;  // cache rows in every softmax: sinks, then the span
+    const std::int64_t R = nc + m_own;           // + the own rows
+    const std::int64_t scored = nb + (score_own ? m_own : 0);
+    if (R == 0) return;
+
+    // Every row once as fp32, contiguous (row r: sink r, span b + r - s, own o0 + r - nc): the basis
+    // the query blocks' logits are projected on. Invalid rows are zeroed and left out below.
+    const auto rn = static_cast<std::size_t>(R);
+    std::vector<float> k32(rn * std::size_t(d)), buf(rn);
+    std::vector<unsigned char> valid(rn);
+    auto rows = [&](auto&& f) {  // f(first, r0, n, stride) over the rows in order
+      detail::for_each_run_in(cache, h, 0, s, [&](const auto* p, std::int64_t t0, std::int64_t n, std::int64_t st) {
+        f(p, t0, n, st);
+      });
+      detail::for_each_run_in(cache, h, b, e, [&](const auto* p, std::int64_t t0, std::int64_t n, std::int64_t st) {
+        f(p, s + t0 - b, n, st);
+      });
+      detail::for_each_run_in(own, h, o0, o0 + m_own,
+                              [&](const auto* p, std::int64_t t0, std::int64_t n, std::int64_t st) {
+                                f(p, nc + t0 - o0, n, st);
+                              });
+    };
+    rows([&](const auto* p, std::int64_t r0, std::int64_t n, std::int64_t st) {
+      table.ops<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>>().sqnorm(p, n, st, d, buf.data() + r0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        float* dst = k32.data() + (r0 + i) * d;
+        for (std::int64_t j = 0; j < d; ++j) dst[j] = to_float(p[i * st + j]);
+      }
+    });
+    std::vector<std::int64_t> invalid;
+    for (std::int64_t r = 0; r < R; ++r) {
+      valid[std::size_t(r)] = std::isfinite(buf[std::size_t(r)]) ? 1 : 0;
+      if (!valid[std::size_t(r)]) {
+        invalid.push_back(r);
+        std::fill(k32.begin() + r * d, k32.begin() + (r + 1) * d, 0.f);
+      }
+    }
+    const std::int64_t panels = (R + simd::kGemmPanel - 1) / simd::kGemmPanel;
+    std::vector<float> kpack(static_cast<std::size_t>(panels * simd::kGemmPanel * d));
+    table.pack_panels(k32.data(), R, d, d, kpack.data());
+
+    // Queries per block: the block's logits [G·Q][rows] stay within ~256 KB (results do not depend on it).
+    std::int64_t Q = query_block > 0 ? query_block
+                                     : std::clamp<std::int64_t>(65536 / std::max<std::int64_t>(R * G, 1), 1, kMaxBlock);
+    Q = std::min(Q, std::max<std::int64_t>(m, 1));
+    std::vector<float> qblock(static_cast<std::size_t>(G * Q * d)), logits(static_cast<std::size_t>(R * G * Q)),
+        ex(rn), accf(static_cast<std::size_t>(scored), 0.f);  // probabilities are >= 0: 0 is max's identity
+    std::vector<double> acc(aggregate == QueryAggregate::mean ? static_cast<std::size_t>(scored) : 0, 0.0);
+    const float* qh = scaled_.data() + h * G * m * d;  // the group's queries, [G][m][d]
+
+    for (std::int64_t i0 = 0; i0 < m; i0 += Q) {
+      const std::int64_t qn = std::min(Q, m - i0), r = G * qn;
+      const std::int64_t seen = m_own > 0 ? nc + std::min(i0 + qn, m_own) : nc;  // rows the block sees
+      for (std::int64_t g = 0; g < G; ++g)
+        std::copy(qh + (g * m + i0) * d, qh + (g * m + i0 + qn) * d, qblock.data() + g * qn * d);
+      // logits[c][t] = q_c · k_t for the block's queries c and the rows t it sees
+      table.gemm_panels(qblock.data(), r, kpack.data(), seen, d, logits.data(), seen);
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < qn; ++j) {
+          const std::int64_t i = i0 + j;
+          float* l = logits.data() + (g * qn + j) * seen;
+          const std::int64_t ni = m_own > 0 ? nc + std::min(i + 1, m_own) : nc;  // keys query i sees
+          for (std::int64_t t : invalid) {
+            if (t >= ni) break;
+            l[t] = -inf;
+          }
+          float mx = table.max_f32(l, ni);
+          double z = mx > -inf && mx < inf ? table.exp_sum(l, mx, ni, ex.data()) : 0.0;
+          if (!(z > 0 && z < inf)) {  // an overflowed or NaN logit: clamp, drop, then as usual
+            clean_row(l, ni, valid.data());
+            mx = table.max_f32(l, ni);
+            if (mx == -inf) continue;  // no valid key: this query adds nothing
+            z = table.exp_sum(l, mx, ni, ex.data());
+          }
+          const double w = (qw ? double(qw[i]) : 1.0) / z;
+          const float* kwg = kw ? kw + (h * G + g) * nb : nullptr;
+          if (aggregate == QueryAggregate::max) {
+            table.max_scaled(ex.data() + s, float(w), kwg, nb, accf.data());
+            if (score_own) table.max_scaled(ex.data() + nc, float(w), nullptr, ni - nc, accf.data() + nb);
+          } else {
+            for (std::int64_t u = 0; u < nb; ++u)
+              acc[std::size_t(u)] += double(ex[std::size_t(s + u)]) * w * (kwg ? double(kwg[u]) : 1.0);
+            if (score_own)
+              for (std::int64_t u = nc; u < ni; ++u) acc[std::size_t(nb + u - nc)] += double(ex[std::size_t(u)]) * w;
+          }
+        }
+    }
+
+    const double scale = 1.0 / double(G * m);
+    auto value = [&](std::int64_t u) {
+      return aggregate == QueryAggregate::max ? accf[std::size_t(u)] : float(acc[std::size_t(u)] * scale);
+    };
+    for (std::int64_t u = 0; u < nb; ++u) out[b + u] = valid[std::size_t(s + u)] ? value(u) : kInvalidScore;
+    if (score_own)
+      for (std::int64_t u = 0; u < m_own; ++u)
+        out[o0 + u] = valid[std::size_t(nc + u)] ? value(nb + u) : kInvalidScore;
+  }
+
+  std::vector<float> queries_, scaled_;
+  std::int64_t q_heads_, n_, dim_, group_;
+};
+
+}  // namespace kvscore

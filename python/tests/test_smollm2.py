@@ -283,7 +283,7 @@ def test_dump_kv_gguf_leak_free_dump_reproduces_the_model(smol, tmp_path):
     best = rep["per_layer_best"][0]
     assert best["keep"] == 0.25 and len(best["methods"]) == 30
     assert set(best["methods"]) <= {"knorm", "keydiff", "l2", "windowed-l2", "qfilter", "snapkv", "streaming_llm",
-                                    "protokv"}
+                                    "protokv", "kvzip"}
     shared = kvscore.evaluate(K, V, Q, keep=(0.25,), methods="snapkv,l2")
     lf = {r["method"]: r["attention_mass_recall"] for r in rep["results"]}
     sh = {r["method"]: r["attention_mass_recall"] for r in shared["results"]}

@@ -29,7 +29,7 @@ fi
 # links) and the CLI are built, `pip install .` and pytest, which decodes SmolLM2 on one thread
 # (~3 min) — beside the C++ build, llama.cpp and ctest. Its log is printed when it ends.
 BG=()
-trap 'step_done; for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
+trap 'step_done; rm -f "$STEP_TIMES_FILE"; for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
 if [ "$PYTHON_TESTS" != 0 ]; then
   READY="$(pwd)/$BUILD/.python-may-install"
   rm -f "$READY"

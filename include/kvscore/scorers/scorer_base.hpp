@@ -13,6 +13,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/core/scorer_options.hpp"
@@ -95,6 +96,25 @@ inline std::int64_t check_query_window(const char* cls, const float* queries, st
                   " (0 = q_heads / kv_heads of the keys)");
   if (queries == nullptr) throw_invalid(who + "queries is null");
   return checked_mul(checked_mul(q_heads, window, cls), head_dim, cls);
+}
+
+/// check_query_window, then the queries copied into `copy` and q/√d rounded once to fp32 into
+/// `scaled` (what the scores are computed from); a non-finite value is named by its place.
+inline void copy_query_window(const char* cls, const float* queries, std::int64_t q_heads, std::int64_t window,
+                              std::int64_t head_dim, std::int64_t group, std::vector<float>& copy,
+                              std::vector<float>& scaled) {
+  const std::int64_t total = check_query_window(cls, queries, q_heads, window, head_dim, group);
+  copy.assign(queries, queries + total);
+  scaled.resize(std::size_t(total));
+  const double inv_sqrt_d = 1.0 / std::sqrt(double(head_dim));
+  for (std::int64_t k = 0; k < total; ++k) {
+    const float x = copy[std::size_t(k)];
+    if (!std::isfinite(x))
+      throw_invalid(std::string(cls) + ": query value " + std::to_string(x) + " at [head " +
+                    std::to_string(k / (window * head_dim)) + ", query " + std::to_string((k / head_dim) % window) +
+                    ", dim " + std::to_string(k % head_dim) + "] is not finite");
+    scaled[std::size_t(k)] = float(double(x) * inv_sqrt_d);
+  }
 }
 
 /// A query-window scorer's queries against the keys it scores: q_heads a multiple of the

@@ -67,20 +67,7 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
   SnapKV(const float* queries, std::int64_t q_heads, std::int64_t window, std::int64_t head_dim,
          std::int64_t group = 0)
       : q_heads_(q_heads), window_(window), dim_(head_dim), group_(group) {
-    const std::string who = "kvscore::SnapKV: ";
-    const std::int64_t total = detail::check_query_window("kvscore::SnapKV", queries, q_heads, window, head_dim, group);
-    queries_.assign(queries, queries + total);
-    scaled_.resize(std::size_t(total));
-    const double inv_sqrt_d = 1.0 / std::sqrt(double(head_dim));
-    for (std::int64_t k = 0; k < total; ++k) {
-      const float x = queries_[std::size_t(k)];
-      if (!std::isfinite(x))
-        detail::throw_invalid(who + "query value " + std::to_string(x) + " at [head " +
-                              std::to_string(k / (window * head_dim)) + ", query " +
-                              std::to_string((k / head_dim) % window) + ", dim " + std::to_string(k % head_dim) +
-                              "] is not finite");
-      scaled_[std::size_t(k)] = float(double(x) * inv_sqrt_d);  // q/√d, rounded once
-    }
+    detail::copy_query_window("kvscore::SnapKV", queries, q_heads, window, head_dim, group, queries_, scaled_);
   }
 
   std::int64_t q_heads() const noexcept { return q_heads_; }

@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -43,17 +44,26 @@ def run_engines(*specs, timeout=900):
     result depends only on its own steps (stepwise, greedy), not on the others beside it: run
     together, their start-ups (one-threaded imports and model loads) and small-batch steps fill
     both cores instead of one."""
-    procs = [subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(s)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for s in specs]
-    outs = []
+    # output into files, not pipes: a pipe left unread while the first engine is waited for
+    # would stall the others once it fills (vLLM logs much)
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in specs]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(s)], stdout=o, stderr=e,
+                              text=True) for s, (o, e) in zip(specs, files)]
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout))
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    outs = []
+    for o, e in files:
+        o.seek(0)
+        e.seek(0)
+        outs.append((o.read(), e.read()))
+        o.close()
+        e.close()
     results = []
     for p, (out, err) in zip(procs, outs):
         r = next((json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")), None)

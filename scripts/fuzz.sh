@@ -43,13 +43,12 @@ printf '%s\n' $TARGETS | xargs -P "$JOBS" -I{} bash -c \
 t1=$(date +%s)
 echo "fuzz.sh: built $(echo $TARGETS | wc -w) harnesses in $((t1 - t0)) s"
 
-status=0
-summary=""
-for t in $TARGETS; do
-  work="$B/corpus/$t"
-  rm -rf "$work" "$B/artifacts/$t" && mkdir -p "$work" "$B/artifacts/$t"
+# The harnesses run $JOBS at a time (each libFuzzer process is one thread: the same fuzzing time per
+# harness in half the wall time on 2 cores); each writes its summary line to $B/<harness>.summary.
+fuzz_one() {
+  local t=$1 work="$B/corpus/$1" log="$B/$1.log" args runs cov
+  rm -rf "$work" "$B/artifacts/$t" "$B/$t.summary" && mkdir -p "$work" "$B/artifacts/$t"
   [ -d "fuzz/corpus/$t" ] && cp -r "fuzz/corpus/$t/." "$work/"
-  log="$B/$t.log"
   if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then
     args=(-runs=0 "$work")
   else
@@ -61,13 +60,22 @@ for t in $TARGETS; do
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)
     [ -n "$runs" ] || runs=$(grep -o 'Done [0-9]* runs' "$log" | grep -o '[0-9]*' || echo "?")
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo "?")
-    summary+=$(printf '%-14s ok    %10s executions  cov %s  corpus %s\n' "$t" "$runs" "$cov" "$(ls "$work" | wc -l)")$'\n'
+    printf '%-14s ok    %10s executions  cov %s  corpus %s\n' "$t" "$runs" "$cov" "$(ls "$work" | wc -l)" >"$B/$t.summary"
   else
-    status=1
-    summary+=$(printf '%-14s FAIL  (log: %s, reproducer: %s)\n' "$t" "$log" "$(ls "$B/artifacts/$t" | head -1)")$'\n'
+    printf '%-14s FAIL  (log: %s, reproducer: %s)\n' "$t" "$log" "$(ls "$B/artifacts/$t" | head -1)" >"$B/$t.summary"
     grep -E 'INVARIANT BROKEN|ERROR: AddressSanitizer|runtime error|deadly signal|uncaught exception|terminate called' "$log" | head -5
   fi
+}
+for t in $TARGETS; do
+  while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
+  fuzz_one "$t" &
 done
-printf '\n%s' "$summary"
-echo "fuzz.sh: total $(( $(date +%s) - t0 )) s"
+wait
+status=0
+echo
+for t in $TARGETS; do
+  cat "$B/$t.summary" 2>/dev/null || { printf '%-14s FAIL  (no summary: the run died)\n' "$t"; status=1; }
+  grep -q ' FAIL ' "$B/$t.summary" 2>/dev/null && status=1
+done
+echo "fuzz.sh: total $(( $(date +%s) - t0 )) s ($JOBS at a time)"
 exit $status

@@ -63,7 +63,7 @@ fuzz_one() {
     printf '%-14s ok    %10s executions  cov %s  corpus %s\n' "$t" "$runs" "$cov" "$(ls "$work" | wc -l)" >"$B/$t.summary"
   else
     printf '%-14s FAIL  (log: %s, reproducer: %s)\n' "$t" "$log" "$(ls "$B/artifacts/$t" | head -1)" >"$B/$t.summary"
-    grep -E 'INVARIANT BROKEN|ERROR: AddressSanitizer|runtime error|deadly signal|uncaught exception|terminate called' "$log" | head -5
+    grep -E 'INVARIANT BROKEN|ERROR: AddressSanitizer|runtime error|deadly signal|uncaught exception|terminate called' "$log" | sed -n 1,5p || true
   fi
 }
 for t in $TARGETS; do

@@ -66,7 +66,7 @@ build() {
     "-DCMAKE_INSTALL_PREFIX=$PREFIX" -DCMAKE_INSTALL_LIBDIR=lib
   )
   local stamp
-  stamp=$(printf '%s\n' "$SHA" "${opts[@]}" "$(c++ --version | head -1)" | sha256sum | cut -c1-16)
+  stamp=$(printf '%s\n' "$SHA" "${opts[@]}" "$(c++ --version | sed -n 1p)" | sha256sum | cut -c1-16)
   if [ -f "$PREFIX/.built-$stamp" ] && [ -f "$PREFIX/lib/cmake/llama/llama-config.cmake" ]; then
     echo "$PREFIX"
     return

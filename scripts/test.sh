@@ -105,7 +105,7 @@ fi
 if [ -f "$BUILD/.ninja_log" ]; then  # where the build's CPU went: its slowest steps (ninja's log)
   echo "    slowest build steps (s of one core): "
   awk 'NR > 1 { t[$4] = ($2 - $1) / 1000 } END { for (k in t) printf "%8.1f  %s\n", t[k], k }' "$BUILD/.ninja_log" |
-    sort -rn | head -8
+    sort -rn | sed -n 1,8p  # sed reads all of sort's output: head would leave sort a closed pipe (SIGPIPE: 141, and set -e)
 fi
 step ctest "the C++ tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"

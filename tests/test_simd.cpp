@@ -191,6 +191,41 @@ TEST_CASE("gemm_panels on every table: the dot products of queries and packed ke
   }
 }
 
+TEST_CASE("int4_dots on every table: the exact integer sums of int16 weights and packed 4-bit codes",
+          "[simd][block_sparse]") {
+  // brute force in int64 against every table, at the weights' extremes (±32767, -32768) and codes
+  // 0..15: 32-token blocks (h = 16: the paired-dimension path on AVX2 / AVX-512), other block
+  // sizes, odd head_dim, 1..9 queries (partial query groups)
+  std::mt19937 rng(7);
+  for (const std::int64_t h : {std::int64_t(16), std::int64_t(8), std::int64_t(3)}) {
+    for (const std::int64_t d : {std::int64_t(64), std::int64_t(37), std::int64_t(1), std::int64_t(2)}) {
+      for (const std::int64_t g : {std::int64_t(1), std::int64_t(3), std::int64_t(4), std::int64_t(9)}) {
+        std::vector<std::int16_t> w(std::size_t(g * d));
+        std::vector<std::uint8_t> codes(std::size_t(d * h));
+        for (std::size_t i = 0; i < w.size(); ++i)
+          w[i] = i % 5 == 0 ? std::int16_t(i % 2 ? 32767 : -32768) : std::int16_t(int(rng() % 65535) - 32767);
+        for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = i % 7 == 0 ? 0xff : std::uint8_t(rng() & 0xff);
+        std::vector<std::int64_t> want(std::size_t(g * 2 * h));
+        for (std::int64_t k = 0; k < g; ++k)
+          for (std::int64_t t = 0; t < 2 * h; ++t) {
+            std::int64_t s = 0;
+            for (std::int64_t j = 0; j < d; ++j) {
+              const std::uint8_t c = codes[std::size_t(j * h + t % h)];
+              s += std::int64_t(w[std::size_t(k * d + j)]) * (t < h ? c & 15 : c >> 4);
+            }
+            want[std::size_t(k * 2 * h + t)] = s;
+          }
+        for (const auto* tb : simd::available_tables()) {
+          INFO("isa " << tb->name << " h " << h << " d " << d << " g " << g);
+          std::vector<std::int32_t> acc(std::size_t(g * 2 * h), 12345);
+          tb->int4_dots(w.data(), g, d, codes.data(), h, acc.data());
+          for (std::size_t i = 0; i < acc.size(); ++i) REQUIRE(std::int64_t(acc[i]) == want[i]);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("set_active_isa pins a table - unknown names throw with the list", "[simd][errors]") {
   const simd::KernelTable& before = simd::active_table();
   simd::set_active_isa("scalar");

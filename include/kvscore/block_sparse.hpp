@@ -49,6 +49,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -257,8 +258,23 @@ inline float summary_score(BlockScore how, const float* q, const float* a, const
   return m + z * std::sqrt(var);
 }
 
+/// Σ_j f(j) for j < d in one fixed order that vectorises: 16 lanes (lane l sums the j ≡ l mod 16
+/// in order), then the lanes pairwise. Not the dimension-order sum, but the same on every ISA:
+/// the compiler turns the lanes into vectors instead of leaving a float reduction scalar.
+template <class F>
+inline float lane_sum(std::int64_t d, F&& f) noexcept {
+  float lane[16] = {};
+  std::int64_t j = 0;
+  for (; j + 16 <= d; j += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += f(j + l);
+  for (int l = 0; j < d; ++j, ++l) lane[l] += f(j);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
 /// max_t q·k̂_t over n int4-coded keys (min, step, codes of summarize_tile) for each of `g`
-/// queries (out[g]): q·min in fp32 in dimension order, plus s·max_t Σ_j w_j·c_tj where
+/// queries (out[g]): q·min in fp32 (lane_sum's order), plus s·max_t Σ_j w_j·c_tj where
 /// w_j = round(q_j·step_j / s) are 16-bit integers (s = max_j |q_j·step_j| / 32767) and the sums
 /// are exact int32: the result does not depend on the ISA or the compiler's vectorisation.
 /// `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
@@ -267,12 +283,15 @@ inline void int4_tile_scores(const float* const* q, std::int64_t g, const float*
                              std::int16_t* w, std::int32_t* acc) noexcept {
   const std::int64_t half = (n + 1) / 2;
   for (std::int64_t k = 0; k < g; ++k) {
-    float top = 0.f;
-    for (std::int64_t j = 0; j < d; ++j) top = std::max(top, std::fabs(q[k][j] * step[j]));
+    // max_j |q_j·step_j|: non-negative floats order as their bits do, and an integer max
+    // vectorises (a float max would not without -ffast-math); the same value in any order
+    std::uint32_t bits = 0;
+    for (std::int64_t j = 0; j < d; ++j) bits = std::max(bits, std::bit_cast<std::uint32_t>(std::fabs(q[k][j] * step[j])));
+    const float top = std::bit_cast<float>(bits);
     const float inv = top > 0.f ? 32767.f / top : 0.f;
     for (std::int64_t j = 0; j < d; ++j) {
       const float u = (q[k][j] * step[j]) * inv;  // in [−32767, 32767]; rounded half away from 0
-      w[k * d + j] = std::int16_t(u >= 0.f ? u + 0.5f : u - 0.5f);
+      w[k * d + j] = std::int16_t(std::int32_t(u + (u >= 0.f ? 0.5f : -0.5f)));
     }
     out[k] = top / 32767.f;  // the weights' scale, until the sums are in
   }
@@ -281,9 +300,8 @@ inline void int4_tile_scores(const float* const* q, std::int64_t g, const float*
     const std::int32_t* a = acc + k * 2 * half;
     std::int32_t best = a[0];
     for (std::int64_t t = 1; t < n; ++t) best = std::max(best, a[t]);  // a[t] is token t (a[n]: padding)
-    float base = 0.f;
-    for (std::int64_t j = 0; j < d; ++j) base += q[k][j] * mn[j];
-    out[k] = base + out[k] * float(best);
+    const float* qk = q[k];
+    out[k] = lane_sum(d, [&](std::int64_t j) { return qk[j] * mn[j]; }) + out[k] * float(best);
   }
 }
 
@@ -307,9 +325,8 @@ void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads
       w.agg.resize(std::size_t(C));
       for (std::int64_t c = 0; c < C; ++c) {
         const auto [mn, st, codes] = summary(c, h);
-        float b = 0.f;
-        for (std::int64_t j = 0; j < d; ++j) b += std::max(q[j] * mn[j], q[j] * (mn[j] + 15.f * st[j]));
-        w.agg[std::size_t(c)] = b;
+        w.agg[std::size_t(c)] =
+            lane_sum(d, [&](std::int64_t j) { return std::max(q[j] * mn[j], q[j] * (mn[j] + 15.f * st[j])); });
       }
       w.order.resize(std::size_t(C));
       for (std::int64_t c = 0; c < C; ++c) w.order[std::size_t(c)] = c;

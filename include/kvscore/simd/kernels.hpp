@@ -597,9 +597,22 @@ struct RowKernels {
   }
 
   // Plain loops, vectorised by each table's compile flags (src/isa_*.cpp); integers, so every
-  // table gives the same sums.
+  // table gives the same sums. On x86 with 256/512-bit vectors the 32-token case pairs dimensions
+  // instead: token t's codes of dimensions j and j+1 side by side as int16, times (w_j, w_j+1),
+  // added in pairs by (v)pmaddwd into int32 — exact (|w| <= 32767, codes <= 15), the same sums.
   static void int4_dots(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes,
                         std::int64_t h, std::int32_t* acc) noexcept {
+    [[maybe_unused]] constexpr std::int64_t bytes = W * std::int64_t(sizeof(float));
+#if defined(__AVX512BW__)
+    if constexpr (bytes == 64) {
+      if (h == 16) return int4_dots_pairs<4>(w, g, d, codes, acc);
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (bytes == 32) {
+      if (h == 16) return int4_dots_pairs<2>(w, g, d, codes, acc);
+    }
+#endif
     if (h == 16) {  // blocks of 32 tokens (vLLM's CPU block size): 16-lane rows, up to 4 queries at once
       for (std::int64_t k0 = 0; k0 < g; k0 += 4) {
         const std::int64_t kn = g - k0 < 4 ? g - k0 : 4;
@@ -637,6 +650,66 @@ struct RowKernels {
       }
     }
   }
+
+#if defined(__AVX2__)
+  // int4_dots for 32-token blocks, K queries at a time: the codes of dimensions j and j+1, low
+  // nibbles (tokens 0-15) and high nibbles (tokens 16-31), interleaved byte by byte and widened to
+  // int16 lanes [c_tj, c_t,j+1]; each query's (w_j, w_j+1) broadcast as one int32.
+  template <int K>
+  static void int4_dots_pairs(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes,
+                              std::int32_t* acc) noexcept {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (std::int64_t k0 = 0; k0 < g; k0 += K) {
+      const int kn = g - k0 < K ? int(g - k0) : K;
+#if defined(__AVX512BW__)
+      constexpr int V = 2;  // 16 tokens per vector
+      using R = __m512i;
+#else
+      constexpr int V = 4;  // 8 tokens per vector
+      using R = __m256i;
+#endif
+      R a[K][V];
+      for (int k = 0; k < K; ++k)
+        for (int v = 0; v < V; ++v) a[k][v] = R{};
+      for (std::int64_t j = 0; j < d; j += 2) {
+        const bool two = j + 1 < d;
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16));
+        const __m128i y = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (j + 1) * 16)) : _mm_setzero_si128();
+        const __m128i xl = _mm_and_si128(x, m4), yl = _mm_and_si128(y, m4);
+        const __m128i xh = _mm_and_si128(_mm_srli_epi16(x, 4), m4), yh = _mm_and_si128(_mm_srli_epi16(y, 4), m4);
+        R c[V];
+#if defined(__AVX512BW__)
+        c[0] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(xl, yl), _mm_unpacklo_epi8(xl, yl)));
+        c[1] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(xh, yh), _mm_unpacklo_epi8(xh, yh)));
+#else
+        c[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xl, yl));
+        c[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xl, yl));
+        c[2] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xh, yh));
+        c[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xh, yh));
+#endif
+        for (int k = 0; k < kn; ++k) {
+          const std::int16_t* wk = w + (k0 + k) * d;
+          const std::int32_t pair =
+              std::int32_t(std::uint16_t(wk[j])) | std::int32_t(std::uint32_t(std::uint16_t(two ? wk[j + 1] : 0)) << 16);
+#if defined(__AVX512BW__)
+          const R b = _mm512_set1_epi32(pair);
+          for (int v = 0; v < V; ++v) a[k][v] = _mm512_add_epi32(a[k][v], _mm512_madd_epi16(c[v], b));
+#else
+          const R b = _mm256_set1_epi32(pair);
+          for (int v = 0; v < V; ++v) a[k][v] = _mm256_add_epi32(a[k][v], _mm256_madd_epi16(c[v], b));
+#endif
+        }
+      }
+      for (int k = 0; k < kn; ++k)
+        for (int v = 0; v < V; ++v)
+#if defined(__AVX512BW__)
+          _mm512_storeu_si512(acc + (k0 + k) * 32 + v * 16, a[k][v]);
+#else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + (k0 + k) * 32 + v * 8), a[k][v]);
+#endif
+    }
+  }
+#endif
 
   template <class T>
   static constexpr RowOps<T> ops() noexcept {

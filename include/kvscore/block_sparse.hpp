@@ -67,6 +67,7 @@
 #include "kvscore/core/names.hpp"
 #include "kvscore/core/parallel.hpp"
 #include "kvscore/paged.hpp"
+#include "kvscore/pariskv/attention.hpp"
 #include "kvscore/pariskv/pariskv.hpp"
 #include "kvscore/simd/dispatch.hpp"
 
@@ -259,8 +260,8 @@ inline float summary_score(BlockScore how, const float* q, const float* a, const
 }
 
 /// Σ_j f(j) for j < d in one fixed order that vectorises: 16 lanes (lane l sums the j ≡ l mod 16
-/// in order), then the lanes pairwise. Not the dimension-order sum, but the same on every ISA:
-/// the compiler turns the lanes into vectors instead of leaving a float reduction scalar.
+/// in order), then ParisKV's lane tree (tree16). Not the dimension-order sum, but the same on
+/// every ISA: the compiler turns the lanes into vectors instead of leaving a float reduction scalar.
 template <class F>
 inline float lane_sum(std::int64_t d, F&& f) noexcept {
   float lane[16] = {};
@@ -268,9 +269,7 @@ inline float lane_sum(std::int64_t d, F&& f) noexcept {
   for (; j + 16 <= d; j += 16)
     for (int l = 0; l < 16; ++l) lane[l] += f(j + l);
   for (int l = 0; j < d; ++j, ++l) lane[l] += f(j);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-  return lane[0];
+  return pariskv::detail::tree16(lane);
 }
 
 /// max_t q·k̂_t over n int4-coded keys (min, step, codes of summarize_tile) for each of `g`

@@ -35,7 +35,7 @@ def _serve_and_load(model_dir, tmp_path, name, plugin, ps, core, audit=None):
     # each server's worker on a core of its own (one OpenMP thread): with both on every core, their
     # threads and the engine processes' busy waits (vLLM's shared-memory queue yields in a loop
     # between steps) outnumbered two cores and a server stalled for minutes (measured: 310 s for
-    # this test, 248 s bound; docs/vllm.md#tests)
+    # this test, 222 s bound; docs/vllm.md#tests)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
     if audit:
         env["KVSCORE_VLLM_AUDIT"] = str(audit)

@@ -32,15 +32,16 @@ def _errors(log: str) -> list[str]:
 
 
 def _serve_and_load(model_dir, tmp_path, name, plugin, ps, core, audit=None):
-    # each server's worker on a core of its own (one OpenMP thread): with both on every core, their
-    # threads and the engine processes' busy waits (vLLM's shared-memory queue yields in a loop
-    # between steps) outnumbered two cores and a server stalled for minutes (measured: 310 s for
-    # this test, 222 s bound; docs/vllm.md#tests)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    # each server on a core of its own, its worker's one OpenMP thread there too: with both on every
+    # core, their threads and the engine cores' busy waits (vLLM's shared-memory queue yields in a
+    # loop while the worker runs) outnumbered two cores and a server stalled for minutes (measured:
+    # 310 s for this test, 222 s with the workers bound; docs/vllm.md#tests)
+    cpu = core % (os.cpu_count() or 1)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
     if audit:
         env["KVSCORE_VLLM_AUDIT"] = str(audit)
     with Server(model_dir, tmp_path / f"{name}.log", plugin=plugin, blocks=BLOCKS, max_model_len=MAX_MODEL_LEN,
-                max_num_seqs=16, env=env) as s:
+                max_num_seqs=16, env=env, cpus={cpu}) as s:
         loaded = load(s.url, ps, MAX_TOKENS, ABORT)
         m = s.metrics()
         alone = [complete(s.url, p, MAX_TOKENS) if i not in ABORT else None for i, p in enumerate(ps)]

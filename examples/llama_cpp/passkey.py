@@ -7,7 +7,12 @@ it) and puts the template's end of the user turn before each chunk (--kvzip-suff
 
   python examples/llama_cpp/passkey.py --bin build/examples/llama_cpp/kvscore_llama \\
       --model SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 1000] [--depths 0.1,0.3,0.5,0.7,0.9] \\
-      [--keeps 0.5,0.25,0.1] [--methods kvzip,knorm,keydiff] [--out passkey.json]
+      [--keeps 0.5,0.25,0.1] [--methods kvzip,knorm,keydiff] [--hard] [--out passkey.json]
+
+--hard: a harder needle. The filler is running prose (the GPL-3 text, from a random sentence on)
+instead of five repeated sentences, and four distractors — other 5-digit numbers under other
+labels ("The locker code is 48213.") — sit at random depths beside the pass key, which is said
+once. A score that keeps "unusual" tokens keeps the distractors too; only the right one answers.
 """
 
 import argparse
@@ -23,6 +28,25 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 OPEN = "<|im_start|>user\n"
 CLOSE = "<|im_end|>\n<|im_start|>assistant\n"
 QUESTION = "\nWhat is the pass key? Answer with the number only." + CLOSE + "The pass key is"
+PROSE = "/usr/share/common-licenses/GPL-3"
+DISTRACTORS = ["locker code", "order number", "room number", "ticket code"]
+
+
+def hard_text(rng, n_tokens, per_word, key, depth):
+    """Prose of about n_tokens tokens with the pass key at `depth` and the distractors elsewhere."""
+    words = open(PROSE).read().split()
+    n = int(n_tokens / per_word)
+    start = rng.randrange(0, len(words) - n)
+    body = words[start:start + n]
+    inserts = [(depth, f"The pass key is {key}. Remember it.")]
+    for label in DISTRACTORS:
+        inserts.append((rng.uniform(0.05, 0.95), f"The {label} is {rng.randrange(10000, 100000)}."))
+    for at, sentence in sorted(inserts, reverse=True):  # from the end: earlier positions stay put
+        i = int(at * len(body))
+        while i < len(body) and not body[i - 1].endswith("."):  # after a sentence's end
+            i += 1
+        body[i:i] = sentence.split()
+    return " ".join(body) + " "
 
 
 def run(binary, model, args):
@@ -53,6 +77,7 @@ def main():
     ap.add_argument("--methods", default="kvzip,knorm,keydiff")
     ap.add_argument("--recent", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hard", action="store_true", help="prose filler and four distractor numbers (see above)")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
     depths = [float(x) for x in a.depths.split(",")]
@@ -63,6 +88,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         prefix = tokens_of(a.bin, a.model, OPEN, tmp)
         per = tokens_of(a.bin, a.model, FILLER * 20, tmp) / 20
+        if a.hard:
+            sample = " ".join(open(PROSE).read().split()[:400])
+            per_word = tokens_of(a.bin, a.model, sample, tmp) / 400
         n_fill = max(1, int(a.tokens / per))
         q = os.path.join(tmp, "question.txt")
         with open(q, "w") as f:
@@ -72,6 +100,8 @@ def main():
             needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
             at = int(depth * n_fill)
             text = OPEN + FILLER * at + needle + FILLER * (n_fill - at)
+            if a.hard:
+                text = OPEN + hard_text(rng, a.tokens, per_word, key, depth)
             p = os.path.join(tmp, "prompt.txt")
             with open(p, "w") as f:
                 f.write(text)

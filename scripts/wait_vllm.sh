@@ -6,7 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build}
 t0=$(date +%s)
-while [ ! -e "$B/.python-rc" ]; do sleep 2; done
+# the job writes its status as it ends; a job killed before that (its process group gone) must not
+# leave CI waiting until its time limit
+PG=$(cat "$B/.python-pgid")
+while [ ! -e "$B/.python-rc" ] && kill -0 -- "-$PG" 2>/dev/null; do sleep 2; done
+[ -e "$B/.python-rc" ] || { echo "wait_vllm.sh: the vLLM tests' job ($PG) ended without a status"; exit 1; }
 rc=$(cat "$B/.python-rc")
 [ "$rc" = 11 ] && cat "$B/vllm-env.log"
 [ -e "$B/vllm.log" ] && sed 's/^/    /' "$B/vllm.log"

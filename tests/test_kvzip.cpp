@@ -258,6 +258,119 @@ TEMPLATE_TEST_CASE("KVzip: chunking over queries and threads give bit-identical 
   }
 }
 
+/// The pass's causal attention in float64: out[i][hq][u] = Σ_t softmax_t(q·k_t/√d) v_t[u] over the
+/// cache's Nc rows and the own rows [0, i] (invalid key rows left out).
+std::vector<double> attention_reference(const std::vector<double>& cache, const std::vector<double>& own,
+                                        const std::vector<double>& vals, const std::vector<double>& own_vals,
+                                        const std::vector<float>& q, std::int64_t H, std::int64_t G, std::int64_t Nc,
+                                        std::int64_t m, std::int64_t d, std::int64_t dv) {
+  std::vector<double> out(std::size_t(m * H * G * dv), 0.0);
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t g = 0; g < G; ++g)
+      for (std::int64_t i = 0; i < m; ++i) {
+        const float* qi = &q[std::size_t(((h * G + g) * m + i) * d)];
+        std::vector<const double*> k, v;
+        for (std::int64_t t = 0; t < Nc; ++t)
+          k.push_back(&cache[std::size_t((h * Nc + t) * d)]), v.push_back(&vals[std::size_t((h * Nc + t) * dv)]);
+        for (std::int64_t t = 0; t <= i; ++t)
+          k.push_back(&own[std::size_t((h * m + t) * d)]), v.push_back(&own_vals[std::size_t((h * m + t) * dv)]);
+        std::vector<double> l(k.size(), -INFINITY);
+        double mx = -INFINITY, z = 0;
+        for (std::size_t t = 0; t < k.size(); ++t) {
+          if (!valid_row(k[t], d)) continue;
+          double x = 0;
+          for (std::int64_t j = 0; j < d; ++j) x += double(qi[j]) * k[t][j];
+          l[t] = x / std::sqrt(double(d));
+          mx = std::max(mx, l[t]);
+        }
+        for (double x : l) z += std::exp(x - mx);
+        double* o = &out[std::size_t((i * H * G + h * G + g) * dv)];
+        for (std::size_t t = 0; t < k.size(); ++t)
+          if (l[t] > -INFINITY)
+            for (std::int64_t u = 0; u < dv; ++u) o[u] += std::exp(l[t] - mx) / z * v[t][u];
+      }
+  return out;
+}
+
+TEMPLATE_TEST_CASE("KVzip attend_span: score_span's scores to 1e-5 and the pass's causal attention of a "
+                   "float64 reference, for any chunking, thread count, invalid key and a row max far outside the span",
+                   "[kvzip]", float, half, bfloat16) {
+  const std::int64_t H = 2, G = 3, Nc = 150, m = 40, d = 64, dv = 40;  // dv: two panels of 16 and a partial one
+  Cache cache = random_cache(31, H, Nc, d, 0.3f);
+  const Cache own = random_cache(32, H, m, d, 0.3f);
+  const Cache vals = random_cache(33, H, Nc, dv, 1.0f), own_vals = random_cache(34, H, m, dv, 1.0f);
+  const std::vector<float> q = randn(std::size_t(H * G * m * d), 35, 1.5f);
+  std::vector<float> qw(static_cast<std::size_t>(m));
+  for (std::size_t i = 0; i < qw.size(); ++i) qw[i] = 0.5f + float(i % 7) * 0.1f;
+  for (int variant : {0, 1, 2}) {
+    INFO("variant " << variant);
+    if (variant == 1) cache.row(1, 70)[3] = std::numeric_limits<float>::quiet_NaN();  // a key of the span
+    // a cache row along head 0's first queries: for them the row's max lies far (> kRescaleLimit) above
+    // the span [20, 90)'s and its sinks', where the scores take score_head's own exp instead of E's
+    if (variant == 2)
+      for (std::int64_t j = 0; j < d; ++j) cache.row(0, 120)[j] = 2.0f * (q[std::size_t(j)] + q[std::size_t(d + j)]);
+    const std::vector<TestType> cd = cache.as<TestType>(), od = own.as<TestType>(), vd = vals.as<TestType>(),
+                                ovd = own_vals.as<TestType>();
+    const std::vector<double> want = attention_reference(widen<TestType>(cache.v), widen<TestType>(own.v),
+                                                         widen<TestType>(vals.v), widen<TestType>(own_vals.v), q, H,
+                                                         G, Nc, m, d, dv);
+    for (const KVzipSpan base : {KVzipSpan{0, 150, 4}, KVzipSpan{20, 90, 4}, KVzipSpan{90, 150, 0}})
+      for (QueryAggregate agg : kvscore::kQueryAggregates)
+        for (std::int64_t block : {0, 7})
+          for (int threads : {1, 2}) {
+            INFO("span [" << base.begin << ", " << base.end << ") "
+                            << kvscore::to_string(agg) << " query_block " << block << " threads " << threads);
+            std::vector<float> kw(std::size_t(H * G * (base.end - base.begin)));
+            for (std::size_t i = 0; i < kw.size(); ++i) kw[i] = 0.25f + float(i % 13) * 0.1f;
+            const KVzipSpan span{base.begin, base.end, base.sinks, qw.data(), kw.data()};
+            KVzip z(q.data(), H * G, m, d);
+            z.aggregate = agg;
+            z.query_block = block;
+            z.num_threads = threads;
+            kvscore::Scores a(H, Nc), b(H, Nc);
+            std::fill(a.data(), a.data() + H * Nc, 7.0f);
+            std::fill(b.data(), b.data() + H * Nc, 7.0f);
+            z.score_span(view_of(cd, cache), view_of(od, own), span, a.view());
+            std::vector<float> attn(std::size_t(m * H * G * dv), -1.0f);
+            z.attend_span(view_of(cd, cache), view_of(od, own), view_of(vd, vals), view_of(ovd, own_vals), span,
+                          b.view(), attn.data());
+            // the same logits; the subset's softmax from the attention's exponentials (exp(l - row max)
+            // instead of exp(l - subset max): a few ulp of the exponent, ~1e-6 of a score)
+            double worst_score = 0;
+            for (std::size_t i = 0; i < a.values().size(); ++i)
+              if (a.data()[i] != b.data()[i])
+                worst_score = std::max(worst_score, std::fabs(double(a.data()[i]) - b.data()[i]) /
+                                                        std::max(std::fabs(double(a.data()[i])), 1e-30));
+            CHECK(worst_score <= 1e-5);
+            // fp32 logits (relative error ~ d·u·L, L ~ 10 here) and fp32 sums of <= 190 terms of values ~N(0, 2):
+            // 1e-4 is ~10x what they reach; a row masked wrong or a value dimension lost is off by > 1e-2
+            double worst = 0;
+            for (std::size_t i = 0; i < attn.size(); ++i)
+              worst = std::max(worst, std::fabs(double(attn[i]) - want[i]) / (1.0 + std::fabs(want[i])));
+            CHECK(worst <= 1e-4);
+          }
+  }
+}
+
+TEST_CASE("KVzip attend_span: mismatched values and a null output throw, naming them", "[kvzip][errors]") {
+  const std::int64_t H = 1, m = 4, d = 8, Nc = 10;
+  const Cache cache = random_cache(41, H, Nc, d), own = random_cache(42, H, m, d);
+  const Cache short_vals = random_cache(43, H, Nc - 1, d), vals = random_cache(44, H, Nc, d);
+  const std::vector<float> q = randn(std::size_t(H * m * d), 45);
+  KVzip z(q.data(), H, m, d);
+  kvscore::Scores s(H, Nc);
+  std::vector<float> attn(std::size_t(m * H * d));
+  CHECK_THROWS_WITH(z.attend_span(view_of(cache.v, cache), view_of(own.v, own), view_of(short_vals.v, short_vals),
+                                  view_of(own.v, own), KVzipSpan{0, Nc, 0}, s.view(), attn.data()),
+                    Contains("values [1 heads, 9 rows] do not match the keys [1, 10]"));
+  CHECK_THROWS_WITH(z.attend_span(view_of(cache.v, cache), view_of(own.v, own), view_of(vals.v, vals),
+                                  view_of(vals.v, vals), KVzipSpan{0, Nc, 0}, s.view(), attn.data()),
+                    Contains("own values [1 heads, 10 rows] do not match the keys [1, 4]"));
+  CHECK_THROWS_WITH(z.attend_span(view_of(cache.v, cache), view_of(own.v, own), view_of(vals.v, vals),
+                                  view_of(own.v, own), KVzipSpan{0, Nc, 0}, s.view(), nullptr),
+                    Contains("attn_out is null"));
+}
+
 TEST_CASE("KVzip: mean aggregation in the cache is SnapKV without pooling", "[kvzip]") {
   const std::int64_t H = 2, G = 4, N = 120, w = 16, d = 32;
   const Cache k = random_cache(31, H, N, d, 0.3f);

@@ -488,6 +488,25 @@ class KVzip(_QueryScorer):
                             aggregate, qw, kw, _index(threads, "threads"), _index(query_block, "query_block"))
         return out
 
+    @staticmethod
+    def attend_span(cache, own, values, own_values, queries, out, attn_out, begin: int, end: int = -1, *,
+                    sinks: int = 0, aggregate: str = _ARGS.aggregate, query_weights=None, key_weights=None,
+                    threads: int = 0, query_block: int = 0):
+        """One reconstruction pass with its attention computed from the same logits
+        (kvscore::KVzip::attend_span, docs/kvzip.md#the-fused-pass): score_span's scores into
+        ``out`` (bit-identical), and into ``attn_out`` (float32 ``[m, q_heads, head_dim]``,
+        C-contiguous) each query's causal attention output: the softmax over every cache row and
+        its own rows up to itself, times ``values`` / ``own_values`` (``[kv_heads, rows,
+        head_dim]``, the keys' dtype). Returns ``attn_out``."""
+        arrays = [_arg(x, name)[0] for x, name in ((cache, "cache"), (own, "own"), (values, "values"),
+                                                   (own_values, "own_values"), (queries, "queries"))]
+        o, a = _arg(out, "out", writable=True)[0], _arg(attn_out, "attn_out", writable=True)[0]
+        qw = None if query_weights is None else _arg(query_weights, "query_weights")[0]
+        kw = None if key_weights is None else _arg(key_weights, "key_weights")[0]
+        _k.kvzip_attend_span(*arrays, o, a, _index(begin, "begin"), _index(end, "end"), _index(sinks, "sinks"),
+                             aggregate, qw, kw, _index(threads, "threads"), _index(query_block, "query_block"))
+        return attn_out
+
 
 # ------------------------------------------------------------------ selection rules
 

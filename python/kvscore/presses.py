@@ -110,7 +110,10 @@ class KvscorePress(ScorerPress):
         (context tokens per reconstruction pass, the registry's kDefaultKVzipChunk), ``kvzip_plus``
         (KVzip+'s normalization), ``layerwise`` (alloc='adakv' per layer instead of one top-k over
         every layer and head), ``tokenizer`` (the model's; default: AutoTokenizer of the model's name,
-        as kvpress), ``score_prefix`` (score the chat template's prefix too). ``sinks`` are then also
+        as kvpress), ``score_prefix`` (score the chat template's prefix too), ``fused`` (default True:
+        on CPU the pass's attention and the scores come from one set of logits,
+        KVzip.attend_span, where the model allows it; False: the model's own attention, then
+        score_span). ``sinks`` are then also
         the reconstruction's softmax sinks (kvpress's n_sink); alloc 'joint' keeps one set of
         positions for every head and layer (select_joint).
 
@@ -476,14 +479,15 @@ def _kvzip_options(opts: dict) -> dict:
     """KVzip's options out of KvscorePress's method options (ValueError / TypeError naming them)."""
     o = {"chunk_size": opts.pop("chunk_size", KVZIP_CHUNK_SIZE), "plus": bool(opts.pop("kvzip_plus", False)),
          "layerwise": bool(opts.pop("layerwise", False)), "tokenizer": opts.pop("tokenizer", None),
-         "score_prefix": bool(opts.pop("score_prefix", False))}
+         "score_prefix": bool(opts.pop("score_prefix", False)), "fused": bool(opts.pop("fused", True))}
     o["chunk_size"] = _int(o["chunk_size"], "chunk_size")
     if o["chunk_size"] < 1:
         raise ValueError(f"{_KVZIP}: chunk_size {o['chunk_size']} must be >= 1 (context tokens reconstructed per "
                          "pass)")
     if opts:
         raise ValueError(f"{_KVZIP}: unknown option(s) {sorted(opts)} ({_KVZIP} takes chunk_size, kvzip_plus, "
-                         "layerwise, tokenizer, score_prefix and KvscorePress's sinks, recent, alloc, alpha, threads)")
+                         "layerwise, tokenizer, score_prefix, fused and KvscorePress's sinks, recent, alloc, alpha, "
+                         "threads)")
     return o
 
 
@@ -603,16 +607,24 @@ def kvzip_scores(press, model, context_ids, cache, timings=None):
     layers = list(lm.layers)
     kv = model.config.num_key_value_heads
     scores = torch.zeros(len(layers), kv, n, dtype=torch.float32)
-    state = {"span": (0, 0), "q": {}, "t": 0.0}
+    state = {"span": (0, 0), "q": {}, "t": 0.0, "n": n, "scores": scores, "press": press, "qw": {}}
+    fused = o["fused"] and _fusable(model, cache)
 
     def q_hook(module, args, output):
         state["q"][module] = output
+
+    def pre_hook(module, args, kwargs):  # KVzip+'s 1/||h_i|| for the fused attention, before it runs
+        state["qw"][module] = (1.0 / kwargs["hidden_states"][0].float().norm(dim=-1)).contiguous()
 
     def attn_hook(module, args, kwargs, output):
         t0 = time.perf_counter()
         hs = kwargs["hidden_states"]
         cache_layer = kwargs["past_key_values"].layers[module.layer_idx]
         keys, values = cache_layer.keys, cache_layer.values
+        if fused:  # scored inside the attention (_fused_attention): only the pass's rows to cut
+            cache_layer.keys, cache_layer.values = keys[:, :, :n], values[:, :, :n]
+            state["t"] += time.perf_counter() - t0
+            return output
         m = hs.shape[1]
         q = state["q"].pop(module.q_proj, None)
         if q is None:
@@ -638,12 +650,19 @@ def kvzip_scores(press, model, context_ids, cache, timings=None):
         return output
 
     hooks = []
+    attn_impl = model.config._attn_implementation
     try:
         for layer in layers:
             attn = layer.self_attn
-            if hasattr(attn, "q_proj"):
+            if fused:
+                attn._kvscore_kvzip = state
+                if o["plus"]:
+                    hooks.append(attn.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            elif hasattr(attn, "q_proj"):
                 hooks.append(attn.q_proj.register_forward_hook(q_hook))
             hooks.append(attn.register_forward_hook(attn_hook, with_kwargs=True))
+        if fused:
+            model.config._attn_implementation = _FUSED_ATTENTION
         t0 = time.perf_counter()
         with torch.inference_mode():
             for b, e, ids in passes:
@@ -652,10 +671,65 @@ def kvzip_scores(press, model, context_ids, cache, timings=None):
         if timings is not None:
             timings["forward"] = time.perf_counter() - t0
             timings["scoring"] = state["t"]
+            timings["fused"] = fused
     finally:
         for h in hooks:
             h.remove()
+        if fused:
+            model.config._attn_implementation = attn_impl
+            for layer in layers:
+                layer.self_attn.__dict__.pop("_kvscore_kvzip", None)
     return scores
+
+
+#: The attention implementation kvzip_scores names for its passes when fused (registered in
+#: transformers' AttentionInterface; no mask function: the pass's causal mask is built in).
+_FUSED_ATTENTION = "kvscore_kvzip_pass"
+
+
+def _fusable(model, cache) -> bool:
+    """Whether the pass's attention can be kvscore's (KVzip.attend_span): a CPU cache, transformers'
+    attention interface, the plain softmax(q·k/√d) of every layer (no sliding window, no soft-capping,
+    no other scaling)."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
+        return False
+    for layer in model.model.layers:
+        a = getattr(layer, "self_attn", None)
+        if a is None or not hasattr(a, "scaling") or not hasattr(a, "head_dim") or not hasattr(a, "layer_idx"):
+            return False
+        if abs(float(a.scaling) - float(a.head_dim) ** -0.5) > 1e-6 * float(a.head_dim) ** -0.5:
+            return False
+    layers = getattr(cache, "layers", None)
+    if not layers or getattr(layers[0], "keys", None) is None or layers[0].keys.device.type != "cpu":
+        return False
+    if _FUSED_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(_FUSED_ATTENTION, _fused_attention)
+    return True
+
+
+def _fused_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The reconstruction pass's attention (kvzip_scores, fused): the output and the KVzip scores
+    of the layer from one set of logits (KVzip.attend_span). query [1, q_heads, m, d] post-RoPE;
+    key / value [1, kv_heads, n + m, d]: the context's n rows, then the pass's own."""
+    import time
+
+    t0 = time.perf_counter()
+    st = module._kvscore_kvzip
+    press, n = st["press"], st["n"]
+    b, e = st["span"]
+    q, k, v = query[0], key[0], value[0]
+    qw = st["qw"].pop(module, None) if press._kvzip["plus"] else None
+    kw = _wov_norms(module, v[:, b:e]) if press._kvzip["plus"] else None
+    out = torch.empty(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float32)
+    _kv.KVzip.attend_span(k[:, :n], k[:, n:], v[:, :n], v[:, n:], q, st["scores"][module.layer_idx], out, b, e,
+                          sinks=press.sinks, query_weights=qw, key_weights=kw, threads=press.threads)
+    st["t"] += time.perf_counter() - t0
+    return out.to(query.dtype).unsqueeze(0), None
 
 
 def kvzip_select(press, scores):

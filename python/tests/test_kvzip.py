@@ -65,6 +65,38 @@ def test_score_span_matches_torch_reference_and_any_query_block(dtype):
             assert torch.equal(o, outs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_span_scores_are_score_spans_and_its_output_is_causal_sdpa(dtype):
+    """The fused pass (KVzip.attend_span): score_span's scores (to 1e-5: the same logits, the scored
+    subset's softmax from the attention's exponentials), and as output the pass's
+    own causal attention over the whole cache, as torch's sdpa computes it (GQA, the pass's rows
+    after the cache's)."""
+    g = torch.Generator().manual_seed(7)
+    H, G, N, m, d = 2, 3, 120, 37, 64
+    k = torch.randn(H, N + m, d, generator=g).to(dtype)
+    v = torch.randn(H, N + m, d, generator=g).to(dtype)
+    q = torch.randn(H * G, m, d, generator=g) * 1.5
+    for b, e, sinks in [(0, N, 4), (10, 90, 4), (100, 120, 0)]:
+        want = torch.full((H, N), -7.0)
+        kvscore.KVzip.score_span(k[:, :N], k[:, N:], q, want, b, e, sinks=sinks)
+        got = torch.full((H, N), -7.0)
+        out = torch.empty(m, H * G, d)
+        for block in (0, 5):
+            kvscore.KVzip.attend_span(k[:, :N], k[:, N:], v[:, :N], v[:, N:], q, got, out, b, e, sinks=sinks,
+                                      query_block=block)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+            mask = torch.ones(m, N + m, dtype=torch.bool).tril(N)        # query i sees the cache and own rows <= i
+            sdpa = torch.nn.functional.scaled_dot_product_attention(
+                q.double()[None], k.double().repeat_interleave(G, 0)[None], v.double().repeat_interleave(G, 0)[None],
+                attn_mask=mask)[0]                                       # [Hq, m, d]
+            torch.testing.assert_close(out.double(), sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="values: its dtype differs from the cache's"):
+        kvscore.KVzip.attend_span(k[:, :N], k[:, N:], v[:, :N].float() if dtype != torch.float32 else v[:, :N].half(),
+                                  v[:, N:], q, got, out, 0, N)
+    with pytest.raises(ValueError, match=r"attn_out: expected float32 \[n_queries, q_heads, head_dim"):
+        kvscore.KVzip.attend_span(k[:, :N], k[:, N:], v[:, :N], v[:, N:], q, got, torch.empty(m, H, d), 0, N)
+
+
 def test_registry_scorer_is_attention_received():
     # in the cache, max: the window's causal attention; mean: SnapKV without pooling
     g = torch.Generator().manual_seed(1)
@@ -183,6 +215,30 @@ def test_kvzip_scores_and_per_head_alloc():
         full = cache.layers[i].keys[0]
         for h in range(2):
             torch.testing.assert_close(layer.keys[0, h], full[h, kept[h]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "kvzip+"])
+def test_the_fused_pass_scores_as_the_unfused_one(plus):
+    """fused=True (the default on CPU): the pass's attention is KVzip.attend_span's instead of the
+    model's sdpa, and the scores come from the same logits. The pass's outputs differ from sdpa's in
+    the last bits only, so the scores of every layer equal the unfused pass's to ~1e-5, the first
+    layer's (which sees no earlier attention output) to 1e-5 relative; the pass leaves the cache as
+    it found it and the model's attention implementation restored."""
+    model, tok = tiny_llama(), ByteTokenizer()
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for fused in (True, False):
+        press = KVzipPress(0.5, kvzip_plus=plus, tokenizer=tok, chunk_size=100, fused=fused)
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model.model(input_ids=ids, past_key_values=cache)
+            t = {}
+            out[fused] = presses.kvzip_scores(press, model, ids, cache, t)
+        assert t["fused"] is fused
+        assert model.config._attn_implementation == "sdpa"
+        assert all(layer.keys.shape[2] == 150 for layer in cache.layers)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-7)
 
 
 def test_kvzip_press_errors():

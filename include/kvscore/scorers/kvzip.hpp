@@ -74,6 +74,10 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
   static constexpr int passes = 1;  ///< reads of the keys per block of queries
   /// Queries per block at most (query_block = 0 picks up to this many by the buffer's size).
   static constexpr std::int64_t kMaxBlock = 64;
+  /// attend_span: the scores reuse the attention's exp(l - row max) while the scored subset's max
+  /// is at most this far below the row's (its probabilities then keep fp32's relative precision
+  /// down to e^-(87 - 16) of the subset's largest); farther, the subset gets its own exp.
+  static constexpr float kRescaleLimit = 16.f;
 
   /// max (KVzip, default) or mean over the group's query heads and the queries.
   QueryAggregate aggregate = QueryAggregate::max;
@@ -128,7 +132,52 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
   /// chunked reconstruction fill one score array.
   template <KeyCacheView Cache, KeyCacheView Own>
   void score_span(const Cache& cache, const Own& own, const KVzipSpan& span, ScoresView out) const {
-    const std::string who = "kvscore::KVzip::score_span: ";
+    const std::int64_t e = check_span("kvscore::KVzip::score_span: ", cache, own, span, out);
+    run(cache, own, 0, n_, span.begin, e, std::min(span.sinks, span.begin), false, span.query_weights,
+        span.key_weights, out);
+  }
+
+  /// One reconstruction pass with the pass's attention computed here, from the same logits (the
+  /// fused pass, docs/kvzip.md#the-fused-pass): writes score_span()'s scores (the same logits;
+  /// the scored subset's softmax taken from the attention's exponentials, so equal to ~1e-6
+  /// relative, not bit for bit) and each query's attention output, the softmax over every row it sees (the whole cache,
+  /// then its own rows up to itself: the model's causal attention for the pass) times the
+  /// values. The pass's q·k are computed once instead of twice (by the model's attention, then
+  /// again by score_span). values / own_values: the cache's and the pass's values, the keys'
+  /// heads and tokens (any head_dim dv). attn_out: [n_queries][q_heads][dv] fp32, row-major
+  /// (transformers' attention-output layout). Invalid keys take no part in either softmax; a
+  /// query that sees no valid key gets a zero output.
+  template <KeyCacheView Cache, KeyCacheView Own, KeyCacheView CacheV, KeyCacheView OwnV>
+  void attend_span(const Cache& cache, const Own& own, const CacheV& values, const OwnV& own_values,
+                   const KVzipSpan& span, ScoresView out, float* attn_out) const {
+    const std::string who = "kvscore::KVzip::attend_span: ";
+    const std::int64_t e = check_span(who, cache, own, span, out);
+    auto shape = [&](const char* what, std::int64_t heads, std::int64_t tokens, std::int64_t want) {
+      if (heads != cache.heads() || tokens != want)
+        detail::throw_invalid(who + what + " [" + std::to_string(heads) + " heads, " + std::to_string(tokens) +
+                              " rows] do not match the keys [" + std::to_string(cache.heads()) + ", " +
+                              std::to_string(want) + "]");
+    };
+    shape("values", values.heads(), values.tokens(), cache.tokens());
+    shape("own values", own_values.heads(), own_values.tokens(), n_);
+    if (own_values.head_dim() != values.head_dim())
+      detail::throw_invalid(who + "own values' head_dim " + std::to_string(own_values.head_dim()) +
+                            " differs from the values' " + std::to_string(values.head_dim()));
+    if (attn_out == nullptr && n_ > 0) detail::throw_invalid(who + "attn_out is null");
+    const std::int64_t heads = cache.heads();
+    if (heads == 0) return;
+    const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
+    detail::for_each_head(heads, num_threads, [&](std::int64_t h) {
+      attend_head(table, cache, own, values, own_values, h, span.begin, e, std::min(span.sinks, span.begin),
+                  span.query_weights, span.key_weights, out.head(h), attn_out);
+    });
+  }
+
+ private:
+  /// score_span's and attend_span's checks; the span's end.
+  template <class Cache, class Own>
+  std::int64_t check_span(const std::string& who, const Cache& cache, const Own& own, const KVzipSpan& span,
+                          ScoresView out) const {
     detail::check_scores_shape(cache, out, name);
     check_common(who, cache.heads(), cache.head_dim());
     if (own.heads() != cache.heads() || own.head_dim() != cache.head_dim())
@@ -154,11 +203,9 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
           detail::throw_invalid(who + "key_weights[" + std::to_string(i / (e - span.begin)) + "][" +
                                 std::to_string(i % (e - span.begin)) + "] = " + std::to_string(span.key_weights[i]) +
                                 " must be finite and >= 0");
-    run(cache, own, 0, n_, span.begin, e, std::min(span.sinks, span.begin), false, span.query_weights,
-        span.key_weights, out);
+    return e;
   }
 
- private:
   void check_common(const std::string& who, std::int64_t kv_heads, std::int64_t key_dim) const {
     detail::check_queries_match_keys(who, q_heads_, group_, dim_, kv_heads, key_dim);
     if (query_block < 0)
@@ -182,7 +229,7 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     constexpr float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
     for (std::int64_t t = 0; t < n; ++t) {
       float x = l[t];
-      x = (valid[t] && x == x) ? x : -inf;
+      x = ((valid == nullptr || valid[t]) && x == x) ? x : -inf;
       l[t] = x > big ? big : x;
     }
   }
@@ -289,6 +336,158 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     if (score_own)
       for (std::int64_t u = 0; u < m_own; ++u)
         out[o0 + u] = valid[std::size_t(nc + u)] ? value(nb + u) : kInvalidScore;
+  }
+
+  /// Rows [b, e) of `v`'s head h as fp32 into dst (row-major, `ld` floats apart) from row r0 on,
+  /// or transposed (dst[j * ld + r]) with `transposed`.
+  template <class View>
+  static void widen_rows(const View& v, std::int64_t h, std::int64_t b, std::int64_t e, std::int64_t r0, float* dst,
+                         std::int64_t ld, bool transposed) {
+    const std::int64_t d = v.head_dim();
+    detail::for_each_run_in(v, h, b, e, [&](const auto* p, std::int64_t t0, std::int64_t n, std::int64_t st) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t r = r0 + t0 - b + i;
+        for (std::int64_t j = 0; j < d; ++j)
+          (transposed ? dst[j * ld + r] : dst[r * ld + j]) = to_float(p[i * st + j]);
+      }
+    });
+  }
+
+  /// attend_span for KV head h. Rows: the cache's n, then the pass's own m (query i sees
+  /// n + i + 1 of them). Each block's logits against every row it sees come from one
+  /// gemm_panels; each query row then (a) takes the softmax over everything it sees into E
+  /// (exp(l - max), one exp per logit), and (b) scores from the same exponentials: the score's
+  /// softmax runs over a subset of the row (sinks, span, own rows up to i), so its probabilities
+  /// are E's over their sum, E[t] / Σ_subset E. Only when the subset's max lies more than
+  /// kRescaleLimit below the row's (its E would lose bits to underflow) does the row take
+  /// score_head's own steps. E times the values (transposed, packed as panels of 16 dimensions)
+  /// is the output, one fp32 chain per value over the rows (gemm_panels again), scaled by 1 / Σ.
+  template <class Cache, class Own, class CacheV, class OwnV>
+  void attend_head(const simd::KernelTable& table, const Cache& cache, const Own& own, const CacheV& values,
+                   const OwnV& own_values, std::int64_t h, std::int64_t b, std::int64_t e, std::int64_t s,
+                   const float* qw, const float* kw, float* out, float* attn_out) const {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    const std::int64_t G = q_heads_ / cache.heads(), m = n_, d = dim_, dv = values.head_dim();
+    const std::int64_t n = cache.tokens(), T = n + m, nb = e - b, nc = s + nb;
+    if (T == 0 || m == 0) return;
+    const auto tn = static_cast<std::size_t>(T);
+    std::vector<float> k32(tn * std::size_t(d)), buf(tn);
+    std::vector<unsigned char> valid(tn);
+    auto sq = [&](const auto& view, std::int64_t r0) {
+      detail::for_each_run_in(view, h, 0, view.tokens(),
+                              [&](const auto* p, std::int64_t t0, std::int64_t cnt, std::int64_t st) {
+                                table.ops<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>>().sqnorm(
+                                    p, cnt, st, d, buf.data() + r0 + t0);
+                              });
+    };
+    sq(cache, 0);
+    sq(own, n);
+    widen_rows(cache, h, 0, n, 0, k32.data(), d, false);
+    widen_rows(own, h, 0, m, n, k32.data(), d, false);
+    // values transposed, [dv][T]: E·V as gemm_panels' "queries E against keys Vᵀ"
+    std::vector<float> vt(static_cast<std::size_t>(dv * T));
+    widen_rows(values, h, 0, n, 0, vt.data(), T, true);
+    widen_rows(own_values, h, 0, m, n, vt.data(), T, true);
+    std::vector<std::int64_t> invalid;
+    for (std::int64_t r = 0; r < T; ++r) {
+      valid[std::size_t(r)] = std::isfinite(buf[std::size_t(r)]) ? 1 : 0;
+      if (!valid[std::size_t(r)]) {
+        invalid.push_back(r);
+        std::fill(k32.begin() + r * d, k32.begin() + (r + 1) * d, 0.f);
+        for (std::int64_t j = 0; j < dv; ++j) vt[std::size_t(j * T + r)] = 0.f;  // 0·NaN would spread
+      }
+    }
+    const std::int64_t kp = (T + simd::kGemmPanel - 1) / simd::kGemmPanel;
+    const std::int64_t vp = (dv + simd::kGemmPanel - 1) / simd::kGemmPanel;
+    std::vector<float> kpack(static_cast<std::size_t>(kp * simd::kGemmPanel * d)),
+        vpack(static_cast<std::size_t>(vp * simd::kGemmPanel * T));
+    table.pack_panels(k32.data(), T, d, d, kpack.data());
+    table.pack_panels(vt.data(), dv, T, T, vpack.data());
+
+    std::int64_t Q = query_block > 0 ? query_block
+                                     : std::clamp<std::int64_t>(65536 / std::max<std::int64_t>(T * G, 1), 1, kMaxBlock);
+    Q = std::min(Q, m);
+    const auto rmax = static_cast<std::size_t>(G * Q);
+    std::vector<float> qblock(rmax * std::size_t(d)), logits(rmax * tn), E(rmax * tn), obuf(rmax * std::size_t(dv)),
+        row(static_cast<std::size_t>(nc + m)), ex(static_cast<std::size_t>(nc + m)), accf(std::size_t(nb), 0.f);
+    std::vector<double> invz(rmax), acc(aggregate == QueryAggregate::mean ? std::size_t(nb) : 0, 0.0);
+    const float* qh = scaled_.data() + h * G * m * d;
+
+    for (std::int64_t i0 = 0; i0 < m; i0 += Q) {
+      const std::int64_t qn = std::min(Q, m - i0), r = G * qn, seen = n + i0 + qn;
+      for (std::int64_t g = 0; g < G; ++g)
+        std::copy(qh + (g * m + i0) * d, qh + (g * m + i0 + qn) * d, qblock.data() + g * qn * d);
+      table.gemm_panels(qblock.data(), r, kpack.data(), seen, d, logits.data(), seen);
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < qn; ++j) {
+          const std::int64_t i = i0 + j, c = g * qn + j, vis = n + i + 1, ni = nc + i + 1;
+          float* l = logits.data() + c * seen;
+          for (std::int64_t t : invalid) {
+            if (t >= vis) break;
+            l[t] = -inf;
+          }
+          // (a) the pass's attention: softmax over the vis rows it sees into E's row
+          float* er = E.data() + c * seen;
+          float mxa = table.max_f32(l, vis);
+          double za = mxa > -inf && mxa < inf ? table.exp_sum(l, mxa, vis, er) : 0.0;
+          const bool clean = za > 0 && za < inf;
+          if (!clean) {
+            clean_row(l, vis, nullptr);
+            mxa = table.max_f32(l, vis);
+            za = mxa == -inf ? 0.0 : table.exp_sum(l, mxa, vis, er);
+            if (mxa == -inf) std::fill(er, er + vis, 0.f);
+          }
+          std::fill(er + vis, er + seen, 0.f);
+          invz[std::size_t(c)] = za > 0 ? 1.0 / za : 0.0;
+          // (b) the scores: the subset's softmax from E where E holds it to fp32 precision
+          const float mxs = std::max({table.max_f32(l, s), table.max_f32(l + b, nb), table.max_f32(l + n, i + 1)});
+          const float* ps = nullptr;  // the span's unnormalised probabilities
+          double z = 0;
+          if (clean && mxs > -inf && mxa - mxs <= kRescaleLimit) {
+            z = table.reduce_f32(er, s) + table.reduce_f32(er + b, nb) + table.reduce_f32(er + n, i + 1);
+            ps = er + b;
+          } else {  // score_head's steps on the subset's own row
+            std::copy(l, l + s, row.data());
+            std::copy(l + b, l + e, row.data() + s);
+            std::copy(l + n, l + vis, row.data() + nc);
+            float mx = table.max_f32(row.data(), ni);
+            z = mx > -inf && mx < inf ? table.exp_sum(row.data(), mx, ni, ex.data()) : 0.0;
+            if (!(z > 0 && z < inf)) {
+              clean_row(row.data(), ni, nullptr);
+              mx = table.max_f32(row.data(), ni);
+              z = mx == -inf ? 0.0 : table.exp_sum(row.data(), mx, ni, ex.data());
+            }
+            if (mx != -inf) ps = ex.data() + s;
+          }
+          if (ps != nullptr && z > 0) {
+            const double w = (qw ? double(qw[i]) : 1.0) / z;
+            const float* kwg = kw ? kw + (h * G + g) * nb : nullptr;
+            if (aggregate == QueryAggregate::max) {
+              table.max_scaled(ps, float(w), kwg, nb, accf.data());
+            } else {
+              for (std::int64_t u = 0; u < nb; ++u)
+                acc[std::size_t(u)] += double(ps[u]) * w * (kwg ? double(kwg[u]) : 1.0);
+            }
+          }
+        }
+      // obuf[c][j] = Σ_t E[c][t] · v_t[j], panel by panel of 16 value dimensions
+      for (std::int64_t p = 0; p < vp; ++p)
+        table.gemm_panels(E.data(), r, vpack.data() + p * simd::kGemmPanel * T,
+                          std::min<std::int64_t>(simd::kGemmPanel, dv - p * simd::kGemmPanel), seen,
+                          obuf.data() + p * simd::kGemmPanel, dv);
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < qn; ++j) {
+          const std::int64_t c = g * qn + j;
+          float* o = attn_out + ((i0 + j) * q_heads_ + h * G + g) * dv;
+          for (std::int64_t u = 0; u < dv; ++u)
+            o[u] = float(double(obuf[std::size_t(c * dv + u)]) * invz[std::size_t(c)]);
+        }
+    }
+    const double scale = 1.0 / double(G * m);
+    for (std::int64_t u = 0; u < nb; ++u)
+      out[b + u] = valid[std::size_t(b + u)]
+                       ? (aggregate == QueryAggregate::max ? accf[std::size_t(u)] : float(acc[std::size_t(u)] * scale))
+                       : kInvalidScore;
   }
 
   std::vector<float> queries_, scaled_;

@@ -323,7 +323,10 @@ void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads
       const float* q = query + jq * d;
       w.agg.resize(std::size_t(C));
       for (std::int64_t c = 0; c < C; ++c) {
-        const auto [mn, st, codes] = summary(c, h);
+        // plain locals, not a structured binding: lambdas capture bindings only from clang 16 on
+        const auto tile_summary = summary(c, h);
+        const float* mn = std::get<0>(tile_summary);
+        const float* st = std::get<1>(tile_summary);
         w.agg[std::size_t(c)] =
             lane_sum(d, [&](std::int64_t j) { return std::max(q[j] * mn[j], q[j] * (mn[j] + 15.f * st[j])); });
       }

@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--recent", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hard", action="store_true", help="prose filler and four distractor numbers (see above)")
+    ap.add_argument("--aggregate", default="max", choices=["max", "mean", "vote"],
+                    help="kvscore_llama's joint selection over heads and layers (default max)")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
     depths = [float(x) for x in a.depths.split(",")]
@@ -108,12 +110,14 @@ def main():
             runs = [("full", 1.0)] + [(m, k) for m in methods for k in keeps]
             for method, keep in runs:
                 args = ["--prompt-file", p, "--question-file", q, "--keep", str(keep), "--recent", str(a.recent),
-                        "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" else method]
+                        "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" else method,
+                        "--aggregate", a.aggregate]
                 if method == "kvzip":
                     args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
                 out = run(a.bin, a.model, args)
                 answer = re.search(r"answer 0:[^|]*\| (.*)", out).group(1)
-                rec = {"method": method, "keep": keep, "depth": depth, "key": key, "answer": answer,
+                rec = {"method": method, "keep": keep, "aggregate": a.aggregate, "depth": depth, "key": key,
+                       "answer": answer,
                        "correct": key in answer,
                        "tokens": int(re.search(r"prompt: (\d+) tokens", out).group(1))}
                 t = re.search(r"timing: prefill ([\d.]+) ms .*?score\+select\+evict ([\d.]+) ms", out)

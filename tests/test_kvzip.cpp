@@ -295,7 +295,8 @@ std::vector<double> attention_reference(const std::vector<double>& cache, const 
 TEMPLATE_TEST_CASE("KVzip attend_span: score_span's scores to 1e-5 and the pass's causal attention of a "
                    "float64 reference, for any chunking, thread count, invalid key and a row max far outside the span",
                    "[kvzip]", float, half, bfloat16) {
-  const std::int64_t H = 2, G = 3, Nc = 150, m = 40, d = 64, dv = 40;  // dv: two panels of 16 and a partial one
+  // dv: two panels of 16 and a partial one; m: three of attend_span's tasks (64, 64, 12 queries)
+  const std::int64_t H = 2, G = 3, Nc = 150, m = 140, d = 64, dv = 40;
   Cache cache = random_cache(31, H, Nc, d, 0.3f);
   const Cache own = random_cache(32, H, m, d, 0.3f);
   const Cache vals = random_cache(33, H, Nc, dv, 1.0f), own_vals = random_cache(34, H, m, dv, 1.0f);
@@ -316,7 +317,8 @@ TEMPLATE_TEST_CASE("KVzip attend_span: score_span's scores to 1e-5 and the pass'
                                                          G, Nc, m, d, dv);
     for (const KVzipSpan base : {KVzipSpan{0, 150, 4}, KVzipSpan{20, 90, 4}, KVzipSpan{90, 150, 0}})
       for (QueryAggregate agg : kvscore::kQueryAggregates)
-        for (std::int64_t block : {0, 7})
+        for (std::int64_t block : {0, 7}) {
+          std::vector<float> serial_scores, serial_attn;  // threads = 1's
           for (int threads : {1, 2}) {
             INFO("span [" << base.begin << ", " << base.end << ") "
                             << kvscore::to_string(agg) << " query_block " << block << " threads " << threads);
@@ -348,7 +350,15 @@ TEMPLATE_TEST_CASE("KVzip attend_span: score_span's scores to 1e-5 and the pass'
             for (std::size_t i = 0; i < attn.size(); ++i)
               worst = std::max(worst, std::fabs(double(attn[i]) - want[i]) / (1.0 + std::fabs(want[i])));
             CHECK(worst <= 1e-4);
+            // the same bits on any thread count (fixed tasks, partials combined in order)
+            if (threads == 1) {
+              serial_scores = b.values(), serial_attn = attn;
+            } else {
+              CHECK(std::memcmp(serial_scores.data(), b.data(), serial_scores.size() * sizeof(float)) == 0);
+              CHECK(std::memcmp(serial_attn.data(), attn.data(), attn.size() * sizeof(float)) == 0);
+            }
           }
+        }
   }
 }
 

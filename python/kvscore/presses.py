@@ -38,6 +38,7 @@ model left them; without the module, a CUDA cache is a ValueError naming that sw
 from __future__ import annotations
 
 import contextlib as _contextlib
+import weakref as _weakref
 
 try:
     import torch
@@ -533,17 +534,29 @@ def _rope(q, position_embeddings):
     return q * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
 
 
+#: o_proj (the module: tensors compare elementwise) -> (its weight's storage and version, the fp32
+#: Gram matrices W_gᵀ W_g): made once per weight, not per pass.
+_GRAMS = _weakref.WeakKeyDictionary()
+
+
 def _wov_norms(module, values):
     """||W_O^{(g)} v_t|| [q_heads, n] for values [kv_heads, n, d] (KVzip+): the signal each value writes
     into the residual stream through query head g's block of o_proj, from the Gram matrices
-    W_gᵀ W_g (d × d per query head, fp64) instead of the [n, hidden] products."""
+    W_gᵀ W_g (d × d per query head, summed in fp64 once per weight, kept in fp32) instead of the
+    [n, hidden] products; the quadratic forms vᵀ G v in fp32, as kvpress computes the products."""
     cfg = module.config
     kv, qh, d = cfg.num_key_value_heads, cfg.num_attention_heads, module.head_dim
-    w = module.o_proj.weight.detach().double().view(-1, qh, d)          # [hidden, q_heads, d]
-    gram = torch.einsum("jgi,jgk->gik", w, w)                          # [q_heads, d, d]
-    v = values.detach().double().repeat_interleave(qh // kv, dim=0)     # [q_heads, n, d]
-    sq = torch.einsum("gti,gik,gtk->gt", v, gram, v)
-    return sq.clamp_min(0).sqrt().float()
+    weight = module.o_proj.weight
+    key = (weight.data_ptr(), weight._version)
+    hit = _GRAMS.get(module.o_proj)
+    if hit is None or hit[0] != key:
+        w = weight.detach().double().view(-1, qh, d)                    # [hidden, q_heads, d]
+        hit = (key, torch.einsum("jgi,jgk->gik", w, w).float())         # [q_heads, d, d]
+        _GRAMS[module.o_proj] = hit
+    gram = hit[1].to(values.device)
+    v = values.detach().float().repeat_interleave(qh // kv, dim=0)      # [q_heads, n, d]
+    sq = (torch.bmm(v, gram) * v).sum(-1)
+    return sq.clamp_min(0).sqrt()
 
 
 @_contextlib.contextmanager

@@ -167,9 +167,40 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     const std::int64_t heads = cache.heads();
     if (heads == 0) return;
     const simd::KernelTable& table = isa != nullptr ? *isa : simd::active_table();
+    const std::int64_t b = span.begin, s = std::min(span.sinks, span.begin), nb = e - b, m = n_;
+    if (m == 0 || cache.tokens() + m == 0) return;
+    // Parallel over (KV head, chunk of kTaskQueries queries), not heads alone: a GQA model has
+    // few KV heads (SmolLM2: 3 for 2 threads). The chunks are fixed, whatever the thread count,
+    // and their partial scores are combined in chunk order: the same result on any thread count.
+    std::vector<AttendPack> packs(static_cast<std::size_t>(heads));
     detail::for_each_head(heads, num_threads, [&](std::int64_t h) {
-      attend_head(table, cache, own, values, own_values, h, span.begin, e, std::min(span.sinks, span.begin),
-                  span.query_weights, span.key_weights, out.head(h), attn_out);
+      pack_head(table, cache, own, values, own_values, h, packs[std::size_t(h)]);
+    });
+    const std::int64_t chunks = (m + kTaskQueries - 1) / kTaskQueries;
+    const bool mean = aggregate == QueryAggregate::mean;
+    std::vector<float> part_max(mean ? 0 : static_cast<std::size_t>(heads * chunks * nb));
+    std::vector<double> part_sum(mean ? static_cast<std::size_t>(heads * chunks * nb) : 0);
+    detail::parallel_for_state<AttendScratch>(heads * chunks, num_threads, [&](AttendScratch& w, std::int64_t t) {
+      const std::int64_t h = t / chunks, c = t % chunks, off = (h * chunks + c) * nb;
+      attend_chunk(table, packs[std::size_t(h)], h, c * kTaskQueries, std::min(m, (c + 1) * kTaskQueries), b, e, s,
+                   span.query_weights, span.key_weights, mean ? nullptr : part_max.data() + off,
+                   mean ? part_sum.data() + off : nullptr, attn_out, w);
+    });
+    const double scale = 1.0 / double(q_heads_ * m / heads);
+    detail::for_each_head(heads, num_threads, [&](std::int64_t h) {
+      float* o = out.head(h);
+      const std::vector<unsigned char>& valid = packs[std::size_t(h)].valid;
+      for (std::int64_t u = 0; u < nb; ++u) {
+        float v = 0.f;
+        if (mean) {
+          double sum = 0;
+          for (std::int64_t c = 0; c < chunks; ++c) sum += part_sum[std::size_t((h * chunks + c) * nb + u)];
+          v = float(sum * scale);
+        } else {
+          for (std::int64_t c = 0; c < chunks; ++c) v = std::max(v, part_max[std::size_t((h * chunks + c) * nb + u)]);
+        }
+        o[b + u] = valid[std::size_t(b + u)] ? v : kInvalidScore;
+      }
     });
   }
 
@@ -353,26 +384,30 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     });
   }
 
-  /// attend_span for KV head h. Rows: the cache's n, then the pass's own m (query i sees
-  /// n + i + 1 of them). Each block's logits against every row it sees come from one
-  /// gemm_panels; each query row then (a) takes the softmax over everything it sees into E
-  /// (exp(l - max), one exp per logit), and (b) scores from the same exponentials: the score's
-  /// softmax runs over a subset of the row (sinks, span, own rows up to i), so its probabilities
-  /// are E's over their sum, E[t] / Σ_subset E. Only when the subset's max lies more than
-  /// kRescaleLimit below the row's (its E would lose bits to underflow) does the row take
-  /// score_head's own steps. E times the values (transposed, packed as panels of 16 dimensions)
-  /// is the output, one fp32 chain per value over the rows (gemm_panels again), scaled by 1 / Σ.
+  /// Queries per task of attend_span (a fixed split: the result does not depend on the threads).
+  static constexpr std::int64_t kTaskQueries = 64;
+
+  /// One KV head's rows for attend_span, fp32: the keys packed as panels (the cache's n rows,
+  /// then the pass's own m), the values transposed ([dv][T]) and packed, which rows are valid.
+  struct AttendPack {
+    std::vector<float> kpack, vpack;
+    std::vector<unsigned char> valid;
+    std::vector<std::int64_t> invalid;  ///< ascending
+    std::int64_t n = 0, T = 0, dv = 0, kv_heads = 1;
+  };
+  /// Per-thread buffers of attend_chunk.
+  struct AttendScratch {
+    std::vector<float> qblock, logits, E, obuf, row, ex;
+    std::vector<double> invz;
+  };
+
   template <class Cache, class Own, class CacheV, class OwnV>
-  void attend_head(const simd::KernelTable& table, const Cache& cache, const Own& own, const CacheV& values,
-                   const OwnV& own_values, std::int64_t h, std::int64_t b, std::int64_t e, std::int64_t s,
-                   const float* qw, const float* kw, float* out, float* attn_out) const {
-    constexpr float inf = std::numeric_limits<float>::infinity();
-    const std::int64_t G = q_heads_ / cache.heads(), m = n_, d = dim_, dv = values.head_dim();
-    const std::int64_t n = cache.tokens(), T = n + m, nb = e - b, nc = s + nb;
-    if (T == 0 || m == 0) return;
+  void pack_head(const simd::KernelTable& table, const Cache& cache, const Own& own, const CacheV& values,
+                 const OwnV& own_values, std::int64_t h, AttendPack& pk) const {
+    const std::int64_t d = dim_, m = n_, dv = values.head_dim(), n = cache.tokens(), T = n + m;
+    pk.n = n, pk.T = T, pk.dv = dv, pk.kv_heads = cache.heads();
     const auto tn = static_cast<std::size_t>(T);
-    std::vector<float> k32(tn * std::size_t(d)), buf(tn);
-    std::vector<unsigned char> valid(tn);
+    std::vector<float> k32(tn * std::size_t(d)), buf(tn), vt(static_cast<std::size_t>(dv * T));
     auto sq = [&](const auto& view, std::int64_t r0) {
       detail::for_each_run_in(view, h, 0, view.tokens(),
                               [&](const auto* p, std::int64_t t0, std::int64_t cnt, std::int64_t st) {
@@ -385,49 +420,71 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     widen_rows(cache, h, 0, n, 0, k32.data(), d, false);
     widen_rows(own, h, 0, m, n, k32.data(), d, false);
     // values transposed, [dv][T]: E·V as gemm_panels' "queries E against keys Vᵀ"
-    std::vector<float> vt(static_cast<std::size_t>(dv * T));
     widen_rows(values, h, 0, n, 0, vt.data(), T, true);
     widen_rows(own_values, h, 0, m, n, vt.data(), T, true);
-    std::vector<std::int64_t> invalid;
-    for (std::int64_t r = 0; r < T; ++r) {
-      valid[std::size_t(r)] = std::isfinite(buf[std::size_t(r)]) ? 1 : 0;
-      if (!valid[std::size_t(r)]) {
-        invalid.push_back(r);
+    pk.valid.assign(tn, 1);
+    pk.invalid.clear();
+    for (std::int64_t r = 0; r < T; ++r)
+      if (!std::isfinite(buf[std::size_t(r)])) {
+        pk.valid[std::size_t(r)] = 0;
+        pk.invalid.push_back(r);
         std::fill(k32.begin() + r * d, k32.begin() + (r + 1) * d, 0.f);
         for (std::int64_t j = 0; j < dv; ++j) vt[std::size_t(j * T + r)] = 0.f;  // 0·NaN would spread
       }
-    }
     const std::int64_t kp = (T + simd::kGemmPanel - 1) / simd::kGemmPanel;
     const std::int64_t vp = (dv + simd::kGemmPanel - 1) / simd::kGemmPanel;
-    std::vector<float> kpack(static_cast<std::size_t>(kp * simd::kGemmPanel * d)),
-        vpack(static_cast<std::size_t>(vp * simd::kGemmPanel * T));
-    table.pack_panels(k32.data(), T, d, d, kpack.data());
-    table.pack_panels(vt.data(), dv, T, T, vpack.data());
+    pk.kpack.resize(static_cast<std::size_t>(kp * simd::kGemmPanel * d));
+    pk.vpack.resize(static_cast<std::size_t>(vp * simd::kGemmPanel * T));
+    table.pack_panels(k32.data(), T, d, d, pk.kpack.data());
+    table.pack_panels(vt.data(), dv, T, T, pk.vpack.data());
+  }
 
+  /// attend_span for KV head h's queries [q0, q1) (query i sees the cache's n rows and the own
+  /// rows up to i). Each block's logits against every row it sees come from one gemm_panels;
+  /// each query row then (a) takes the softmax over everything it sees into E (exp(l - max),
+  /// one exp per logit), and (b) scores from the same exponentials: the score's softmax runs
+  /// over a subset of the row (sinks, span, own rows up to i), so its probabilities are E's over
+  /// their sum, E[t] / Σ_subset E. Only when the subset's max lies more than kRescaleLimit below
+  /// the row's (its E would lose bits to underflow) does the row take score_head's own steps.
+  /// E times the values (packed panels of 16 dimensions) is the output, one fp32 chain per value
+  /// over the rows (gemm_panels again), scaled by 1 / Σ. The chunk's scores go to pmax (max:
+  /// the running max) or psum (mean: the sum of weighted probabilities, queries in order).
+  void attend_chunk(const simd::KernelTable& table, const AttendPack& pk, std::int64_t h, std::int64_t q0,
+                    std::int64_t q1, std::int64_t b, std::int64_t e, std::int64_t s, const float* qw, const float* kw,
+                    float* pmax, double* psum, float* attn_out, AttendScratch& w) const {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    const std::int64_t G = q_heads_ / pk.kv_heads, m = n_, d = dim_, dv = pk.dv, n = pk.n, T = pk.T, nb = e - b, nc = s + nb;
+    const std::int64_t vp = (dv + simd::kGemmPanel - 1) / simd::kGemmPanel;
     std::int64_t Q = query_block > 0 ? query_block
                                      : std::clamp<std::int64_t>(65536 / std::max<std::int64_t>(T * G, 1), 1, kMaxBlock);
-    Q = std::min(Q, m);
-    const auto rmax = static_cast<std::size_t>(G * Q);
-    std::vector<float> qblock(rmax * std::size_t(d)), logits(rmax * tn), E(rmax * tn), obuf(rmax * std::size_t(dv)),
-        row(static_cast<std::size_t>(nc + m)), ex(static_cast<std::size_t>(nc + m)), accf(std::size_t(nb), 0.f);
-    std::vector<double> invz(rmax), acc(aggregate == QueryAggregate::mean ? std::size_t(nb) : 0, 0.0);
+    Q = std::min(Q, q1 - q0);
+    const auto rmax = static_cast<std::size_t>(G * Q), tn = static_cast<std::size_t>(T);
+    w.qblock.resize(rmax * std::size_t(d));
+    w.logits.resize(rmax * tn);
+    w.E.resize(rmax * tn);
+    w.obuf.resize(rmax * std::size_t(dv));
+    w.row.resize(static_cast<std::size_t>(nc + m));
+    w.ex.resize(static_cast<std::size_t>(nc + m));
+    w.invz.resize(rmax);
+    if (pmax != nullptr) std::fill(pmax, pmax + nb, 0.f);
+    if (psum != nullptr) std::fill(psum, psum + nb, 0.0);
     const float* qh = scaled_.data() + h * G * m * d;
 
-    for (std::int64_t i0 = 0; i0 < m; i0 += Q) {
-      const std::int64_t qn = std::min(Q, m - i0), r = G * qn, seen = n + i0 + qn;
+    for (std::int64_t i0 = q0; i0 < q1; i0 += Q) {
+      const std::int64_t qn = std::min(Q, q1 - i0), r = G * qn, seen = n + i0 + qn;
       for (std::int64_t g = 0; g < G; ++g)
-        std::copy(qh + (g * m + i0) * d, qh + (g * m + i0 + qn) * d, qblock.data() + g * qn * d);
-      table.gemm_panels(qblock.data(), r, kpack.data(), seen, d, logits.data(), seen);
+        std::copy(qh + (g * m + i0) * d, qh + (g * m + i0 + qn) * d, w.qblock.data() + g * qn * d);
+      table.gemm_panels(w.qblock.data(), r, pk.kpack.data(), seen, d, w.logits.data(), seen);
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t j = 0; j < qn; ++j) {
           const std::int64_t i = i0 + j, c = g * qn + j, vis = n + i + 1, ni = nc + i + 1;
-          float* l = logits.data() + c * seen;
-          for (std::int64_t t : invalid) {
+          float* l = w.logits.data() + c * seen;
+          for (std::int64_t t : pk.invalid) {
             if (t >= vis) break;
             l[t] = -inf;
           }
           // (a) the pass's attention: softmax over the vis rows it sees into E's row
-          float* er = E.data() + c * seen;
+          float* er = w.E.data() + c * seen;
           float mxa = table.max_f32(l, vis);
           double za = mxa > -inf && mxa < inf ? table.exp_sum(l, mxa, vis, er) : 0.0;
           const bool clean = za > 0 && za < inf;
@@ -438,7 +495,7 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
             if (mxa == -inf) std::fill(er, er + vis, 0.f);
           }
           std::fill(er + vis, er + seen, 0.f);
-          invz[std::size_t(c)] = za > 0 ? 1.0 / za : 0.0;
+          w.invz[std::size_t(c)] = za > 0 ? 1.0 / za : 0.0;
           // (b) the scores: the subset's softmax from E where E holds it to fp32 precision
           const float mxs = std::max({table.max_f32(l, s), table.max_f32(l + b, nb), table.max_f32(l + n, i + 1)});
           const float* ps = nullptr;  // the span's unnormalised probabilities
@@ -447,47 +504,42 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
             z = table.reduce_f32(er, s) + table.reduce_f32(er + b, nb) + table.reduce_f32(er + n, i + 1);
             ps = er + b;
           } else {  // score_head's steps on the subset's own row
-            std::copy(l, l + s, row.data());
-            std::copy(l + b, l + e, row.data() + s);
-            std::copy(l + n, l + vis, row.data() + nc);
-            float mx = table.max_f32(row.data(), ni);
-            z = mx > -inf && mx < inf ? table.exp_sum(row.data(), mx, ni, ex.data()) : 0.0;
+            float* row = w.row.data();
+            std::copy(l, l + s, row);
+            std::copy(l + b, l + e, row + s);
+            std::copy(l + n, l + vis, row + nc);
+            float mx = table.max_f32(row, ni);
+            z = mx > -inf && mx < inf ? table.exp_sum(row, mx, ni, w.ex.data()) : 0.0;
             if (!(z > 0 && z < inf)) {
-              clean_row(row.data(), ni, nullptr);
-              mx = table.max_f32(row.data(), ni);
-              z = mx == -inf ? 0.0 : table.exp_sum(row.data(), mx, ni, ex.data());
+              clean_row(row, ni, nullptr);
+              mx = table.max_f32(row, ni);
+              z = mx == -inf ? 0.0 : table.exp_sum(row, mx, ni, w.ex.data());
             }
-            if (mx != -inf) ps = ex.data() + s;
+            if (mx != -inf) ps = w.ex.data() + s;
           }
           if (ps != nullptr && z > 0) {
-            const double w = (qw ? double(qw[i]) : 1.0) / z;
+            const double wt = (qw ? double(qw[i]) : 1.0) / z;
             const float* kwg = kw ? kw + (h * G + g) * nb : nullptr;
-            if (aggregate == QueryAggregate::max) {
-              table.max_scaled(ps, float(w), kwg, nb, accf.data());
+            if (pmax != nullptr) {
+              table.max_scaled(ps, float(wt), kwg, nb, pmax);
             } else {
-              for (std::int64_t u = 0; u < nb; ++u)
-                acc[std::size_t(u)] += double(ps[u]) * w * (kwg ? double(kwg[u]) : 1.0);
+              for (std::int64_t u = 0; u < nb; ++u) psum[u] += double(ps[u]) * wt * (kwg ? double(kwg[u]) : 1.0);
             }
           }
         }
       // obuf[c][j] = Σ_t E[c][t] · v_t[j], panel by panel of 16 value dimensions
       for (std::int64_t p = 0; p < vp; ++p)
-        table.gemm_panels(E.data(), r, vpack.data() + p * simd::kGemmPanel * T,
+        table.gemm_panels(w.E.data(), r, pk.vpack.data() + p * simd::kGemmPanel * T,
                           std::min<std::int64_t>(simd::kGemmPanel, dv - p * simd::kGemmPanel), seen,
-                          obuf.data() + p * simd::kGemmPanel, dv);
+                          w.obuf.data() + p * simd::kGemmPanel, dv);
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t j = 0; j < qn; ++j) {
           const std::int64_t c = g * qn + j;
           float* o = attn_out + ((i0 + j) * q_heads_ + h * G + g) * dv;
           for (std::int64_t u = 0; u < dv; ++u)
-            o[u] = float(double(obuf[std::size_t(c * dv + u)]) * invz[std::size_t(c)]);
+            o[u] = float(double(w.obuf[std::size_t(c * dv + u)]) * w.invz[std::size_t(c)]);
         }
     }
-    const double scale = 1.0 / double(G * m);
-    for (std::int64_t u = 0; u < nb; ++u)
-      out[b + u] = valid[std::size_t(b + u)]
-                       ? (aggregate == QueryAggregate::max ? accf[std::size_t(u)] : float(acc[std::size_t(u)] * scale))
-                       : kInvalidScore;
   }
 
   std::vector<float> queries_, scaled_;

@@ -54,7 +54,7 @@ struct Args {
   std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, dump;
   std::vector<std::string> questions;  ///< question files
   std::int64_t max_tokens = 0, n_predict = 32, sinks = 4, recent = 64, window = 64, ubatch = 512;
-  std::int64_t chunk = kvscore::kDefaultKVzipChunk, kvzip_prefix = -1;
+  std::int64_t chunk = kvscore_llama::kLlamaKVzipChunk, kvzip_prefix = -1;
   std::string kvzip_suffix = "\n";
   double keep = 0.5;
   int threads = 0;
@@ -77,7 +77,7 @@ const char* kUsage =
     "  --max-tokens N     use the prompt's first N tokens (default: all)\n"
     "  --threads N        CPU threads for llama.cpp and kvscore (default: all hardware threads)\n"
     "  --ubatch N         llama.cpp's physical batch (default 512)\n"
-    "  --chunk N          kvzip: prompt tokens reconstructed per pass (default 2048, kvpress's)\n"
+    "  --chunk N          kvzip: prompt tokens reconstructed per pass (default 512; kvpress's is 2048)\n"
     "  --kvzip-prefix N   kvzip: first prompt tokens not reconstructed (a chat template's opening; default:\n"
     "                     the BOS token if the model adds one)\n"
     "  --kvzip-suffix S   kvzip: text between the reconstruction prompt and the chunk (default \"\\n\"; with a\n"

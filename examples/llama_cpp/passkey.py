@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--hard", action="store_true", help="prose filler and four distractor numbers (see above)")
     ap.add_argument("--aggregate", default="max", choices=["max", "mean", "vote"],
                     help="kvscore_llama's joint selection over heads and layers (default max)")
+    ap.add_argument("--chunk", type=int, help="kvzip: context tokens per reconstruction pass (default: kvscore_llama's)")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
     depths = [float(x) for x in a.depths.split(",")]
@@ -114,6 +115,8 @@ def main():
                         "--aggregate", a.aggregate]
                 if method == "kvzip":
                     args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
+                    if a.chunk:
+                        args += ["--chunk", str(a.chunk)]
                 out = run(a.bin, a.model, args)
                 answer = re.search(r"answer 0:[^|]*\| (.*)", out).group(1)
                 rec = {"method": method, "keep": keep, "aggregate": a.aggregate, "depth": depth, "key": key,

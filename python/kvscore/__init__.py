@@ -494,7 +494,7 @@ class KVzip(_QueryScorer):
                     threads: int = 0, query_block: int = 0):
         """One reconstruction pass with its attention computed from the same logits
         (kvscore::KVzip::attend_span, docs/kvzip.md#the-fused-pass): score_span's scores into
-        ``out`` (bit-identical), and into ``attn_out`` (float32 ``[m, q_heads, head_dim]``,
+        ``out`` (to ~1e-6 relative), and into ``attn_out`` (float32 ``[m, q_heads, head_dim]``,
         C-contiguous) each query's causal attention output: the softmax over every cache row and
         its own rows up to itself, times ``values`` / ``own_values`` (``[kv_heads, rows,
         head_dim]``, the keys' dtype). Returns ``attn_out``."""

@@ -725,6 +725,49 @@ void bind_isa(nb::module_& m) {
 
 // ------------------------------------------------------------------ KVzip's reconstruction passes
 
+/// What kvzip_score_span and kvzip_attend_span share, each argument checked in turn (ValueError
+/// naming it): the scorer over the pass's queries, the optional weights, the scores view, the span.
+struct KVzipPassArgs {
+  Queries q;
+  kvscore::KVzip z;
+  std::vector<float> qw, kw;
+  kvscore::ScoresView sv;
+  kvscore::KVzipSpan span;
+
+  KVzipPassArgs(const Any& queries, const Mut& out, std::int64_t begin, std::int64_t end, std::int64_t sinks,
+                const std::string& aggregate, nb::handle query_weights, nb::handle key_weights, int threads,
+                std::int64_t query_block)
+      : q(gather_queries(queries, "queries")), z(q.data.data(), q.heads, q.n, q.dim) {
+    z.aggregate = kvscore::parse_query_aggregate(aggregate);
+    z.num_threads = threads;
+    z.query_block = query_block;
+    if (!query_weights.is_none()) {
+      qw = f32_copy(as_array(query_weights, "query_weights"), "query_weights [n_queries]", 1);
+      if (std::int64_t(qw.size()) != q.n)
+        bad("query_weights: " + std::to_string(qw.size()) + " values for " + std::to_string(q.n) + " queries");
+    }
+    if (!key_weights.is_none()) {
+      const Any k = as_array(key_weights, "key_weights");
+      kw = f32_copy(k, "key_weights [q_heads, end - begin]", 2);
+      if (std::int64_t(k.shape(0)) != q.heads)
+        bad("key_weights: " + std::to_string(k.shape(0)) + " rows for " + std::to_string(q.heads) + " query heads");
+    }
+    if (out.ndim() != 2 || dtype_of(out, "out") != DT::f32) bad("out: expected float32 [kv_heads, tokens] scores");
+    const auto H = std::int64_t(out.shape(0)), N = std::int64_t(out.shape(1));
+    if (N > 1 && out.stride(1) != 1) bad("out: the token stride must be 1");
+    sv = kvscore::ScoresView(static_cast<float*>(out.data()), H, N, H > 1 ? std::int64_t(out.stride(0)) : N);
+    if (!key_weights.is_none()) {
+      const std::int64_t e = end < 0 ? N : end;
+      if (std::int64_t(kw.size()) != q.heads * (e - begin))
+        bad("key_weights: " + std::to_string(kw.size() / std::size_t(std::max<std::int64_t>(q.heads, 1))) +
+            " columns for the span's " + std::to_string(e - begin) + " rows");
+    }
+    span = kvscore::KVzipSpan{begin, end, sinks, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data()};
+  }
+  KVzipPassArgs(const KVzipPassArgs&) = delete;  // span points into qw / kw
+  KVzipPassArgs& operator=(const KVzipPassArgs&) = delete;
+};
+
 /// kvscore::KVzip::score_span (docs/kvzip.md): one reconstruction pass scored into `out`.
 void bind_kvzip(nb::module_& m) {
   m.def(
@@ -732,40 +775,11 @@ void bind_kvzip(nb::module_& m) {
       [](const Any& cache, const Any& own, const Any& queries, const Mut& out, std::int64_t begin, std::int64_t end,
          std::int64_t sinks, const std::string& aggregate, nb::handle query_weights, nb::handle key_weights,
          int threads, std::int64_t query_block) {
-        Queries q = gather_queries(queries, "queries");
-        kvscore::KVzip z(q.data.data(), q.heads, q.n, q.dim);
-        z.aggregate = kvscore::parse_query_aggregate(aggregate);
-        z.num_threads = threads;
-        z.query_block = query_block;
-        std::vector<float> qw, kw;
-        if (!query_weights.is_none()) {
-          qw = f32_copy(as_array(query_weights, "query_weights"), "query_weights [n_queries]", 1);
-          if (std::int64_t(qw.size()) != q.n)
-            bad("query_weights: " + std::to_string(qw.size()) + " values for " + std::to_string(q.n) + " queries");
-        }
-        if (!key_weights.is_none()) {
-          const Any k = as_array(key_weights, "key_weights");
-          kw = f32_copy(k, "key_weights [q_heads, end - begin]", 2);
-          if (std::int64_t(k.shape(0)) != q.heads)
-            bad("key_weights: " + std::to_string(k.shape(0)) + " rows for " + std::to_string(q.heads) + " query heads");
-        }
-        if (out.ndim() != 2 || dtype_of(out, "out") != DT::f32)
-          bad("out: expected float32 [kv_heads, tokens] scores");
-        const auto H = std::int64_t(out.shape(0)), N = std::int64_t(out.shape(1));
-        if (N > 1 && out.stride(1) != 1) bad("out: the token stride must be 1");
-        const kvscore::ScoresView sv(static_cast<float*>(out.data()), H, N, H > 1 ? std::int64_t(out.stride(0)) : N);
-        if (!key_weights.is_none()) {
-          const std::int64_t e = end < 0 ? N : end;
-          if (std::int64_t(kw.size()) != q.heads * (e - begin))
-            bad("key_weights: " + std::to_string(kw.size() / std::size_t(std::max<std::int64_t>(q.heads, 1))) +
-                " columns for the span's " + std::to_string(e - begin) + " rows");
-        }
-        const kvscore::KVzipSpan span{begin, end, sinks, qw.empty() ? nullptr : qw.data(),
-                                      kw.empty() ? nullptr : kw.data()};
+        KVzipPassArgs p(queries, out, begin, end, sinks, aggregate, query_weights, key_weights, threads, query_block);
         with_keys(cache, "cache", [&](const auto& cv) {
           with_keys(own, "own", [&](const auto& ov) {
             nb::gil_scoped_release unlocked;
-            z.score_span(cv, ov, span, sv);
+            p.z.score_span(cv, ov, p.span, p.sv);
             return 0;
           });
           return 0;
@@ -783,34 +797,7 @@ void bind_kvzip(nb::module_& m) {
       [](const Any& cache, const Any& own, const Any& values, const Any& own_values, const Any& queries, const Mut& out,
          const Mut& attn_out, std::int64_t begin, std::int64_t end, std::int64_t sinks, const std::string& aggregate,
          nb::handle query_weights, nb::handle key_weights, int threads, std::int64_t query_block) {
-        Queries q = gather_queries(queries, "queries");
-        kvscore::KVzip z(q.data.data(), q.heads, q.n, q.dim);
-        z.aggregate = kvscore::parse_query_aggregate(aggregate);
-        z.num_threads = threads;
-        z.query_block = query_block;
-        std::vector<float> qw, kw;
-        if (!query_weights.is_none()) {
-          qw = f32_copy(as_array(query_weights, "query_weights"), "query_weights [n_queries]", 1);
-          if (std::int64_t(qw.size()) != q.n)
-            bad("query_weights: " + std::to_string(qw.size()) + " values for " + std::to_string(q.n) + " queries");
-        }
-        if (!key_weights.is_none()) {
-          const Any k = as_array(key_weights, "key_weights");
-          kw = f32_copy(k, "key_weights [q_heads, end - begin]", 2);
-          if (std::int64_t(k.shape(0)) != q.heads)
-            bad("key_weights: " + std::to_string(k.shape(0)) + " rows for " + std::to_string(q.heads) + " query heads");
-        }
-        if (out.ndim() != 2 || dtype_of(out, "out") != DT::f32)
-          bad("out: expected float32 [kv_heads, tokens] scores");
-        const auto H = std::int64_t(out.shape(0)), N = std::int64_t(out.shape(1));
-        if (N > 1 && out.stride(1) != 1) bad("out: the token stride must be 1");
-        const kvscore::ScoresView sv(static_cast<float*>(out.data()), H, N, H > 1 ? std::int64_t(out.stride(0)) : N);
-        if (!key_weights.is_none()) {
-          const std::int64_t e = end < 0 ? N : end;
-          if (std::int64_t(kw.size()) != q.heads * (e - begin))
-            bad("key_weights: " + std::to_string(kw.size() / std::size_t(std::max<std::int64_t>(q.heads, 1))) +
-                " columns for the span's " + std::to_string(e - begin) + " rows");
-        }
+        KVzipPassArgs p(queries, out, begin, end, sinks, aggregate, query_weights, key_weights, threads, query_block);
         const HND c = keys_shape(cache, "cache", kKeysNeedUnitStride), o = keys_shape(own, "own", kKeysNeedUnitStride),
                   v = keys_shape(values, "values", kKeysNeedUnitStride),
                   ov = keys_shape(own_values, "own_values", kKeysNeedUnitStride);
@@ -819,29 +806,27 @@ void bind_kvzip(nb::module_& m) {
                                       {&own_values, "own_values"}})
           if (dtype_of(*a, what) != dt) bad(std::string(what) + ": its dtype differs from the cache's (one dtype for all four)");
         if (attn_out.ndim() != 3 || dtype_of(attn_out, "attn_out") != DT::f32 ||
-            std::int64_t(attn_out.shape(0)) != q.n || std::int64_t(attn_out.shape(1)) != q.heads ||
+            std::int64_t(attn_out.shape(0)) != p.q.n || std::int64_t(attn_out.shape(1)) != p.q.heads ||
             std::int64_t(attn_out.shape(2)) != v.D)
-          bad("attn_out: expected float32 [n_queries, q_heads, head_dim of the values] = [" + std::to_string(q.n) + ", " +
-              std::to_string(q.heads) + ", " + std::to_string(v.D) + "]");
+          bad("attn_out: expected float32 [n_queries, q_heads, head_dim of the values] = [" + std::to_string(p.q.n) + ", " +
+              std::to_string(p.q.heads) + ", " + std::to_string(v.D) + "]");
         if (attn_out.stride(2) != 1 || attn_out.stride(1) != std::int64_t(v.D) ||
-            attn_out.stride(0) != std::int64_t(q.heads * v.D))
+            attn_out.stride(0) != std::int64_t(p.q.heads * v.D))
           bad("attn_out: must be C-contiguous");
         kvscore::visit_dtype(dt, [&]<class T>(std::type_identity<T>) {
           auto view = [](const Any& a, const HND& s) {
             return kvscore::KeysView<T>(static_cast<const T*>(a.data()), s.H, s.N, s.D, s.hs, s.ts);
           };
           const auto cv = view(cache, c), ovw = view(own, o), vv = view(values, v), ovv = view(own_values, ov);
-          const kvscore::KVzipSpan span{begin, end, sinks, qw.empty() ? nullptr : qw.data(),
-                                        kw.empty() ? nullptr : kw.data()};
           nb::gil_scoped_release unlocked;
-          z.attend_span(cv, ovw, vv, ovv, span, sv, static_cast<float*>(attn_out.data()));
+          p.z.attend_span(cv, ovw, vv, ovv, p.span, p.sv, static_cast<float*>(attn_out.data()));
           return 0;
         });
       },
       "cache"_a, "own"_a, "values"_a, "own_values"_a, "queries"_a, "out"_a, "attn_out"_a, "begin"_a, "end"_a, "sinks"_a,
       "aggregate"_a = "max", "query_weights"_a = nb::none(), "key_weights"_a = nb::none(), "threads"_a = 0,
       "query_block"_a = 0,
-      "kvscore::KVzip::attend_span: kvzip_score_span's scores written into out (bit-identical), and the pass's\n"
+      "kvscore::KVzip::attend_span: kvzip_score_span's scores written into out (to ~1e-6 relative), and the pass's\n"
       "attention output, each query's softmax over every cache row and its own rows up to itself times the\n"
       "values (cache/own values [kv_heads, rows, head_dim]), into attn_out (float32 [m, q_heads, head_dim]).");
 

@@ -264,6 +264,25 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
       l[t] = x > big ? big : x;
     }
   }
+  /// One softmax row's exponentials e[t] = exp(l[t] - max) and their sum; a row whose max or sum is
+  /// not finite (an overflowed or NaN logit) is cleaned first (clean_row) and taken again. sum = 0:
+  /// no finite logit (e not written). `cleaned`: the first try failed.
+  struct ExpRow {
+    double sum;
+    float max;
+    bool cleaned;
+  };
+  static ExpRow exp_row(const simd::KernelTable& table, float* l, std::int64_t n, const unsigned char* valid,
+                        float* e) {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    float mx = table.max_f32(l, n);
+    const double z = mx > -inf && mx < inf ? table.exp_sum(l, mx, n, e) : 0.0;
+    if (z > 0 && z < inf) return {z, mx, false};
+    clean_row(l, n, valid);
+    mx = table.max_f32(l, n);
+    return {mx == -inf ? 0.0 : table.exp_sum(l, mx, n, e), mx, true};
+  }
+
 
   template <class Cache, class Own>
   void score_head(const simd::KernelTable& table, const Cache& cache, const Own& own, std::int64_t h, std::int64_t o0,
@@ -337,14 +356,8 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
             if (t >= ni) break;
             l[t] = -inf;
           }
-          float mx = table.max_f32(l, ni);
-          double z = mx > -inf && mx < inf ? table.exp_sum(l, mx, ni, ex.data()) : 0.0;
-          if (!(z > 0 && z < inf)) {  // an overflowed or NaN logit: clamp, drop, then as usual
-            clean_row(l, ni, valid.data());
-            mx = table.max_f32(l, ni);
-            if (mx == -inf) continue;  // no valid key: this query adds nothing
-            z = table.exp_sum(l, mx, ni, ex.data());
-          }
+          const double z = exp_row(table, l, ni, valid.data(), ex.data()).sum;
+          if (z == 0) continue;  // no valid key: this query adds nothing
           const double w = (qw ? double(qw[i]) : 1.0) / z;
           const float* kwg = kw ? kw + (h * G + g) * nb : nullptr;
           if (aggregate == QueryAggregate::max) {
@@ -485,22 +498,14 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
           }
           // (a) the pass's attention: softmax over the vis rows it sees into E's row
           float* er = w.E.data() + c * seen;
-          float mxa = table.max_f32(l, vis);
-          double za = mxa > -inf && mxa < inf ? table.exp_sum(l, mxa, vis, er) : 0.0;
-          const bool clean = za > 0 && za < inf;
-          if (!clean) {
-            clean_row(l, vis, nullptr);
-            mxa = table.max_f32(l, vis);
-            za = mxa == -inf ? 0.0 : table.exp_sum(l, mxa, vis, er);
-            if (mxa == -inf) std::fill(er, er + vis, 0.f);
-          }
-          std::fill(er + vis, er + seen, 0.f);
-          w.invz[std::size_t(c)] = za > 0 ? 1.0 / za : 0.0;
+          const ExpRow att = exp_row(table, l, vis, nullptr, er);
+          std::fill(er + (att.sum > 0 ? vis : 0), er + seen, 0.f);
+          w.invz[std::size_t(c)] = att.sum > 0 ? 1.0 / att.sum : 0.0;
           // (b) the scores: the subset's softmax from E where E holds it to fp32 precision
           const float mxs = std::max({table.max_f32(l, s), table.max_f32(l + b, nb), table.max_f32(l + n, i + 1)});
           const float* ps = nullptr;  // the span's unnormalised probabilities
           double z = 0;
-          if (clean && mxs > -inf && mxa - mxs <= kRescaleLimit) {
+          if (!att.cleaned && mxs > -inf && att.max - mxs <= kRescaleLimit) {
             z = table.reduce_f32(er, s) + table.reduce_f32(er + b, nb) + table.reduce_f32(er + n, i + 1);
             ps = er + b;
           } else {  // score_head's steps on the subset's own row
@@ -508,14 +513,8 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
             std::copy(l, l + s, row);
             std::copy(l + b, l + e, row + s);
             std::copy(l + n, l + vis, row + nc);
-            float mx = table.max_f32(row, ni);
-            z = mx > -inf && mx < inf ? table.exp_sum(row, mx, ni, w.ex.data()) : 0.0;
-            if (!(z > 0 && z < inf)) {
-              clean_row(row, ni, nullptr);
-              mx = table.max_f32(row, ni);
-              z = mx == -inf ? 0.0 : table.exp_sum(row, mx, ni, w.ex.data());
-            }
-            if (mx != -inf) ps = w.ex.data() + s;
+            z = exp_row(table, row, ni, nullptr, w.ex.data()).sum;
+            if (z > 0) ps = w.ex.data() + s;
           }
           if (ps != nullptr && z > 0) {
             const double wt = (qw ? double(qw[i]) : 1.0) / z;

@@ -649,7 +649,11 @@ TEMPLATE_TEST_CASE("SnapKV: bit-identical for any num_threads and across runs", 
     snap.num_threads = 1;
     const Scores ref = snap.score(v);
     CHECK(snap.score(v).values() == ref.values());
+#if defined(NDEBUG)
     for (int nt : {2, 3, 8, 0}) {
+#else  // the Debug sanitizer build: an odd split and the default (~35 s less CPU at -O0)
+    for (int nt : {3, 0}) {
+#endif
       CAPTURE(nt);
       snap.num_threads = nt;
       const Scores s = snap.score(v);

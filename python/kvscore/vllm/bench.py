@@ -165,7 +165,7 @@ def _decode_main(a) -> int:
             for kv in entry.split("@"):
                 k, v = kv.split("=", 1)
                 plugin[k] = v if k in ("method", "block_score", "query_group") else (v == "True" if k == "probe" else float(v))
-            for k in ("local", "dense_below", "sinks", "prefilter", "refresh"):
+            for k in ("local", "dense_below", "sinks", "prefilter", "refresh", "threads"):
                 if k in plugin:
                     plugin[k] = int(plugin[k])
         r = _spawn({**base, "plugin": plugin, "decode": True})

@@ -283,7 +283,6 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     return {mx == -inf ? 0.0 : table.exp_sum(l, mx, n, e), mx, true};
   }
 
-
   template <class Cache, class Own>
   void score_head(const simd::KernelTable& table, const Cache& cache, const Own& own, std::int64_t h, std::int64_t o0,
                   std::int64_t m_own, std::int64_t b, std::int64_t e, std::int64_t s, bool score_own, const float* qw,

@@ -88,7 +88,7 @@ TEST_CASE("block scores: names both ways, Quest's bound, meanstd and exact again
     for (std::int64_t t = 0; t < n; ++t) {
       double s4 = 0;
       for (std::int64_t j = 0; j < d; ++j) {
-        const int c = (codes[std::size_t(j * (n / 2) + t % (n / 2))] >> (t < n / 2 ? 0 : 4)) & 15;
+        const int c = (codes[std::size_t((j / 2) * n + 2 * (t % (n / 2)) + j % 2)] >> (t < n / 2 ? 0 : 4)) & 15;
         CHECK(std::fabs(mn[j] + st[j] * c - keys[t * d + j]) <= st[j] / 2 * (1 + 1e-5) + 1e-6);
         s4 += double(q[j]) * (double(mn[j]) + double(st[j]) * c);
       }

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -201,7 +202,7 @@ TEST_CASE("int4_dots on every table: the exact integer sums of int16 weights and
     for (const std::int64_t d : {std::int64_t(64), std::int64_t(37), std::int64_t(1), std::int64_t(2)}) {
       for (const std::int64_t g : {std::int64_t(1), std::int64_t(3), std::int64_t(4), std::int64_t(9)}) {
         std::vector<std::int16_t> w(std::size_t(g * d));
-        std::vector<std::uint8_t> codes(std::size_t(d * h));
+        std::vector<std::uint8_t> codes(std::size_t((d + 1) / 2 * 2 * h));  // pairs of dimensions
         for (std::size_t i = 0; i < w.size(); ++i)
           w[i] = i % 5 == 0 ? std::int16_t(i % 2 ? 32767 : -32768) : std::int16_t(int(rng() % 65535) - 32767);
         for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = i % 7 == 0 ? 0xff : std::uint8_t(rng() & 0xff);
@@ -210,7 +211,7 @@ TEST_CASE("int4_dots on every table: the exact integer sums of int16 weights and
           for (std::int64_t t = 0; t < 2 * h; ++t) {
             std::int64_t s = 0;
             for (std::int64_t j = 0; j < d; ++j) {
-              const std::uint8_t c = codes[std::size_t(j * h + t % h)];
+              const std::uint8_t c = codes[std::size_t((j / 2) * 2 * h + 2 * (t % h) + j % 2)];
               s += std::int64_t(w[std::size_t(k * d + j)]) * (t < h ? c & 15 : c >> 4);
             }
             want[std::size_t(k * 2 * h + t)] = s;
@@ -220,6 +221,108 @@ TEST_CASE("int4_dots on every table: the exact integer sums of int16 weights and
           std::vector<std::int32_t> acc(std::size_t(g * 2 * h), 12345);
           tb->int4_dots(w.data(), g, d, codes.data(), h, acc.data());
           for (std::size_t i = 0; i < acc.size(); ++i) REQUIRE(std::int64_t(acc[i]) == want[i]);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("int4_quest, int4_summarize, int4_block on every table: their definitions, bit for bit on every table",
+          "[simd][block_sparse]") {
+  // each table against the definitions written out here (plain loops, no table), and every table's
+  // bits equal (the block choice must not depend on the ISA): odd lengths (vector tails), blocks
+  // of 32 and others, non-finite keys and queries
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  auto bits = [](float x) { return std::bit_cast<std::uint32_t>(x); };
+  for (const std::int64_t d : {std::int64_t(64), std::int64_t(37), std::int64_t(16), std::int64_t(3)}) {
+    for (const std::int64_t n : {std::int64_t(32), std::int64_t(17), std::int64_t(1), std::int64_t(600)}) {
+      for (int trial = 0; trial < 4; ++trial) {
+        const std::int64_t h = (n + 1) / 2, g = 3;
+        std::vector<float> x(std::size_t(d * (n + 5))), q(std::size_t(g * d));
+        for (auto& v : x) v = nd(rng) * (trial == 1 ? 1e-3f : 2.f) + 0.5f;
+        for (auto& v : q) v = nd(rng);
+        if (trial == 2) {  // non-finite keys: a NaN first in a row, one later, an infinity
+          x[0] = nan;
+          x[std::size_t(1 * (n + 5) + n / 2)] = nan;
+          x[std::size_t(2 % d * (n + 5) + n - 1)] = inf;
+        }
+        if (trial == 3) x[std::size_t((d - 1) * (n + 5))] = x[std::size_t((d - 1) * (n + 5) + 1)];  // equal keys: step 0 when n = 1
+        // int4_summarize: min, max, step and nearest-even codes per dimension
+        std::vector<float> lo0(d), st0(d), hi0(d);
+        const std::int64_t cb = (d + 1) / 2 * 2 * h;  // codes in pairs of dimensions (table.hpp)
+        auto at = [&](std::int64_t j, std::int64_t t) { return std::size_t((j / 2) * 2 * h + 2 * (t % h) + j % 2); };
+        std::vector<std::uint8_t> c0(static_cast<std::size_t>(cb));
+        for (std::int64_t j = 0; j < d; ++j) {
+          const float* r = x.data() + j * (n + 5);
+          float a = r[0], b = r[0];
+          for (std::int64_t t = 1; t < n; ++t) {
+            a = std::min(a, r[t]);
+            b = std::max(b, r[t]);
+          }
+          lo0[j] = a;
+          hi0[j] = b;
+          st0[j] = (b - a) / 15.f;
+          const float inv = st0[j] > 0.f ? 1.f / st0[j] : 0.f;
+          for (std::int64_t t = 0; t < n; ++t) {
+            const float u = (r[t] - a) * inv;
+            const int c = u <= 16.f ? std::clamp(int(std::nearbyint(u)), 0, 15) : 0;
+            c0[at(j, t)] |= std::uint8_t(t < h ? c : c << 4);
+          }
+        }
+        // int4_quest: 16 lanes of max(q·lo, q·hi), lane l over j ≡ l (mod 16)
+        std::vector<float> lanes0(std::size_t(g * 16), 0.f);
+        for (std::int64_t k = 0; k < g; ++k)
+          for (std::int64_t j = 0; j < d; ++j)
+            lanes0[std::size_t(k * 16 + j % 16)] += std::max(q[std::size_t(k * d + j)] * lo0[j], q[std::size_t(k * d + j)] * hi0[j]);
+        // int4_block: weights from the largest |q·step|, the best token's integer sum
+        std::vector<std::int32_t> best0(g);
+        std::vector<float> scale0(g);
+        for (std::int64_t k = 0; k < g; ++k) {
+          float top = 0.f;
+          bool nonfinite = false;
+          for (std::int64_t j = 0; j < d; ++j) {
+            const float a = std::fabs(q[std::size_t(k * d + j)] * st0[j]);
+            if (std::isnan(a)) nonfinite = true;
+            else top = std::max(top, a);
+          }
+          if (nonfinite) top = nan;
+          scale0[k] = top / 32767.f;
+          const float inv = top > 0.f && std::isfinite(top) ? 32767.f / top : 0.f;
+          std::int64_t best = std::numeric_limits<std::int64_t>::min();
+          for (std::int64_t t = 0; t < n; ++t) {
+            std::int64_t s = 0;
+            for (std::int64_t j = 0; j < d; ++j) {
+              const int w = inv == 0.f ? 0 : int(std::nearbyint((q[std::size_t(k * d + j)] * st0[j]) * inv));
+              const std::uint8_t c = c0[at(j, t)];
+              s += std::int64_t(w) * (t < h ? c & 15 : c >> 4);
+            }
+            best = std::max(best, s);
+          }
+          best0[k] = std::int32_t(best);
+        }
+        for (const auto* tb : simd::available_tables()) {
+          INFO("isa " << tb->name << " d " << d << " n " << n << " trial " << trial);
+          std::vector<float> lo(d), st(d), hi(d), lanes(std::size_t(g * 16));
+          std::vector<std::uint8_t> c(std::size_t(cb), 0xaa);
+          tb->int4_summarize(x.data(), n + 5, n, d, lo.data(), st.data(), hi.data(), c.data());
+          for (std::int64_t j = 0; j < d; ++j) {
+            REQUIRE(bits(lo[j]) == bits(lo0[j]));
+            REQUIRE(bits(hi[j]) == bits(hi0[j]));
+            REQUIRE(bits(st[j]) == bits(st0[j]));
+          }
+          REQUIRE(c == c0);
+          tb->int4_quest(q.data(), g, d, lo0.data(), hi0.data(), lanes.data());
+          for (std::size_t i = 0; i < lanes.size(); ++i) REQUIRE(bits(lanes[i]) == bits(lanes0[i]));
+          std::vector<std::int16_t> w(std::size_t(g * d));
+          std::vector<std::int32_t> acc(std::size_t(g * 2 * h)), best(g);
+          std::vector<float> scale(g);
+          tb->int4_block(q.data(), g, d, st0.data(), c0.data(), n, w.data(), acc.data(), best.data(), scale.data());
+          for (std::int64_t k = 0; k < g; ++k) {
+            REQUIRE(bits(scale[k]) == bits(scale0[k]));
+            if (std::isfinite(scale0[k])) REQUIRE(best[k] == best0[k]);
+          }
         }
       }
     }

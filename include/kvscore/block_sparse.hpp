@@ -18,20 +18,22 @@
 //            standard normals (2.07 at 32) — what the max of q·k over the block would be if the
 //            keys' coordinates were independent Gaussians.
 //   int4     max_t q·k̂_t over the block's keys quantised to 4 bits per coordinate within Quest's
-//            per-dimension range (k̂_tj = min_j + step_j·c_tj, step_j = (max_j − min_j)/15): the
-//            exact score on keys read at 1/8 of their fp32 bytes, summed in integers (q_j·step_j
-//            rounded to 16 bits per block: the same result on every ISA). Only the blocks among
-//            some query head's best `prefilter`·k by Quest's bound are scored this way (k: the
-//            blocks still to choose), the others of that KV head not at all.
+//            per-dimension range (k̂_tj = min_j + step_j·c_tj, step_j = (max_j − min_j)/15, c_tj
+//            rounded to nearest-even): the exact score on keys read at 1/8 of their fp32 bytes,
+//            summed in integers (q_j·step_j rounded to 16 bits per block: the same result on every
+//            ISA). Only the blocks among some query head's best `prefilter`·k by Quest's bound
+//            (from the same min and max) are scored this way (k: the blocks still to choose), the
+//            others of that KV head not at all. The per-block work is the kernel table's
+//            (int4_summarize, int4_quest, int4_block: vector code, a KV head's queries at once).
 //   pariskv  max over the block's tokens that ParisKV's index retrieves for q (its RSQ-IP
 //            estimates, pariskv.hpp; one index per sequence and KV head, kept across steps);
 //            blocks with no retrieved token score −inf.
 //   exact    max_t q·k_t over the block's keys: what the bounds approximate. It reads every
 //            key, so it is the ceiling of the others' recall, not a fast path.
-// quest and meanstd read a summary of 2·head_dim floats per block and KV head (int4: that and
-// head_dim·block_size/2 bytes of codes), made once when the block is first needed full and
-// dropped when any of its slots is written again (begin_step's slot list: a new owner, a
-// preempted sequence recomputed).
+// quest and meanstd read a summary of 2·head_dim floats per block and KV head (int4: 3·head_dim,
+// min, step and max, and head_dim·block_size/2 bytes of codes), made once when the block is
+// first needed full and dropped when any of its slots is written again (begin_step's slot list:
+// a new owner, a preempted sequence recomputed).
 //
 // One block table row serves every KV head (vLLM's kernels), so a block is chosen per sequence
 // and layer: each query head turns its block scores into a softmax over the candidate blocks
@@ -191,38 +193,33 @@ struct BlockChoiceScratch {
   std::vector<std::int64_t> cand, order, chosen, exact_chosen;
 };
 
-/// Bytes of int4 codes per (block, KV head): [head_dim][h = ⌈block_size/2⌉], two tokens a byte:
-/// token t < h in the low nibble of byte t, token h + t in its high nibble (so one pass over a
-/// dimension's bytes reads the first half of the tokens, a second the other half: vector loops).
+/// Bytes of int4 codes per (block, KV head): [⌈head_dim/2⌉][h = ⌈block_size/2⌉][2], two tokens
+/// a byte: byte (j/2)·2h + 2t + j%2 holds dimension j's code of token t < h in its low nibble and
+/// of token h + t in its high one (a pair of dimensions' bytes widen to the (c_tj, c_t,j+1) int16
+/// pairs that (v)pmaddwd multiplies by (w_j, w_j+1): simd/table.hpp's int4_dots).
 inline std::int64_t int4_code_bytes(std::int64_t head_dim, std::int64_t block_size) noexcept {
-  return head_dim * ((block_size + 1) / 2);
+  return (head_dim + 1) / 2 * 2 * ((block_size + 1) / 2);
 }
 
 /// The summary of n keys: quest (min, max), meanstd (mean, standard deviation) or int4 (min,
-/// step, and `codes`: int4_code_bytes) per dimension.
+/// step, and `codes`: int4_code_bytes; `hi`, when given, the max) per dimension. int4 runs on the
+/// kernel table (int4_summarize), over the keys in place when they are fp32 rows of n.
 template <class T>
 void summarize_tile(BlockScore how, const KeyTile<T>& x, std::int64_t n, std::int64_t d, float* a, float* b,
-                    std::uint8_t* codes = nullptr) {
-  std::vector<float> row;  // a dimension's n values (contiguous: the loops below vectorise)
-  if (how == BlockScore::int4) row.resize(static_cast<std::size_t>(n + 1));
+                    std::uint8_t* codes = nullptr, float* hi = nullptr) {
+  if (how == BlockScore::int4) {
+    std::vector<float> top;
+    if (hi == nullptr) top.resize(static_cast<std::size_t>(d)), hi = top.data();
+    if constexpr (std::is_same_v<T, float>) {
+      if (x.ts == 1) return simd::active_table().int4_summarize(x.p, x.js, n, d, a, b, hi, codes);
+    }
+    std::vector<float> rows(static_cast<std::size_t>(n * d));  // [d][n] fp32
+    for (std::int64_t j = 0; j < d; ++j)
+      for (std::int64_t t = 0; t < n; ++t) rows[std::size_t(j * n + t)] = x.at(t, j);
+    return simd::active_table().int4_summarize(rows.data(), n, n, d, a, b, hi, codes);
+  }
   for (std::int64_t j = 0; j < d; ++j) {
-    if (how == BlockScore::int4) {
-      for (std::int64_t t = 0; t < n; ++t) row[std::size_t(t)] = x.at(t, j);
-      float mn = row[0], mx = mn;
-      for (std::int64_t t = 1; t < n; ++t) {
-        mn = std::min(mn, row[std::size_t(t)]);
-        mx = std::max(mx, row[std::size_t(t)]);
-      }
-      const float step = (mx - mn) / 15.f, inv = step > 0.f ? 1.f / step : 0.f;
-      a[j] = mn;
-      b[j] = step;
-      const std::int64_t half = (n + 1) / 2;
-      std::uint8_t* c = codes + j * half;
-      auto code = [&](std::int64_t t) {  // (x − min)/step >= 0, rounded half up
-        return t < n ? std::min(15, int((row[std::size_t(t)] - mn) * inv + 0.5f)) : 0;
-      };
-      for (std::int64_t t = 0; t < half; ++t) c[t] = std::uint8_t(code(t) | (code(half + t) << 4));
-    } else if (how == BlockScore::quest) {
+    if (how == BlockScore::quest) {
       float mn = x.at(0, j), mx = mn;
       for (std::int64_t t = 1; t < n; ++t) {
         const float e = x.at(t, j);
@@ -259,6 +256,15 @@ inline float summary_score(BlockScore how, const float* q, const float* a, const
   return m + z * std::sqrt(var);
 }
 
+/// Asks for the cache lines of [p, p + bytes) ahead of their use (a hint: no effect on results).
+inline void prefetch(const void* p, std::int64_t bytes) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  for (std::int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 /// Σ_j f(j) for j < d in one fixed order that vectorises: 16 lanes (lane l sums the j ≡ l mod 16
 /// in order), then ParisKV's lane tree (tree16). Not the dimension-order sum, but the same on
 /// every ISA: the compiler turns the lanes into vectors instead of leaving a float reduction scalar.
@@ -274,33 +280,18 @@ inline float lane_sum(std::int64_t d, F&& f) noexcept {
 
 /// max_t q·k̂_t over n int4-coded keys (min, step, codes of summarize_tile) for each of `g`
 /// queries (out[g]): q·min in fp32 (lane_sum's order), plus s·max_t Σ_j w_j·c_tj where
-/// w_j = round(q_j·step_j / s) are 16-bit integers (s = max_j |q_j·step_j| / 32767) and the sums
-/// are exact int32: the result does not depend on the ISA or the compiler's vectorisation.
-/// `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
+/// w_j = q_j·step_j / s rounded to nearest-even 16-bit integers (s = max_j |q_j·step_j| / 32767)
+/// and the sums are exact int32 (the table's int4_block): the result does not depend on the ISA
+/// or the compiler's vectorisation. `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
 inline void int4_tile_scores(const float* const* q, std::int64_t g, const float* mn, const float* step,
                              const std::uint8_t* codes, std::int64_t n, std::int64_t d, float* out,
                              std::int16_t* w, std::int32_t* acc) noexcept {
-  const std::int64_t half = (n + 1) / 2;
+  std::int32_t best[1];
+  float scale[1];
   for (std::int64_t k = 0; k < g; ++k) {
-    // max_j |q_j·step_j|: non-negative floats order as their bits do, and an integer max
-    // vectorises (a float max would not without -ffast-math); the same value in any order
-    std::uint32_t bits = 0;
-    for (std::int64_t j = 0; j < d; ++j) bits = std::max(bits, std::bit_cast<std::uint32_t>(std::fabs(q[k][j] * step[j])));
-    const float top = std::bit_cast<float>(bits);
-    const float inv = top > 0.f ? 32767.f / top : 0.f;
-    for (std::int64_t j = 0; j < d; ++j) {
-      const float u = (q[k][j] * step[j]) * inv;  // in [−32767, 32767]; rounded half away from 0
-      w[k * d + j] = std::int16_t(std::int32_t(u + (u >= 0.f ? 0.5f : -0.5f)));
-    }
-    out[k] = top / 32767.f;  // the weights' scale, until the sums are in
-  }
-  simd::active_table().int4_dots(w, g, d, codes, half, acc);  // exact int32 sums on any table
-  for (std::int64_t k = 0; k < g; ++k) {
-    const std::int32_t* a = acc + k * 2 * half;
-    std::int32_t best = a[0];
-    for (std::int64_t t = 1; t < n; ++t) best = std::max(best, a[t]);  // a[t] is token t (a[n]: padding)
+    simd::active_table().int4_block(q[k], 1, d, step, codes, n, w, acc, best, scale);
     const float* qk = q[k];
-    out[k] = lane_sum(d, [&](std::int64_t j) { return qk[j] * mn[j]; }) + out[k] * float(best);
+    out[k] = lane_sum(d, [&](std::int64_t j) { return qk[j] * mn[j]; }) + scale[0] * float(best[0]);
   }
 }
 
@@ -308,48 +299,65 @@ inline void int4_tile_scores(const float* const* q, std::int64_t g, const float*
 /// prefilter: each query head ranks the candidates by Quest's bound (from the int4 summary's
 /// min and max), and a (block, KV head) is scored when one of its G query heads has it among its
 /// best `m` (−inf otherwise; m ≤ 0 or m ≥ C: every candidate). `summary(c, h)` gives the
-/// candidate's (min, step, codes) for KV head h.
+/// candidate's (min, step, max, codes) for KV head h. The per-block work runs on the kernel
+/// table (int4_quest, int4_block), a KV head's G queries at once.
 template <class Summary>
 void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t d, std::int64_t bs,
                  std::int64_t m, Summary&& summary, BlockChoiceScratch& w) {
   const std::int64_t C = std::int64_t(w.cand.size()), G = q_heads / kv_heads, half = (bs + 1) / 2;
+  const simd::KernelTable& tb = simd::active_table();
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   w.score.assign(std::size_t(q_heads * C), ninf);
   std::vector<std::uint8_t> keep(static_cast<std::size_t>(kv_heads * C), std::uint8_t(m <= 0 || m >= C));
+  std::vector<float> lanes(static_cast<std::size_t>(G * 16));
+  // The summaries and codes are read from memory the size of the cache's own metadata (MBs per
+  // layer): the next block's are fetched while this one is scored (its loads stalled ~3/4 of
+  // the time without).
   if (m > 0 && m < C) {
-    w.acc.resize(std::size_t(d));
-    for (std::int64_t jq = 0; jq < q_heads; ++jq) {
-      const std::int64_t h = jq / G;
-      const float* q = query + jq * d;
-      w.agg.resize(std::size_t(C));
-      for (std::int64_t c = 0; c < C; ++c) {
-        // plain locals, not a structured binding: lambdas capture bindings only from clang 16 on
+    w.agg.resize(std::size_t(q_heads * C));  // Quest's bound [q_heads][C]
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t h = 0; h < kv_heads; ++h) {
         const auto tile_summary = summary(c, h);
-        const float* mn = std::get<0>(tile_summary);
-        const float* st = std::get<1>(tile_summary);
-        w.agg[std::size_t(c)] =
-            lane_sum(d, [&](std::int64_t j) { return std::max(q[j] * mn[j], q[j] * (mn[j] + 15.f * st[j])); });
+        if (c + 1 < C) prefetch(std::get<0>(summary(c + 1, h)), 2 * d * std::int64_t(sizeof(float)));
+        tb.int4_quest(query + h * G * d, G, d, std::get<0>(tile_summary), std::get<2>(tile_summary), lanes.data());
+        for (std::int64_t g = 0; g < G; ++g)
+          w.agg[std::size_t((h * G + g) * C + c)] = pariskv::detail::tree16(lanes.data() + g * 16);
       }
-      w.order.resize(std::size_t(C));
+    w.order.resize(std::size_t(C));
+    for (std::int64_t jq = 0; jq < q_heads; ++jq) {
+      const float* bound = w.agg.data() + jq * C;
       for (std::int64_t c = 0; c < C; ++c) w.order[std::size_t(c)] = c;
       std::nth_element(w.order.begin(), w.order.begin() + m, w.order.end(), [&](std::int64_t x, std::int64_t y) {
-        const float a = w.agg[std::size_t(x)], b = w.agg[std::size_t(y)];
+        const float a = bound[x], b = bound[y];
         return a > b || (a == b && x < y);
       });
-      for (std::int64_t i = 0; i < m; ++i) keep[std::size_t(h * C + w.order[std::size_t(i)])] = 1;
+      for (std::int64_t i = 0; i < m; ++i) keep[std::size_t((jq / G) * C + w.order[std::size_t(i)])] = 1;
     }
   }
+  std::vector<std::int64_t> todo;  // the (block, KV head)s to score, h·C + c, in memory order
+  for (std::int64_t c = 0; c < C; ++c)
+    for (std::int64_t h = 0; h < kv_heads; ++h)
+      if (keep[std::size_t(h * C + c)]) todo.push_back(h * C + c);
   std::vector<std::int16_t> wq(static_cast<std::size_t>(G * d));
-  std::vector<std::int32_t> acc(static_cast<std::size_t>(G * 2 * half));
-  std::vector<const float*> qs(static_cast<std::size_t>(G));
-  std::vector<float> out(static_cast<std::size_t>(G));
-  for (std::int64_t h = 0; h < kv_heads; ++h) {
-    for (std::int64_t g = 0; g < G; ++g) qs[std::size_t(g)] = query + (h * G + g) * d;
-    for (std::int64_t c = 0; c < C; ++c) {
-      if (!keep[std::size_t(h * C + c)]) continue;
-      const auto [mn, st, codes] = summary(c, h);
-      int4_tile_scores(qs.data(), G, mn, st, codes, bs, d, out.data(), wq.data(), acc.data());
-      for (std::int64_t g = 0; g < G; ++g) w.score[std::size_t((h * G + g) * C + c)] = out[std::size_t(g)];
+  std::vector<std::int32_t> acc(static_cast<std::size_t>(G * 2 * half)), best(static_cast<std::size_t>(G));
+  std::vector<float> scale(static_cast<std::size_t>(G));
+  const std::int64_t code_bytes = int4_code_bytes(d, bs);
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    const std::int64_t h = todo[i] / C, c = todo[i] % C;
+    if (i + 1 < todo.size()) {
+      const auto next = summary(todo[i + 1] % C, todo[i + 1] / C);
+      prefetch(std::get<0>(next), d * std::int64_t(sizeof(float)));
+      prefetch(std::get<1>(next), d * std::int64_t(sizeof(float)));
+      prefetch(std::get<3>(next), code_bytes);
+    }
+    const float* qh = query + h * G * d;
+    const auto [mn, st, mx, codes] = summary(c, h);
+    tb.int4_block(qh, G, d, st, codes, bs, wq.data(), acc.data(), best.data(), scale.data());
+    for (std::int64_t g = 0; g < G; ++g) {
+      const float* qk = qh + g * d;
+      const float* lo = mn;
+      w.score[std::size_t((h * G + g) * C + c)] =
+          lane_sum(d, [&](std::int64_t j) { return qk[j] * lo[j]; }) + scale[std::size_t(g)] * float(best[std::size_t(g)]);
     }
   }
 }
@@ -541,17 +549,18 @@ inline std::vector<std::int64_t> block_sparse_reference(const float* keys, std::
     if (how == BlockScore::int4) {
       // every candidate's summary and codes, then the shared prefilter + integer scoring
       const std::int64_t cb = detail::int4_code_bytes(d, bs);
-      std::vector<float> sums(std::size_t(C * kv_heads * 2 * d));
+      std::vector<float> sums(std::size_t(C * kv_heads * 3 * d));  // [min | max | step] per block and head
       std::vector<std::uint8_t> codes(std::size_t(C * kv_heads * cb));
       for (std::int64_t c = 0; c < C; ++c)
         for (std::int64_t h = 0; h < kv_heads; ++h) {
-          float* a = sums.data() + (c * kv_heads + h) * 2 * d;
-          detail::summarize_tile(how, tile(h, w.cand[std::size_t(c)]), bs, d, a, a + d,
-                                 codes.data() + (c * kv_heads + h) * cb);
+          float* a = sums.data() + (c * kv_heads + h) * 3 * d;
+          detail::summarize_tile(how, tile(h, w.cand[std::size_t(c)]), bs, d, a, a + 2 * d,
+                                 codes.data() + (c * kv_heads + h) * cb, a + d);
         }
       detail::int4_scores(query, q_heads, kv_heads, d, bs, opt.prefilter * k, [&](std::int64_t c, std::int64_t h) {
-        const float* a = sums.data() + (c * kv_heads + h) * 2 * d;
-        return std::tuple<const float*, const float*, const std::uint8_t*>{a, a + d, codes.data() + (c * kv_heads + h) * cb};
+        const float* a = sums.data() + (c * kv_heads + h) * 3 * d;
+        return std::tuple<const float*, const float*, const float*, const std::uint8_t*>{
+            a, a + 2 * d, a + d, codes.data() + (c * kv_heads + h) * cb};
       }, w);
       return;
     }
@@ -616,7 +625,7 @@ class PagedBlockSelector {
     if (uses_summaries()) {
       summary_.resize(std::size_t(L_));
       made_at_.assign(std::size_t(L_), std::vector<std::int64_t>(std::size_t(nb_), -1));
-      for (auto& s : summary_) s.reset(new float[std::size_t(nb_ * kh_ * 2 * d_)]);
+      for (auto& s : summary_) s.reset(new float[std::size_t(nb_ * kh_ * summary_floats())]);
       if (opt_.score == BlockScore::int4) {
         codes_.resize(std::size_t(L_));
         for (auto& c : codes_) c.reset(new std::uint8_t[std::size_t(nb_ * kh_ * code_bytes())]);
@@ -639,9 +648,9 @@ class PagedBlockSelector {
   std::int64_t head_dim() const noexcept { return d_; }
   std::int64_t block_size() const noexcept { return bs_; }
   /// Bytes of the per-block summaries (quest, meanstd, int4): 2·head_dim floats per block, head
-  /// and layer, and int4's codes.
+  /// and layer (int4: 3·head_dim and its codes).
   std::int64_t summary_bytes() const noexcept {
-    return uses_summaries() ? L_ * nb_ * kh_ * (2 * d_ * std::int64_t(sizeof(float)) +
+    return uses_summaries() ? L_ * nb_ * kh_ * (summary_floats() * std::int64_t(sizeof(float)) +
                                                 (opt_.score == BlockScore::int4 ? code_bytes() : 0))
                             : 0;
   }
@@ -736,9 +745,10 @@ class PagedBlockSelector {
       detail::parallel_for(std::int64_t(todo.size()), opt_.num_threads, [&](std::int64_t i) {
         const std::int64_t p = todo[std::size_t(i)];
         for (std::int64_t h = 0; h < kh_; ++h) {
-          float* a = S + (p * kh_ + h) * 2 * d_;
-          detail::summarize_tile(opt_.score, detail::paged_tile(keys, h, p), bs_, d_, a, a + d_,
-                                 K4 ? K4 + (p * kh_ + h) * code_bytes() : nullptr);
+          float* a = S + (p * kh_ + h) * summary_floats();
+          // int4: [min | max | step], the prefilter's two side by side
+          detail::summarize_tile(opt_.score, detail::paged_tile(keys, h, p), bs_, d_, a, K4 ? a + 2 * d_ : a + d_,
+                                 K4 ? K4 + (p * kh_ + h) * code_bytes() : nullptr, K4 ? a + d_ : nullptr);
         }
       });
       made_ += std::int64_t(todo.size());
@@ -770,6 +780,8 @@ class PagedBlockSelector {
     return opt_.score == BlockScore::quest || opt_.score == BlockScore::meanstd || opt_.score == BlockScore::int4;
   }
   std::int64_t code_bytes() const noexcept { return detail::int4_code_bytes(d_, bs_); }
+  /// Floats of one (block, KV head) summary: (min, max) or (mean, spread); int4 (min, max, step).
+  std::int64_t summary_floats() const noexcept { return (opt_.score == BlockScore::int4 ? 3 : 2) * d_; }
   float scale() const noexcept { return opt_.scale > 0 ? opt_.scale : 1.f / std::sqrt(float(d_)); }
 
   void check_row(const BlockSparseRow& r, std::size_t i, std::int64_t q_heads, const std::string& who) const {
@@ -807,8 +819,9 @@ class PagedBlockSelector {
       const std::uint8_t* K4 = codes_[std::size_t(l)].get();
       detail::int4_scores(r.query, q_heads, kh_, d_, bs_, opt_.prefilter * k, [&](std::int64_t c, std::int64_t h) {
         const std::int64_t p = r.table[std::size_t(w.cand[std::size_t(c)])];
-        const float* a = S + (p * kh_ + h) * 2 * d_;
-        return std::tuple<const float*, const float*, const std::uint8_t*>{a, a + d_, K4 + (p * kh_ + h) * code_bytes()};
+        const float* a = S + (p * kh_ + h) * summary_floats();
+        return std::tuple<const float*, const float*, const float*, const std::uint8_t*>{
+            a, a + 2 * d_, a + d_, K4 + (p * kh_ + h) * code_bytes()};
       }, w);
       return;
     }
@@ -822,7 +835,7 @@ class PagedBlockSelector {
           if (how == BlockScore::exact) {
             s = detail::exact_tile_score(r.query + jq * d_, detail::paged_tile(v, h, p), bs_, d_, w.acc.data());
           } else {
-            const float* a = S + (p * kh_ + h) * 2 * d_;
+            const float* a = S + (p * kh_ + h) * summary_floats();
             s = detail::summary_score(how, r.query + jq * d_, a, a + d_, d_, z_);
           }
           w.score[std::size_t(jq * C + c)] = s;

@@ -12,7 +12,10 @@
 // the scalar and vector paths cannot drift apart.
 #pragma once
 
+#include <bit>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include <xsimd/xsimd.hpp>
@@ -56,6 +59,11 @@ struct ScalarPolicy {
   /// W vectors -> one vector of their horizontal sums (here: one value).
   static V hsum_many(const V* a) noexcept { return a[0]; }
   static V exp(V a) noexcept { return std::exp(a); }
+  // max/min that keep `a` when either is NaN, as std::max(a, b) / std::min(a, b) do on every table
+  static V maxl(V a, V b) noexcept { return a < b ? b : a; }
+  static V minl(V a, V b) noexcept { return b < a ? b : a; }
+  /// out[0] = a rounded to the nearest integer, ties to even (finite, in int32's range).
+  static void round_store(std::int32_t* out, V a) noexcept { *out = std::int32_t(std::nearbyint(a)); }
 };
 
 template <class Arch>
@@ -154,6 +162,10 @@ struct XsimdPolicy {
     return xsimd::haddp(a);  // SSE2, AVX and NEON versions checked against plain sums (tests/test_simd.cpp)
   }
   static V exp(V a) noexcept { return xsimd::exp(a); }
+  static V maxl(V a, V b) noexcept { return xsimd::select(a < b, b, a); }
+  static V minl(V a, V b) noexcept { return xsimd::select(b < a, b, a); }
+  // cvtps2dq / fcvtns: the current rounding mode, nearest-even as std::nearbyint's
+  static void round_store(std::int32_t* out, V a) noexcept { xsimd::nearbyint_as_int(a).store_unaligned(out); }
 };
 
 template <class P>
@@ -596,120 +608,275 @@ struct RowKernels {
     for (; i < n; ++i) unproject_rows<1>(codes + i * r, r, basis, d, out + i * d);
   }
 
-  // Plain loops, vectorised by each table's compile flags (src/isa_*.cpp); integers, so every
-  // table gives the same sums. On x86 with 256/512-bit vectors the 32-token case pairs dimensions
-  // instead: token t's codes of dimensions j and j+1 side by side as int16, times (w_j, w_j+1),
-  // added in pairs by (v)pmaddwd into int32 — exact (|w| <= 32767, codes <= 15), the same sums.
+  // Codes in pairs of dimensions (table.hpp): byte (j/2)·2h + 2t + j%2 holds dimension j's code of
+  // token t (low nibble) and of token h + t (high nibble). Plain loops, vectorised by each
+  // table's compile flags (src/isa_*.cpp); integers, so every table gives the same sums. On x86
+  // with 256/512-bit vectors the 32-token case widens a pair's 32 bytes to int16 lanes
+  // [c_tj, c_t,j+1] (low nibbles: tokens 0-15, high: 16-31) and adds them times (w_j, w_j+1) in
+  // pairs with (v)pmaddwd into int32 — exact (|w| <= 32767, codes <= 15), the same sums.
   static void int4_dots(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes,
                         std::int64_t h, std::int32_t* acc) noexcept {
     [[maybe_unused]] constexpr std::int64_t bytes = W * std::int64_t(sizeof(float));
-#if defined(__AVX512BW__)
-    if constexpr (bytes == 64) {
-      if (h == 16) return int4_dots_pairs<4>(w, g, d, codes, acc);
-    }
-#endif
 #if defined(__AVX2__)
-    if constexpr (bytes == 32) {
-      if (h == 16) return int4_dots_pairs<2>(w, g, d, codes, acc);
+    if constexpr (bytes >= 32) {
+      if (h == 16) {
+        std::int64_t k = 0;
+        for (; k + 4 <= g; k += 4) int4_dots_pairs<4>(w + k * d, d, codes, acc + k * 32);
+        const std::int64_t r = g - k;
+        if (r == 3) int4_dots_pairs<3>(w + k * d, d, codes, acc + k * 32);
+        if (r == 2) int4_dots_pairs<2>(w + k * d, d, codes, acc + k * 32);
+        if (r == 1) int4_dots_pairs<1>(w + k * d, d, codes, acc + k * 32);
+        return;
+      }
     }
 #endif
-    if (h == 16) {  // blocks of 32 tokens (vLLM's CPU block size): 16-lane rows, up to 4 queries at once
-      for (std::int64_t k0 = 0; k0 < g; k0 += 4) {
-        const std::int64_t kn = g - k0 < 4 ? g - k0 : 4;
-        std::int32_t a[4][32] = {};
-        for (std::int64_t j = 0; j < d; ++j) {
-          std::int32_t lo[16], hi[16];
-          const std::uint8_t* c = codes + j * 16;
-          for (int t = 0; t < 16; ++t) {
-            lo[t] = c[t] & 15;
-            hi[t] = c[t] >> 4;
-          }
-          for (std::int64_t k = 0; k < kn; ++k) {
-            const std::int32_t wj = w[(k0 + k) * d + j];
-            for (int t = 0; t < 16; ++t) {
-              a[k][t] += wj * lo[t];
-              a[k][16 + t] += wj * hi[t];
-            }
-          }
-        }
-        for (std::int64_t k = 0; k < kn; ++k)
-          for (int t = 0; t < 32; ++t) acc[(k0 + k) * 32 + t] = a[k][t];
-      }
-      return;
-    }
     for (std::int64_t k = 0; k < g; ++k) {
       std::int32_t* a = acc + k * 2 * h;
       for (std::int64_t t = 0; t < 2 * h; ++t) a[t] = 0;
-      for (std::int64_t j = 0; j < d; ++j) {
-        const std::uint8_t* c = codes + j * h;
-        const std::int32_t wj = w[k * d + j];
+      for (std::int64_t j = 0; j < d; j += 2) {
+        const std::uint8_t* c = codes + (j / 2) * 2 * h;
+        const std::int32_t w0 = w[k * d + j], w1 = j + 1 < d ? w[k * d + j + 1] : 0;
         for (std::int64_t t = 0; t < h; ++t) {
-          a[t] += wj * std::int32_t(c[t] & 15);
-          a[h + t] += wj * std::int32_t(c[t] >> 4);
+          a[t] += w0 * std::int32_t(c[2 * t] & 15) + w1 * std::int32_t(c[2 * t + 1] & 15);
+          a[h + t] += w0 * std::int32_t(c[2 * t] >> 4) + w1 * std::int32_t(c[2 * t + 1] >> 4);
         }
       }
     }
   }
 
 #if defined(__AVX2__)
-  // int4_dots for 32-token blocks, K queries at a time: the codes of dimensions j and j+1, low
-  // nibbles (tokens 0-15) and high nibbles (tokens 16-31), interleaved byte by byte and widened to
-  // int16 lanes [c_tj, c_t,j+1]; each query's (w_j, w_j+1) broadcast as one int32.
+  // int4_dots for 32-token blocks, K queries (rows of d weights) at once, the accumulators in
+  // registers; each query's (w_j, w_j+1) broadcast from memory as one int32.
   template <int K>
-  static void int4_dots_pairs(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes,
+  static void int4_dots_pairs(const std::int16_t* w, std::int64_t d, const std::uint8_t* codes,
                               std::int32_t* acc) noexcept {
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    for (std::int64_t k0 = 0; k0 < g; k0 += K) {
-      const int kn = g - k0 < K ? int(g - k0) : K;
 #if defined(__AVX512BW__)
-      constexpr int V = 2;  // 16 tokens per vector
-      using R = __m512i;
+    constexpr int V = 2;  // 16 tokens per vector
+    using R = __m512i;
 #else
-      constexpr int V = 4;  // 8 tokens per vector
-      using R = __m256i;
+    constexpr int V = 4;  // 8 tokens per vector
+    using R = __m256i;
 #endif
-      R a[K][V];
-      for (int k = 0; k < K; ++k)
-        for (int v = 0; v < V; ++v) a[k][v] = R{};
-      for (std::int64_t j = 0; j < d; j += 2) {
-        const bool two = j + 1 < d;
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16));
-        const __m128i y = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (j + 1) * 16)) : _mm_setzero_si128();
-        const __m128i xl = _mm_and_si128(x, m4), yl = _mm_and_si128(y, m4);
-        const __m128i xh = _mm_and_si128(_mm_srli_epi16(x, 4), m4), yh = _mm_and_si128(_mm_srli_epi16(y, 4), m4);
-        R c[V];
+    R a[K][V];
+    KVSCORE_UNROLL
+    for (int k = 0; k < K; ++k)
+      KVSCORE_UNROLL
+      for (int v = 0; v < V; ++v) a[k][v] = R{};
+    auto step = [&](const std::uint8_t* c, const std::int32_t* pairs) {
+      R x[V];
 #if defined(__AVX512BW__)
-        c[0] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(xl, yl), _mm_unpacklo_epi8(xl, yl)));
-        c[1] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(xh, yh), _mm_unpacklo_epi8(xh, yh)));
+      const __m256i m4 = _mm256_set1_epi8(0x0f), y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      x[0] = _mm512_cvtepu8_epi16(_mm256_and_si256(y, m4));
+      x[1] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(y, 4), m4));
 #else
-        c[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xl, yl));
-        c[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xl, yl));
-        c[2] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xh, yh));
-        c[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xh, yh));
+      const __m128i m4 = _mm_set1_epi8(0x0f), y0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)),
+                    y1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+      x[0] = _mm256_cvtepu8_epi16(_mm_and_si128(y0, m4));
+      x[1] = _mm256_cvtepu8_epi16(_mm_and_si128(y1, m4));
+      x[2] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(y0, 4), m4));
+      x[3] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(y1, 4), m4));
 #endif
-        for (int k = 0; k < kn; ++k) {
-          const std::int16_t* wk = w + (k0 + k) * d;
-          const std::int32_t pair =
-              std::int32_t(std::uint16_t(wk[j])) | std::int32_t(std::uint32_t(std::uint16_t(two ? wk[j + 1] : 0)) << 16);
+      KVSCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
 #if defined(__AVX512BW__)
-          const R b = _mm512_set1_epi32(pair);
-          for (int v = 0; v < V; ++v) a[k][v] = _mm512_add_epi32(a[k][v], _mm512_madd_epi16(c[v], b));
+        const R b = _mm512_set1_epi32(pairs[k]);
+        KVSCORE_UNROLL
+        for (int v = 0; v < V; ++v) a[k][v] = _mm512_add_epi32(a[k][v], _mm512_madd_epi16(x[v], b));
 #else
-          const R b = _mm256_set1_epi32(pair);
-          for (int v = 0; v < V; ++v) a[k][v] = _mm256_add_epi32(a[k][v], _mm256_madd_epi16(c[v], b));
+        const R b = _mm256_set1_epi32(pairs[k]);
+        KVSCORE_UNROLL
+        for (int v = 0; v < V; ++v) a[k][v] = _mm256_add_epi32(a[k][v], _mm256_madd_epi16(x[v], b));
 #endif
-        }
       }
-      for (int k = 0; k < kn; ++k)
-        for (int v = 0; v < V; ++v)
-#if defined(__AVX512BW__)
-          _mm512_storeu_si512(acc + (k0 + k) * 32 + v * 16, a[k][v]);
-#else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + (k0 + k) * 32 + v * 8), a[k][v]);
-#endif
+    };
+    std::int32_t pr[K];
+    std::int64_t j = 0;
+    for (; j + 2 <= d; j += 2) {
+      KVSCORE_UNROLL
+      for (int k = 0; k < K; ++k) std::memcpy(&pr[k], w + k * d + j, 4);  // (w_j, w_j+1), little-endian
+      step(codes + j * 16, pr);
     }
+    if (j < d) {  // odd head_dim: the last dimension alone
+      KVSCORE_UNROLL
+      for (int k = 0; k < K; ++k) pr[k] = std::int32_t(std::uint16_t(w[k * d + j]));
+      step(codes + j * 16, pr);
+    }
+    KVSCORE_UNROLL
+    for (int k = 0; k < K; ++k)
+      KVSCORE_UNROLL
+      for (int v = 0; v < V; ++v)
+#if defined(__AVX512BW__)
+        _mm512_storeu_si512(acc + k * 32 + v * 16, a[k][v]);
+#else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + k * 32 + v * 8), a[k][v]);
+#endif
   }
 #endif
+
+  // The int4 block score's per-block work (block_sparse.hpp). Every value is elementwise fp32
+  // arithmetic with no product added to anything (GCC contracts a·b + c under -mfma), integer
+  // sums, or a min/max: the same bits on every table.
+
+  /// Quest's bound for g queries over one block: lanes[k·16 + l] = Σ_{j ≡ l (mod 16)}
+  /// max(q_kj·lo_j, q_kj·hi_j), j ascending (block_sparse.hpp's lane_sum order, before its tree).
+  static void int4_quest(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* hi,
+                         float* lanes) noexcept {
+    constexpr std::int64_t NV = 16 / W;  // vectors per 16 lanes
+    const std::int64_t d16 = d - d % 16;
+    for (std::int64_t k = 0; k < g; ++k) {
+      const float* qk = q + k * d;
+      V a[NV];
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < NV; ++v) a[v] = P::zero();
+      for (std::int64_t j = 0; j < d16; j += 16)
+        KVSCORE_UNROLL
+        for (std::int64_t v = 0; v < NV; ++v) {
+          const V x = P::loadf(qk + j + v * W);
+          a[v] = P::add(a[v], P::maxl(P::mul(x, P::loadf(lo + j + v * W)), P::mul(x, P::loadf(hi + j + v * W))));
+        }
+      float* out = lanes + k * 16;
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < NV; ++v) P::store(out + v * W, a[v]);
+      for (std::int64_t j = d16, l = 0; j < d; ++j, ++l) {
+        const float x = qk[j] * lo[j], y = qk[j] * hi[j];
+        out[l] += x < y ? y : x;
+      }
+    }
+  }
+
+  /// One block's int4 summary from n fp32 keys per dimension (row j: x + j·ld): lo[j] and hi[j]
+  /// their min and max, st[j] = (hi[j] − lo[j])/15 and the codes (int4_dots' layout, h = ⌈n/2⌉,
+  /// 0 past n and for an odd head_dim's absent last dimension): c = (x − lo)·(1/st) rounded to nearest-even in
+  /// [0, 15] (0 where that is not finite, or st is 0).
+  static void int4_summarize(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo, float* st,
+                             float* hi, std::uint8_t* codes) noexcept {
+    const std::int64_t h = (n + 1) / 2, nw = n - n % W;
+    alignas(64) float lanes[2][W > 1 ? W : 1];
+    std::int32_t cbuf[512];  // one dimension's codes (n <= 512; longer blocks in pieces)
+    for (std::int64_t j = 0; j < d; ++j) {
+      const float* r = x + j * ld;
+      // min/max from the first key in every lane: a NaN counts only as the first key (std::min's
+      // order), so any lane order gives one answer
+      V mn = P::splat(r[0]), mx = mn;
+      for (std::int64_t t = 0; t < nw; t += W) {
+        const V v = P::loadf(r + t);
+        mn = P::minl(mn, v);
+        mx = P::maxl(mx, v);
+      }
+      P::store(lanes[0], mn);
+      P::store(lanes[1], mx);
+      float a = lanes[0][0], b = lanes[1][0];
+      for (std::int64_t l = 1; l < W; ++l) {
+        a = lanes[0][l] < a ? lanes[0][l] : a;
+        b = b < lanes[1][l] ? lanes[1][l] : b;
+      }
+      for (std::int64_t t = nw; t < n; ++t) {
+        a = r[t] < a ? r[t] : a;
+        b = b < r[t] ? r[t] : b;
+      }
+      const float step = (b - a) / 15.f, inv = step > 0.f ? 1.f / step : 0.f;
+      lo[j] = a;
+      st[j] = step;
+      hi[j] = b;
+      std::uint8_t* c = codes + (j / 2) * 2 * h + j % 2;  // every other byte (table.hpp's layout)
+      for (std::int64_t t = 0; t < h; ++t) c[2 * t] = 0;
+      if (j + 1 == d && j % 2 == 0)  // odd head_dim: the last pair's absent dimension codes 0
+        for (std::int64_t t = 0; t < h; ++t) c[2 * t + 1] = 0;
+      for (std::int64_t t0 = 0; t0 < n; t0 += 512) {
+        const std::int64_t m = n - t0 < 512 ? n - t0 : 512, mw = m - m % W;
+        const V va = P::splat(a), vi = P::splat(inv), cap = P::splat(16.f), zero = P::zero();
+        for (std::int64_t t = 0; t < mw; t += W) {
+          const V u = P::mul(P::sub(P::loadf(r + t0 + t), va), vi);
+          P::round_store(cbuf + t, select_le(u, cap, zero));  // NaN, ±inf -> 0
+        }
+        for (std::int64_t t = mw; t < m; ++t) {
+          const float u = (r[t0 + t] - a) * inv;
+          cbuf[t] = u <= 16.f ? std::int32_t(std::nearbyint(u)) : 0;
+        }
+        for (std::int64_t t = 0; t < m; ++t) {
+          const std::int64_t tt = t0 + t;
+          const std::int32_t v = cbuf[t] < 0 ? 0 : (cbuf[t] > 15 ? 15 : cbuf[t]);
+          if (tt < h) c[2 * tt] = std::uint8_t(c[2 * tt] | v);
+          else c[2 * (tt - h)] = std::uint8_t(c[2 * (tt - h)] | (v << 4));
+        }
+      }
+    }
+  }
+
+  /// One block's int4 scores for g queries (before q·lo): top_k = max_j |q_kj·st_j|, the weights
+  /// w_kj = (q_kj·st_j)·(32767/top_k) rounded to nearest-even as int16 (all 0 when top_k is 0 or
+  /// not finite), best[k] = max_{t<n} Σ_j w_kj·code(j, t) (exact int32, int4_dots) and
+  /// scale[k] = top_k/32767: the block's score is q_k·lo + scale[k]·best[k]. Scratch: w g·d
+  /// int16, acc g·2h int32.
+  static void int4_block(const float* q, std::int64_t g, std::int64_t d, const float* st, const std::uint8_t* codes,
+                         std::int64_t n, std::int16_t* w, std::int32_t* acc, std::int32_t* best, float* scale) noexcept {
+    const std::int64_t h = (n + 1) / 2, dw = d - d % W;
+    std::int32_t ibuf[W > 1 ? W : 1];
+    for (std::int64_t k = 0; k < g; ++k) {
+      const float* qk = q + k * d;
+      std::int16_t* wk = w + k * d;
+      const float top = std::bit_cast<float>(max_abs_bits(qk, st, d));
+      scale[k] = top / 32767.f;
+      const float inv = top > 0.f && top <= 3.4028235e38f ? 32767.f / top : 0.f;
+      if (inv == 0.f) {
+        for (std::int64_t j = 0; j < d; ++j) wk[j] = 0;
+        continue;
+      }
+      const V vi = P::splat(inv);
+      for (std::int64_t j = 0; j < dw; j += W) {
+        P::round_store(ibuf, P::mul(P::mul(P::loadf(qk + j), P::loadf(st + j)), vi));
+        for (std::int64_t l = 0; l < W; ++l) wk[j + l] = std::int16_t(ibuf[l]);
+      }
+      for (std::int64_t j = dw; j < d; ++j) wk[j] = std::int16_t(std::nearbyint((qk[j] * st[j]) * inv));
+    }
+    int4_dots(w, g, d, codes, h, acc);
+    for (std::int64_t k = 0; k < g; ++k) best[k] = max_i32(acc + k * 2 * h, n);
+  }
+
+  /// max_j of the bits of |a_j·b_j|: non-negative floats order as their bits do (a NaN above
+  /// every number), so an integer max, the same in any order.
+  static std::uint32_t max_abs_bits(const float* a, const float* b, std::int64_t d) noexcept {
+    std::uint32_t m = 0;
+    std::int64_t j = 0;
+    if constexpr (W > 1) {
+      using U = xsimd::batch<std::uint32_t, typename V::arch_type>;
+      U mv(0u);
+      for (; j + W <= d; j += W)
+        mv = xsimd::max(mv, xsimd::bitwise_cast<U>(P::mul(P::loadf(a + j), P::loadf(b + j))) & U(0x7fffffffu));
+      alignas(64) std::uint32_t l[W];
+      mv.store_aligned(l);
+      for (std::int64_t i = 0; i < W; ++i) m = l[i] > m ? l[i] : m;
+    }
+    for (; j < d; ++j) {
+      const std::uint32_t v = std::bit_cast<std::uint32_t>(a[j] * b[j]) & 0x7fffffffu;
+      m = v > m ? v : m;
+    }
+    return m;
+  }
+
+  /// max_{t<n} a[t] (n >= 1).
+  static std::int32_t max_i32(const std::int32_t* a, std::int64_t n) noexcept {
+    std::int32_t m = a[0];
+    std::int64_t t = 0;
+    if constexpr (W > 1) {
+      using I = xsimd::batch<std::int32_t, typename V::arch_type>;
+      if (n >= W) {
+        I mv = I::load_unaligned(a);
+        for (t = W; t + W <= n; t += W) mv = xsimd::max(mv, I::load_unaligned(a + t));
+        alignas(64) std::int32_t l[W];
+        mv.store_aligned(l);
+        for (std::int64_t i = 0; i < W; ++i) m = l[i] > m ? l[i] : m;
+      }
+    }
+    for (; t < n; ++t) m = a[t] > m ? a[t] : m;
+    return m;
+  }
+
+  // u where u <= cap, else z (NaN: z)
+  static V select_le(V u, V cap, V z) noexcept {
+    if constexpr (W == 1) return u <= cap ? u : z;
+    else return xsimd::select(u <= cap, u, z);
+  }
 
   template <class T>
   static constexpr RowOps<T> ops() noexcept {
@@ -734,7 +901,10 @@ const KernelTable& make_table(const char* name) noexcept {
                                  &RowKernels<P>::max_scaled,
                                  &RowKernels<P>::pack_panels,
                                  &RowKernels<P>::gemm_panels,
-                                 &RowKernels<P>::int4_dots};
+                                 &RowKernels<P>::int4_dots,
+                                 &RowKernels<P>::int4_quest,
+                                 &RowKernels<P>::int4_summarize,
+                                 &RowKernels<P>::int4_block};
   return table;
 }
 

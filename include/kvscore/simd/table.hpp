@@ -79,11 +79,20 @@ struct KernelTable {
   /// key falls in a tile or a call (SSE2 and scalar tables: a multiply and an add).
   void (*gemm_panels)(const float* q, std::int64_t nq, const float* kpack, std::int64_t nk, std::int64_t d, float* out,
                       std::int64_t ldo);
-  /// acc[k·2h + t] = Σ_j w[k·d + j]·code(j, t) for k < g queries and t < 2h tokens, where code(j, t)
-  /// is the low nibble of codes[j·h + t] for t < h and the high nibble of codes[j·h + t − h]
-  /// otherwise (block_sparse.hpp's int4 block score). Integer sums: the same on every table.
+  /// acc[k·2h + t] = Σ_j w[k·d + j]·code(j, t) for k < g queries and t < 2h tokens, the codes in
+  /// pairs of dimensions: code(j, t) is the low nibble of codes[(j/2)·2h + 2t + j%2] for t < h and
+  /// the high nibble of codes[(j/2)·2h + 2(t − h) + j%2] otherwise; ⌈d/2⌉·2h bytes (block_sparse.hpp's
+  /// int4 block score). Integer sums: the same on every table.
   void (*int4_dots)(const std::int16_t* w, std::int64_t g, std::int64_t d, const std::uint8_t* codes, std::int64_t h,
                     std::int32_t* acc);
+  /// block_sparse.hpp's int4 block score, per block (RowKernels::int4_quest, int4_summarize,
+  /// int4_block): Quest's bound's 16 lanes for g queries; a block's summary and codes; a block's
+  /// integer scores. Elementwise fp32, integer sums and min/max only: the same on every table.
+  void (*int4_quest)(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* hi, float* lanes);
+  void (*int4_summarize)(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo, float* st,
+                         float* hi, std::uint8_t* codes);
+  void (*int4_block)(const float* q, std::int64_t g, std::int64_t d, const float* st, const std::uint8_t* codes,
+                     std::int64_t n, std::int16_t* w, std::int32_t* acc, std::int32_t* best, float* scale);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

@@ -750,34 +750,77 @@ struct RowKernels {
   /// [0, 15] (0 where that is not finite, or st is 0).
   static void int4_summarize(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo, float* st,
                              float* hi, std::uint8_t* codes) noexcept {
-    const std::int64_t h = (n + 1) / 2, nw = n - n % W;
+    const std::int64_t h = (n + 1) / 2;
+    if (2 * h > 512) return int4_summarize_long(x, ld, n, d, lo, st, hi, codes);
+    // two dimensions at a time: their codes as int32, then packed into the pair's 2h bytes
+    alignas(64) std::int32_t cr[2][512];
+    for (std::int64_t j = 0; j < d; j += 2) {
+      for (std::int64_t e = 0; e < 2; ++e) {
+        std::int32_t* o = cr[e];
+        if (j + e == d) {  // odd head_dim: the absent dimension codes 0
+          for (std::int64_t t = 0; t < 2 * h; ++t) o[t] = 0;
+          continue;
+        }
+        const float* r = x + (j + e) * ld;
+        const float inv = int4_range(r, n, lo[j + e], hi[j + e], st[j + e]), a = lo[j + e];
+        const std::int64_t nw = n - n % W;
+        const V va = P::splat(a), vi = P::splat(inv), cap = P::splat(16.f), zero = P::zero();
+        for (std::int64_t t = 0; t < nw; t += W)
+          P::round_store(o + t, select_le(P::mul(P::sub(P::loadf(r + t), va), vi), cap, zero));  // NaN, ±inf -> 0
+        for (std::int64_t t = nw; t < n; ++t) {
+          const float u = (r[t] - a) * inv;
+          o[t] = u <= 16.f ? std::int32_t(std::nearbyint(u)) : 0;
+        }
+        for (std::int64_t t = n; t < 2 * h; ++t) o[t] = 0;
+      }
+      std::uint8_t* c = codes + j * h;  // the pair's bytes: (j/2)·2h
+      for (std::int64_t t = 0; t < h; ++t) {
+        const std::uint32_t v = code4(cr[0][t]) | code4(cr[0][h + t]) << 4 | code4(cr[1][t]) << 8 | code4(cr[1][h + t]) << 12;
+        c[2 * t] = std::uint8_t(v);
+        c[2 * t + 1] = std::uint8_t(v >> 8);
+      }
+    }
+  }
+
+  static std::uint32_t code4(std::int32_t v) noexcept { return std::uint32_t(v < 0 ? 0 : (v > 15 ? 15 : v)); }
+
+  /// One dimension's min, max and step over r[0, n); returns 1/step (0 when step is not > 0).
+  static float int4_range(const float* r, std::int64_t n, float& lo, float& hi, float& st) noexcept {
+    // min/max from the first key in every lane: a NaN counts only as the first key (std::min's
+    // order), so any lane order gives one answer
+    const std::int64_t nw = n - n % W;
     alignas(64) float lanes[2][W > 1 ? W : 1];
-    std::int32_t cbuf[512];  // one dimension's codes (n <= 512; longer blocks in pieces)
+    V mn = P::splat(r[0]), mx = mn;
+    for (std::int64_t t = 0; t < nw; t += W) {
+      const V v = P::loadf(r + t);
+      mn = P::minl(mn, v);
+      mx = P::maxl(mx, v);
+    }
+    P::store(lanes[0], mn);
+    P::store(lanes[1], mx);
+    float a = lanes[0][0], b = lanes[1][0];
+    for (std::int64_t l = 1; l < W; ++l) {
+      a = lanes[0][l] < a ? lanes[0][l] : a;
+      b = b < lanes[1][l] ? lanes[1][l] : b;
+    }
+    for (std::int64_t t = nw; t < n; ++t) {
+      a = r[t] < a ? r[t] : a;
+      b = b < r[t] ? r[t] : b;
+    }
+    lo = a;
+    hi = b;
+    st = (b - a) / 15.f;
+    return st > 0.f ? 1.f / st : 0.f;
+  }
+
+  // blocks of more than 512 tokens: one dimension at a time, the codes in pieces of 512
+  static void int4_summarize_long(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo,
+                                  float* st, float* hi, std::uint8_t* codes) noexcept {
+    const std::int64_t h = (n + 1) / 2;
+    std::int32_t cbuf[512];  // one dimension's codes, in pieces of 512 tokens
     for (std::int64_t j = 0; j < d; ++j) {
       const float* r = x + j * ld;
-      // min/max from the first key in every lane: a NaN counts only as the first key (std::min's
-      // order), so any lane order gives one answer
-      V mn = P::splat(r[0]), mx = mn;
-      for (std::int64_t t = 0; t < nw; t += W) {
-        const V v = P::loadf(r + t);
-        mn = P::minl(mn, v);
-        mx = P::maxl(mx, v);
-      }
-      P::store(lanes[0], mn);
-      P::store(lanes[1], mx);
-      float a = lanes[0][0], b = lanes[1][0];
-      for (std::int64_t l = 1; l < W; ++l) {
-        a = lanes[0][l] < a ? lanes[0][l] : a;
-        b = b < lanes[1][l] ? lanes[1][l] : b;
-      }
-      for (std::int64_t t = nw; t < n; ++t) {
-        a = r[t] < a ? r[t] : a;
-        b = b < r[t] ? r[t] : b;
-      }
-      const float step = (b - a) / 15.f, inv = step > 0.f ? 1.f / step : 0.f;
-      lo[j] = a;
-      st[j] = step;
-      hi[j] = b;
+      const float inv = int4_range(r, n, lo[j], hi[j], st[j]), a = lo[j];
       std::uint8_t* c = codes + (j / 2) * 2 * h + j % 2;  // every other byte (table.hpp's layout)
       for (std::int64_t t = 0; t < h; ++t) c[2 * t] = 0;
       if (j + 1 == d && j % 2 == 0)  // odd head_dim: the last pair's absent dimension codes 0

@@ -30,4 +30,16 @@ tok.save_pretrained(tmp)
 os.replace(tmp, dest) if not os.path.exists(dest) else None
 PYEOF
 fi
+# transformers writes the GGUF's BPE tokenizer with tokenizer_class CodeLlamaTokenizer; vLLM's
+# newer transformers then reads tokenizer.json the SentencePiece way (every space an unknown
+# token: "The passkey" -> The, <|endoftext|>, pass, key). The plain fast class reads it as
+# written (also fixes a folder made before this line).
+"$PY" - "$DEST/tokenizer_config.json" <<'PYEOF'
+import json, sys
+p = sys.argv[1]
+c = json.load(open(p))
+if c.get("tokenizer_class") != "PreTrainedTokenizerFast":
+    c["tokenizer_class"] = "PreTrainedTokenizerFast"
+    json.dump(c, open(p, "w"), indent=2)
+PYEOF
 echo "$(cd "$DEST" && pwd)"

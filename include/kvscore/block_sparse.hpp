@@ -31,7 +31,7 @@
 //   exact    max_t q·k_t over the block's keys: what the bounds approximate. It reads every
 //            key, so it is the ceiling of the others' recall, not a fast path.
 // quest and meanstd read a summary of 2·head_dim floats per block and KV head (int4: 3·head_dim,
-// min, step and max, and head_dim·block_size/2 bytes of codes), made once when the block is
+// min, max and step, and head_dim·block_size/2 bytes of codes), made once when the block is
 // first needed full and dropped when any of its slots is written again (begin_step's slot list:
 // a new owner, a preempted sequence recomputed).
 //

@@ -746,8 +746,8 @@ struct RowKernels {
 
   /// One block's int4 summary from n fp32 keys per dimension (row j: x + j·ld): lo[j] and hi[j]
   /// their min and max, st[j] = (hi[j] − lo[j])/15 and the codes (int4_dots' layout, h = ⌈n/2⌉,
-  /// 0 past n and for an odd head_dim's absent last dimension): c = (x − lo)·(1/st) rounded to nearest-even in
-  /// [0, 15] (0 where that is not finite, or st is 0).
+  /// 0 past n and for an odd head_dim's absent last dimension): c = (x − lo)·(1/st) rounded to
+  /// nearest-even in [0, 15] (0 where that is not finite, or st is 0).
   static void int4_summarize(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo, float* st,
                              float* hi, std::uint8_t* codes) noexcept {
     const std::int64_t h = (n + 1) / 2;
@@ -762,15 +762,8 @@ struct RowKernels {
           continue;
         }
         const float* r = x + (j + e) * ld;
-        const float inv = int4_range(r, n, lo[j + e], hi[j + e], st[j + e]), a = lo[j + e];
-        const std::int64_t nw = n - n % W;
-        const V va = P::splat(a), vi = P::splat(inv), cap = P::splat(16.f), zero = P::zero();
-        for (std::int64_t t = 0; t < nw; t += W)
-          P::round_store(o + t, select_le(P::mul(P::sub(P::loadf(r + t), va), vi), cap, zero));  // NaN, ±inf -> 0
-        for (std::int64_t t = nw; t < n; ++t) {
-          const float u = (r[t] - a) * inv;
-          o[t] = u <= 16.f ? std::int32_t(std::nearbyint(u)) : 0;
-        }
+        const float inv = int4_range(r, n, lo[j + e], hi[j + e], st[j + e]);
+        int4_row_codes(r, n, lo[j + e], inv, o);
         for (std::int64_t t = n; t < 2 * h; ++t) o[t] = 0;
       }
       std::uint8_t* c = codes + j * h;  // the pair's bytes: (j/2)·2h
@@ -779,6 +772,19 @@ struct RowKernels {
         c[2 * t] = std::uint8_t(v);
         c[2 * t + 1] = std::uint8_t(v >> 8);
       }
+    }
+  }
+
+  /// o[t] = (r[t] − a)·inv rounded to nearest-even for t < m, 0 where that is above 16 or not
+  /// finite (code4 then clamps to [0, 15]).
+  static void int4_row_codes(const float* r, std::int64_t m, float a, float inv, std::int32_t* o) noexcept {
+    const std::int64_t mw = m - m % W;
+    const V va = P::splat(a), vi = P::splat(inv), cap = P::splat(16.f), zero = P::zero();
+    for (std::int64_t t = 0; t < mw; t += W)
+      P::round_store(o + t, select_le(P::mul(P::sub(P::loadf(r + t), va), vi), cap, zero));  // NaN, ±inf -> 0
+    for (std::int64_t t = mw; t < m; ++t) {
+      const float u = (r[t] - a) * inv;
+      o[t] = u <= 16.f ? std::int32_t(std::nearbyint(u)) : 0;
     }
   }
 
@@ -826,19 +832,11 @@ struct RowKernels {
       if (j + 1 == d && j % 2 == 0)  // odd head_dim: the last pair's absent dimension codes 0
         for (std::int64_t t = 0; t < h; ++t) c[2 * t + 1] = 0;
       for (std::int64_t t0 = 0; t0 < n; t0 += 512) {
-        const std::int64_t m = n - t0 < 512 ? n - t0 : 512, mw = m - m % W;
-        const V va = P::splat(a), vi = P::splat(inv), cap = P::splat(16.f), zero = P::zero();
-        for (std::int64_t t = 0; t < mw; t += W) {
-          const V u = P::mul(P::sub(P::loadf(r + t0 + t), va), vi);
-          P::round_store(cbuf + t, select_le(u, cap, zero));  // NaN, ±inf -> 0
-        }
-        for (std::int64_t t = mw; t < m; ++t) {
-          const float u = (r[t0 + t] - a) * inv;
-          cbuf[t] = u <= 16.f ? std::int32_t(std::nearbyint(u)) : 0;
-        }
+        const std::int64_t m = n - t0 < 512 ? n - t0 : 512;
+        int4_row_codes(r + t0, m, a, inv, cbuf);
         for (std::int64_t t = 0; t < m; ++t) {
           const std::int64_t tt = t0 + t;
-          const std::int32_t v = cbuf[t] < 0 ? 0 : (cbuf[t] > 15 ? 15 : cbuf[t]);
+          const std::uint32_t v = code4(cbuf[t]);
           if (tt < h) c[2 * tt] = std::uint8_t(c[2 * tt] | v);
           else c[2 * (tt - h)] = std::uint8_t(c[2 * (tt - h)] | (v << 4));
         }

@@ -244,6 +244,9 @@ void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGrou
   BlockSparseOptions o1 = o;
   o1.num_threads = 1;
   PagedBlockSelector serial(L, NB, H, d, bs, o1);
+  BlockSparseOptions o4 = o;
+  o4.num_threads = 4;  // more threads than rows: each row's scoring split over them
+  PagedBlockSelector split(L, NB, H, d, bs, o4);
   std::mt19937_64 g(11);
   // three sequences over a shuffled pool; keys written as an engine would (slot by slot)
   std::vector<std::int32_t> free_ids(NB);
@@ -275,22 +278,26 @@ void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGrou
     }
     sel.begin_step(written, std::vector<std::int64_t>{seqs[0].table[0], seqs[1].table[0], seqs[2].table[0]});
     serial.begin_step(written, std::vector<std::int64_t>{seqs[0].table[0], seqs[1].table[0], seqs[2].table[0]});
+    split.begin_step(written, std::vector<std::int64_t>{seqs[0].table[0], seqs[1].table[0], seqs[2].table[0]});
     written.clear();
     for (std::int64_t l = 0; l < L; ++l) {
       std::vector<std::vector<float>> q;
-      std::vector<std::vector<std::int32_t>> out(3), out1(3);
-      std::vector<BlockSparseRow> rows, rows1;
+      std::vector<std::vector<std::int32_t>> out(3), out1(3), out4(3);
+      std::vector<BlockSparseRow> rows, rows1, rows4;
       for (std::size_t i = 0; i < 3; ++i) {
         q.push_back(normal(std::size_t(H * G * d), 5000 + 100 * step + 10 * l + i));
         const std::int64_t att = kvscore::attended_blocks(seqs[i].tokens, bs, 0.3, o);
         out[i].assign(std::size_t(att), -1);
         out1[i].assign(std::size_t(att), -1);
+        out4[i].assign(std::size_t(att), -1);
         rows.push_back({seqs[i].table, seqs[i].tokens, q[i].data(), att, out[i].data()});
         rows1.push_back({seqs[i].table, seqs[i].tokens, q[i].data(), att, out1[i].data()});
+        rows4.push_back({seqs[i].table, seqs[i].tokens, q[i].data(), att, out4[i].data()});
       }
       pool.with_view([&](const auto& v) {
         sel.select(l, v, H * G, rows);
         serial.select(l, v, H * G, rows1);
+        split.select(l, v, H * G, rows4);
       });
       for (std::size_t i = 0; i < 3; ++i) {
         const auto keys = read_back(pool, seqs[i]);
@@ -301,6 +308,7 @@ void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGrou
         INFO("step " << step << " layer " << l << " seq " << i << " " << kvscore::to_string(how));
         CHECK(out[i] == want);
         CHECK(out1[i] == out[i]);  // any thread count
+        CHECK(out4[i] == out[i]);
       }
     }
     for (auto& s : seqs) write(s, 13);  // the decode steps' tokens (some blocks fill)

@@ -300,66 +300,79 @@ inline void int4_tile_scores(const float* const* q, std::int64_t g, const float*
 /// min and max), and a (block, KV head) is scored when one of its G query heads has it among its
 /// best `m` (−inf otherwise; m ≤ 0 or m ≥ C: every candidate). `summary(c, h)` gives the
 /// candidate's (min, step, max, codes) for KV head h. The per-block work runs on the kernel
-/// table (int4_quest, int4_block), a KV head's G queries at once.
+/// table (int4_quest, int4_block), a KV head's G queries at once, split over `threads` (a count:
+/// a row scored alone, as at batch 1, leaves no core idle); every value is computed by one
+/// thread the same way whatever the count, so the scores do not depend on it.
 template <class Summary>
 void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t d, std::int64_t bs,
-                 std::int64_t m, Summary&& summary, BlockChoiceScratch& w) {
+                 std::int64_t m, Summary&& summary, BlockChoiceScratch& w, int threads = 1) {
   const std::int64_t C = std::int64_t(w.cand.size()), G = q_heads / kv_heads, half = (bs + 1) / 2;
   const simd::KernelTable& tb = simd::active_table();
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   w.score.assign(std::size_t(q_heads * C), ninf);
   std::vector<std::uint8_t> keep(static_cast<std::size_t>(kv_heads * C), std::uint8_t(m <= 0 || m >= C));
-  std::vector<float> lanes(static_cast<std::size_t>(G * 16));
+  // Each thread's scratch is allocated here, before any parallel region (nothing may throw in one).
   // The summaries and codes are read from memory the size of the cache's own metadata (MBs per
   // layer): the next block's are fetched while this one is scored (its loads stalled ~3/4 of
   // the time without).
+  const std::size_t T = std::size_t(std::max(threads, 1));
+  auto none = [](int) { return 0; };
   if (m > 0 && m < C) {
     w.agg.resize(std::size_t(q_heads * C));  // Quest's bound [q_heads][C]
-    for (std::int64_t c = 0; c < C; ++c)
+    std::vector<float> lanes(T * std::size_t(G * 16));
+    parallel_for_tid(C, threads, none, [&](int, std::int64_t c, int tid) {
+      float* ln = lanes.data() + std::size_t(tid) * std::size_t(G * 16);
       for (std::int64_t h = 0; h < kv_heads; ++h) {
         const auto tile_summary = summary(c, h);
         if (c + 1 < C) prefetch(std::get<0>(summary(c + 1, h)), 2 * d * std::int64_t(sizeof(float)));
-        tb.int4_quest(query + h * G * d, G, d, std::get<0>(tile_summary), std::get<2>(tile_summary), lanes.data());
-        for (std::int64_t g = 0; g < G; ++g)
-          w.agg[std::size_t((h * G + g) * C + c)] = pariskv::detail::tree16(lanes.data() + g * 16);
+        tb.int4_quest(query + h * G * d, G, d, std::get<0>(tile_summary), std::get<2>(tile_summary), ln);
+        for (std::int64_t g = 0; g < G; ++g) w.agg[std::size_t((h * G + g) * C + c)] = pariskv::detail::tree16(ln + g * 16);
       }
-    w.order.resize(std::size_t(C));
-    for (std::int64_t jq = 0; jq < q_heads; ++jq) {
-      const float* bound = w.agg.data() + jq * C;
-      for (std::int64_t c = 0; c < C; ++c) w.order[std::size_t(c)] = c;
-      std::nth_element(w.order.begin(), w.order.begin() + m, w.order.end(), [&](std::int64_t x, std::int64_t y) {
-        const float a = bound[x], b = bound[y];
-        return a > b || (a == b && x < y);
-      });
-      for (std::int64_t i = 0; i < m; ++i) keep[std::size_t((jq / G) * C + w.order[std::size_t(i)])] = 1;
-    }
+    });
+    // per KV head, its G query heads' best m (a thread writes only its head's row of keep)
+    std::vector<std::int64_t> orders(T * std::size_t(C));
+    parallel_for_tid(kv_heads, threads, none, [&](int, std::int64_t h, int tid) {
+      std::int64_t* order = orders.data() + std::size_t(tid) * std::size_t(C);
+      for (std::int64_t jq = h * G; jq < (h + 1) * G; ++jq) {
+        const float* bound = w.agg.data() + jq * C;
+        for (std::int64_t c = 0; c < C; ++c) order[c] = c;
+        std::nth_element(order, order + m, order + C, [&](std::int64_t x, std::int64_t y) {
+          const float a = bound[x], b = bound[y];
+          return a > b || (a == b && x < y);
+        });
+        for (std::int64_t i = 0; i < m; ++i) keep[std::size_t(h * C + order[i])] = 1;
+      }
+    });
   }
   std::vector<std::int64_t> todo;  // the (block, KV head)s to score, h·C + c, in memory order
   for (std::int64_t c = 0; c < C; ++c)
     for (std::int64_t h = 0; h < kv_heads; ++h)
       if (keep[std::size_t(h * C + c)]) todo.push_back(h * C + c);
-  std::vector<std::int16_t> wq(static_cast<std::size_t>(G * d));
-  std::vector<std::int32_t> acc(static_cast<std::size_t>(G * 2 * half)), best(static_cast<std::size_t>(G));
-  std::vector<float> scale(static_cast<std::size_t>(G));
-  const std::int64_t code_bytes = int4_code_bytes(d, bs);
-  for (std::size_t i = 0; i < todo.size(); ++i) {
-    const std::int64_t h = todo[i] / C, c = todo[i] % C;
-    if (i + 1 < todo.size()) {
-      const auto next = summary(todo[i + 1] % C, todo[i + 1] / C);
+  std::vector<std::int16_t> wq(T * std::size_t(G * d));
+  std::vector<std::int32_t> acc(T * std::size_t(G * 2 * half)), best(T * std::size_t(G));
+  std::vector<float> scale(T * std::size_t(G));
+  const std::int64_t code_bytes = int4_code_bytes(d, bs), n = std::int64_t(todo.size());
+  parallel_for_tid(n, threads, none, [&](int, std::int64_t i, int tid) {
+    const std::size_t t = std::size_t(tid);
+    const std::int64_t h = todo[std::size_t(i)] / C, c = todo[std::size_t(i)] % C;
+    if (i + 1 < n) {
+      const auto next = summary(todo[std::size_t(i + 1)] % C, todo[std::size_t(i + 1)] / C);
       prefetch(std::get<0>(next), d * std::int64_t(sizeof(float)));
       prefetch(std::get<1>(next), d * std::int64_t(sizeof(float)));
       prefetch(std::get<3>(next), code_bytes);
     }
     const float* qh = query + h * G * d;
     const auto [mn, st, mx, codes] = summary(c, h);
-    tb.int4_block(qh, G, d, st, codes, bs, wq.data(), acc.data(), best.data(), scale.data());
+    std::int32_t* bt = best.data() + t * std::size_t(G);
+    float* sc = scale.data() + t * std::size_t(G);
+    tb.int4_block(qh, G, d, st, codes, bs, wq.data() + t * std::size_t(G * d), acc.data() + t * std::size_t(G * 2 * half),
+                  bt, sc);
     for (std::int64_t g = 0; g < G; ++g) {
       const float* qk = qh + g * d;
       const float* lo = mn;
-      w.score[std::size_t((h * G + g) * C + c)] =
-          lane_sum(d, [&](std::int64_t j) { return qk[j] * lo[j]; }) + scale[std::size_t(g)] * float(best[std::size_t(g)]);
+      w.score[std::size_t((h * G + g) * C + c)] = lane_sum(d, [&](std::int64_t j) { return qk[j] * lo[j]; }) + sc[g] * float(bt[g]);
     }
-  }
+  });
 }
 
 /// max_t q·k_t over n keys (fp32 sums in dimension order); `acc` has n floats of scratch.
@@ -604,7 +617,8 @@ struct BlockSparseRow {
 /// The block choice of every decode row of a paged cache with `layers` layers, and what it keeps
 /// between steps: quest/meanstd summaries per (layer, physical block), or one ParisKV index per
 /// (layer, sequence, KV head). Driven by one engine worker: begin_step() once per step, then
-/// select() per layer (which runs the rows in parallel).
+/// select() per layer (which runs the rows in parallel, or splits a row's scoring over the
+/// threads when there are fewer rows than threads).
 class PagedBlockSelector {
  public:
   PagedBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
@@ -754,10 +768,16 @@ class PagedBlockSelector {
       made_ += std::int64_t(todo.size());
     }
     std::vector<std::pair<std::int64_t, std::int64_t>> probe(rows.size(), {0, 0});
-    detail::parallel_for_state<detail::BlockChoiceScratch>(
-        std::int64_t(rows.size()), opt_.num_threads, [&](detail::BlockChoiceScratch& w, std::int64_t i) {
-          probe[std::size_t(i)] = choose(layer, keys, q_heads, rows[std::size_t(i)], w);
-        });
+    const int threads = detail::resolve_threads(opt_.num_threads);
+    if (std::int64_t(rows.size()) < threads) {  // fewer rows than threads (batch 1): each row's scoring is split
+      detail::BlockChoiceScratch w;
+      for (std::size_t i = 0; i < rows.size(); ++i) probe[i] = choose(layer, keys, q_heads, rows[i], w, threads);
+    } else {
+      detail::parallel_for_state<detail::BlockChoiceScratch>(
+          std::int64_t(rows.size()), threads, [&](detail::BlockChoiceScratch& w, std::int64_t i) {
+            probe[std::size_t(i)] = choose(layer, keys, q_heads, rows[std::size_t(i)], w, 1);
+          });
+    }
     for (const auto& [e, h] : probe) {
       probe_exact_ += e;
       probe_hit_ += h;
@@ -806,7 +826,7 @@ class PagedBlockSelector {
   /// The scores w.score [q_heads][C] of the row's candidates w.cand.
   template <class View>
   void score(std::int64_t l, const View& v, const BlockSparseRow& r, std::int64_t q_heads, BlockScore how,
-             std::int64_t k, detail::BlockChoiceScratch& w) {
+             std::int64_t k, detail::BlockChoiceScratch& w, int threads) {
     const std::int64_t C = std::int64_t(w.cand.size()), G = q_heads / kh_;
     if (how == BlockScore::pariskv) {
       SeqIndex& s = index_of(l, v, r);
@@ -822,7 +842,7 @@ class PagedBlockSelector {
         const float* a = S + (p * kh_ + h) * summary_floats();
         return std::tuple<const float*, const float*, const float*, const std::uint8_t*>{
             a, a + 2 * d_, a + d_, K4 + (p * kh_ + h) * code_bytes()};
-      }, w);
+      }, w, threads);
       return;
     }
     w.score.assign(std::size_t(q_heads * C), 0.f);
@@ -878,7 +898,7 @@ class PagedBlockSelector {
 
   template <class View>
   std::pair<std::int64_t, std::int64_t> choose(std::int64_t l, const View& v, std::int64_t q_heads,
-                                               const BlockSparseRow& r, detail::BlockChoiceScratch& w) {
+                                               const BlockSparseRow& r, detail::BlockChoiceScratch& w, int threads) {
     const detail::ProtectedBlocks pb = detail::protected_blocks_of(r.tokens, bs_, opt_);
     const std::int64_t k = r.attend - pb.count();
     detail::candidates(pb, w.cand);
@@ -902,10 +922,10 @@ class PagedBlockSelector {
       std::int64_t qn = q_heads;
       BlockSparseRow rq = r;
       rq.query = detail::scoring_queries(r.query, q_heads, kh_, d_, opt_.group, w.meanq, qn);
-      score(l, v, rq, qn, opt_.score, k, w);
+      score(l, v, rq, qn, opt_.score, k, w, threads);
       detail::choose_top(qn, k, scale(), w, w.chosen);
       if (opt_.probe) {  // the exact choice of every query head
-        score(l, v, r, q_heads, BlockScore::exact, k, w);
+        score(l, v, r, q_heads, BlockScore::exact, k, w, threads);
         detail::choose_top(q_heads, k, scale(), w, w.exact_chosen);
         std::int64_t hit = 0;
         for (const std::int64_t b : w.exact_chosen) hit += std::binary_search(w.chosen.begin(), w.chosen.end(), b);

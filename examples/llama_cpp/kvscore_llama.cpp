@@ -6,6 +6,14 @@
 // removed everywhere), removes the others with llama_memory_seq_rm and goes on generating
 // greedily from the smaller cache.
 //
+// --alloc per_head: every KV head of every layer keeps its own top tokens (the same count in
+// each). The cells still hold the joint selection's positions (the mask and llama.cpp's next
+// position read them), but each (layer, head)'s slice of their K and V rows is rewritten, through
+// the state API, with that head's own kept tokens: a head's cells are then an unordered set of
+// its tokens' post-RoPE keys and values, which is all attention reads from them (no per-head mask
+// is needed: every cell is visible to every later query). Not for context shifts (a cell's
+// K-shift would rotate tokens of other positions), SWA or M-RoPE models.
+//
 //   kvscore_llama --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file text.txt \
 //                 --method knorm --keep 0.5 --sinks 4 --recent 64 --n-predict 32
 //
@@ -51,7 +59,7 @@ using namespace kvscore_llama;
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, dump;
+  std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, dump, alloc = "joint";
   std::vector<std::string> questions;  ///< question files
   std::int64_t max_tokens = 0, n_predict = 32, sinks = 4, recent = 64, window = 64, ubatch = 512;
   std::int64_t chunk = kvscore_llama::kLlamaKVzipChunk, kvzip_prefix = -1;
@@ -72,6 +80,9 @@ const char* kUsage =
     "  --recent N         last positions always kept, >= 1: llama.cpp continues at the last kept position + 1\n"
     "                     (default 64)\n"
     "  --aggregate A      joint selection over heads and layers: max, mean or vote (default max)\n"
+    "  --alloc A          joint (one set of positions for every head and layer) or per_head (each KV head of\n"
+    "                     every layer keeps its own top tokens in the same cells, rewritten through the state\n"
+    "                     API; default joint)\n"
     "  --window W         query window of snapkv / protokv / qfilter (default 64)\n"
     "  --n-predict N      tokens to generate (default 32)\n"
     "  --max-tokens N     use the prompt's first N tokens (default: all)\n"
@@ -114,6 +125,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--prompt-file") a.prompt_file = value(i);
     else if (f == "--method") a.method = value(i);
     else if (f == "--aggregate") a.aggregate = value(i);
+    else if (f == "--alloc") a.alloc = value(i);
     else if (f == "--keep") a.keep = parse_double(f, value(i));
     else if (f == "--sinks") a.sinks = parse_int(f, value(i));
     else if (f == "--recent") a.recent = parse_int(f, value(i));
@@ -156,6 +168,8 @@ Args parse(int argc, char** argv) {
   if (a.check_session && a.save_session.empty()) throw Usage("--check-session needs --save-session FILE");
   if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
+  if (a.alloc != "joint" && a.alloc != "per_head")
+    throw Usage("--alloc must be joint or per_head (got '" + a.alloc + "')");
   const kvscore::MethodInfo& info = kvscore::method_info(a.method);       // unknown name: the same
   if (!kvscore::is_scorer(info))
     throw Usage("--method '" + a.method + "' is a " + std::string(kvscore::kind_name(info.kind)) +
@@ -220,27 +234,38 @@ std::string text_of(const llama_vocab* vocab, const std::vector<llama_token>& t)
   return s;
 }
 
-/// Sequence 0 of the cache, as llama_state_seq_get_data writes it (llama-kv-cache.cpp
+/// Sequence 0 of the cache as llama_state_seq_get_data writes it (llama-kv-cache.cpp
 /// state_write: n_stream, then per stream the cell count, each cell's position and sequence ids,
-/// then per layer the K type, the K row size and the K rows of those cells; V follows).
-struct CacheState {
-  std::vector<std::int32_t> pos;                   ///< position of each cell, in cell order
-  std::vector<std::vector<std::uint16_t>> k;       ///< [layer] fp16 K rows of those cells
+/// v_trans and the layer count, per layer the K type, the K row size and the K rows of those
+/// cells; then per layer the V type and either the V row size and rows or, transposed, the
+/// element size, n_embd_v_gqa and each V dimension's elements of those cells).
+struct StateBytes {
+  std::vector<std::uint8_t> buf;
+  std::uint32_t cells = 0, v_trans = 0;
+  std::vector<std::int32_t> pos;           ///< each cell's position, in cell order
   std::int32_t k_type = -1;
-  std::string error;
+  std::vector<std::size_t> k_at, v_at;     ///< per layer: offset of its first K row / its V data
+  std::vector<std::uint64_t> k_row, v_row; ///< per layer: bytes of a K row / a V row (transposed: an element)
+  std::vector<std::uint32_t> v_dims;       ///< transposed V: per layer n_embd_v_gqa
+  std::string error;                       ///< a layout this reader does not take (the fields above are partial)
 };
 
-CacheState read_cache(llama_context* ctx) {
-  CacheState s;
-  std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx, 0));
-  const std::size_t n = llama_state_seq_get_data(ctx, buf.data(), buf.size(), 0);
+StateBytes state_of(llama_context* ctx) {
+  StateBytes s;
+  s.buf.resize(llama_state_seq_get_size(ctx, 0));
+  const std::size_t n = llama_state_seq_get_data(ctx, s.buf.data(), s.buf.size(), 0);
+  s.buf.resize(n);
   std::size_t o = 0;
   auto get = [&](void* dst, std::size_t bytes) {
     if (o + bytes > n) throw std::runtime_error("state of sequence 0 ends early (format not understood)");
-    std::memcpy(dst, buf.data() + o, bytes);
+    std::memcpy(dst, s.buf.data() + o, bytes);
     o += bytes;
   };
-  std::uint32_t magic = 0, n_stream = 0, cells = 0;
+  auto skip = [&](std::uint64_t bytes) {
+    if (o + bytes > n) throw std::runtime_error("state of sequence 0 ends early (format not understood)");
+    o += bytes;
+  };
+  std::uint32_t magic = 0, n_stream = 0;
   std::int32_t seq = 0;
   get(&magic, 4);
   get(&seq, 4);
@@ -249,8 +274,8 @@ CacheState read_cache(llama_context* ctx) {
     s.error = "expected 1 stream, state has " + std::to_string(n_stream);
     return s;
   }
-  get(&cells, 4);
-  for (std::uint32_t c = 0; c < cells; ++c) {
+  get(&s.cells, 4);
+  for (std::uint32_t c = 0; c < s.cells; ++c) {
     std::int32_t p = 0, id = 0;
     std::uint32_t n_seq = 0;
     get(&p, 4);
@@ -259,25 +284,108 @@ CacheState read_cache(llama_context* ctx) {
     if (n_seq != 1 || id != 0) s.error = "cell " + std::to_string(c) + " is not (only) in sequence 0";
     s.pos.push_back(p);
   }
-  if (cells == 0) return s;
-  std::uint32_t v_trans = 0, n_layer = 0;
-  get(&v_trans, 4);
+  if (s.cells == 0) return s;
+  std::uint32_t n_layer = 0;
+  get(&s.v_trans, 4);
   get(&n_layer, 4);
   for (std::uint32_t l = 0; l < n_layer; ++l) {
     std::uint64_t row = 0;
     get(&s.k_type, 4);
     get(&row, 8);
-    std::vector<std::uint16_t> k(std::size_t(cells) * row / 2);
-    get(k.data(), std::size_t(cells) * row);
-    s.k.push_back(std::move(k));
+    s.k_row.push_back(row);
+    s.k_at.push_back(o);
+    skip(std::uint64_t(s.cells) * row);
   }
+  for (std::uint32_t l = 0; l < n_layer && o < n; ++l) {
+    std::int32_t v_type = 0;
+    get(&v_type, 4);
+    if (!s.v_trans) {
+      std::uint64_t row = 0;
+      get(&row, 8);
+      s.v_row.push_back(row);
+      s.v_at.push_back(o);
+      skip(std::uint64_t(s.cells) * row);
+    } else {
+      std::uint32_t el = 0, dims = 0;
+      get(&el, 4);
+      get(&dims, 4);
+      s.v_row.push_back(el);
+      s.v_dims.push_back(dims);
+      s.v_at.push_back(o);
+      skip(std::uint64_t(dims) * s.cells * el);
+    }
+  }
+  if (s.v_at.size() != n_layer) s.error = "V rows of " + std::to_string(s.v_at.size()) + " of " + std::to_string(n_layer) + " layers";
   return s;
 }
 
+/// --alloc per_head: with the cache holding the joint selection's cells, each (layer, KV head)'s
+/// slice of cell c's K and V rows becomes that of heads[layer].head(h)[c], copied from `full`
+/// (the state before eviction), and the state is loaded back in place of the sequence.
+void give_heads_their_tokens(llama_context* ctx, const StateBytes& full, const std::vector<kvscore::Selection>& heads) {
+  StateBytes cur = state_of(ctx);
+  if (!full.error.empty() || !cur.error.empty())
+    throw std::runtime_error("--alloc per_head: " + (full.error.empty() ? cur.error : full.error));
+  if (cur.k_at.size() != heads.size() || full.k_at.size() != heads.size() || cur.v_trans != full.v_trans)
+    throw std::runtime_error("--alloc per_head: the state's layers differ from the scored ones");
+  std::vector<std::int64_t> cell_of;  // position -> cell of `full`
+  for (std::uint32_t c = 0; c < full.cells; ++c) {
+    const auto p = std::size_t(full.pos[c]);
+    if (p >= cell_of.size()) cell_of.resize(p + 1, -1);
+    cell_of[p] = c;
+  }
+  std::uint8_t* dst = cur.buf.data();
+  const std::uint8_t* src = full.buf.data();
+  for (std::size_t l = 0; l < heads.size(); ++l) {
+    const kvscore::Selection& sel = heads[l];
+    const std::int64_t H = sel.heads;
+    for (std::int64_t h = 0; h < H; ++h)
+      if (sel.kept(h) != std::int64_t(cur.cells))
+        throw std::runtime_error("--alloc per_head: layer " + std::to_string(l) + " head " + std::to_string(h) +
+                                 " keeps " + std::to_string(sel.kept(h)) + " tokens for " + std::to_string(cur.cells) +
+                                 " cells");
+    const std::uint64_t kr = cur.k_row[l], vr = cur.v_row[l];
+    const std::uint64_t vd = cur.v_trans ? cur.v_dims[l] : vr;
+    if (kr % std::uint64_t(H) != 0 || vd % std::uint64_t(H) != 0)
+      throw std::runtime_error("--alloc per_head: layer " + std::to_string(l) + "'s K or V row does not split into " +
+                               std::to_string(H) + " heads (a quantized cache type whose blocks straddle heads)");
+    const std::uint64_t kh = kr / std::uint64_t(H), vh = vd / std::uint64_t(H);
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::span<const std::int64_t> toks = sel.head(h);
+      for (std::uint32_t c = 0; c < cur.cells; ++c) {
+        const std::uint64_t f = std::uint64_t(cell_of.at(std::size_t(toks[c])));
+        std::memcpy(dst + cur.k_at[l] + c * kr + std::uint64_t(h) * kh, src + full.k_at[l] + f * kr + std::uint64_t(h) * kh, kh);
+        if (!cur.v_trans) {
+          std::memcpy(dst + cur.v_at[l] + c * vr + std::uint64_t(h) * vh, src + full.v_at[l] + f * vr + std::uint64_t(h) * vh,
+                      vh);
+        } else {  // dimension j of cell c at (j · cells + c) · element
+          for (std::uint64_t j = std::uint64_t(h) * vh; j < std::uint64_t(h + 1) * vh; ++j)
+            std::memcpy(dst + cur.v_at[l] + (j * cur.cells + c) * vr, src + full.v_at[l] + (j * full.cells + f) * vr, vr);
+        }
+      }
+    }
+  }
+  llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
+  if (llama_state_seq_set_data(ctx, cur.buf.data(), cur.buf.size(), 0) == 0)
+    throw std::runtime_error("--alloc per_head: llama_state_seq_set_data refused the rewritten cells");
+}
+
+/// The 2 bytes of fp16 V element (cell c, dimension j) of layer l in a state, either V layout.
+std::uint16_t v_half(const StateBytes& s, std::size_t l, std::uint64_t c, std::uint64_t j) {
+  std::uint16_t x = 0;
+  const std::uint64_t at = s.v_trans ? (j * s.cells + c) * 2 : c * s.v_row[l] + j * 2;
+  std::memcpy(&x, s.buf.data() + s.v_at[l] + at, 2);
+  return x;
+}
+
 /// The cache holds exactly `expect` (positions, ascending) and, when `keys` is given, each cell's
-/// K row equals fp16 of the captured key of its position in every layer. Prints what it found.
-bool check_cache(llama_context* ctx, const std::vector<std::int64_t>& expect, const Capture* keys, const char* when) {
-  const CacheState s = read_cache(ctx);
+/// K row equals fp16 of the captured key of its position in every layer; with `heads` (--alloc
+/// per_head) head h's slice of the c-th cell holds heads[layer].head(h)[c]'s key instead, and its
+/// V slice that token's values in `before` (the cache read before the eviction). Prints what it
+/// found.
+bool check_cache(llama_context* ctx, const std::vector<std::int64_t>& expect, const Capture* keys, const char* when,
+                 const std::vector<kvscore::Selection>* heads = nullptr, const StateBytes* before = nullptr) {
+  const StateBytes s = state_of(ctx);
   if (!s.error.empty()) {
     std::printf("check (%s): FAILED: %s\n", when, s.error.c_str());
     return false;
@@ -296,21 +404,26 @@ bool check_cache(llama_context* ctx, const std::vector<std::int64_t>& expect, co
                 (long long)expect.back());
     return false;
   }
-  std::int64_t rows = 0, mismatched = 0;
+  std::int64_t rows = 0, mismatched = 0, moved = 0;
   if (keys) {
-    if (s.k_type != GGML_TYPE_F16 || std::int64_t(s.k.size()) != keys->n_layer) {
+    const std::int64_t w = keys->kv_heads * keys->head_dim, D = keys->head_dim;
+    if (s.k_type != GGML_TYPE_F16 || std::int64_t(s.k_at.size()) != keys->n_layer) {
       std::printf("check (%s): FAILED: K cache type %d with %zu layers (expected f16, %lld)\n", when, s.k_type,
-                  s.k.size(), (long long)keys->n_layer);
+                  s.k_at.size(), (long long)keys->n_layer);
       return false;
     }
-    const std::int64_t w = keys->kv_heads * keys->head_dim;
     for (std::int64_t l = 0; l < keys->n_layer; ++l)
       for (std::size_t c = 0; c < s.pos.size(); ++c) {
-        const std::int64_t p = s.pos[c];
-        if (p >= keys->n_tokens) continue;  // generated after the capture
-        const float* src = keys->keys[std::size_t(l)].data() + p * w;
-        const std::uint16_t* row = s.k[std::size_t(l)].data() + std::int64_t(c) * w;
-        for (std::int64_t i = 0; i < w; ++i) mismatched += kvscore::from_float<kvscore::half>(src[i]).bits != row[i];
+        std::uint16_t row[kvscore::kMaxHeadDim];
+        for (std::int64_t h = 0; h < keys->kv_heads; ++h) {
+          const std::int64_t p = heads ? (*heads)[std::size_t(l)].head(h)[c] : s.pos[c];
+          if (p >= keys->n_tokens) continue;  // generated after the capture
+          moved += p != s.pos[c];
+          std::memcpy(row, s.buf.data() + s.k_at[std::size_t(l)] + (c * std::size_t(w) + std::size_t(h * D)) * 2,
+                      std::size_t(D) * 2);
+          const float* src = keys->keys[std::size_t(l)].data() + p * w + h * D;
+          for (std::int64_t i = 0; i < D; ++i) mismatched += kvscore::from_float<kvscore::half>(src[i]).bits != row[i];
+        }
         ++rows;
       }
     if (mismatched) {
@@ -318,9 +431,35 @@ bool check_cache(llama_context* ctx, const std::vector<std::int64_t>& expect, co
                   (long long)mismatched, (long long)(rows * w));
       return false;
     }
+    if (heads && before) {  // V: each head's slice from its own token's cell before the eviction
+      std::vector<std::int64_t> cell_before(std::size_t(keys->n_tokens), -1);
+      for (std::uint32_t c = 0; c < before->cells; ++c)
+        if (before->pos[c] < keys->n_tokens) cell_before[std::size_t(before->pos[c])] = c;
+      for (std::int64_t l = 0; l < keys->n_layer; ++l) {
+        for (const StateBytes* x : {&s, before})
+          if (x->v_row[std::size_t(l)] != (x->v_trans ? 2u : std::uint64_t(w) * 2)) {
+            std::printf("check (%s): FAILED: layer %lld's V cache is not f16\n", when, (long long)l);
+            return false;
+          }
+        for (std::size_t c = 0; c < s.pos.size(); ++c)
+          for (std::int64_t h = 0; h < keys->kv_heads; ++h) {
+            const std::int64_t p = (*heads)[std::size_t(l)].head(h)[c];
+            for (std::int64_t j = h * D; j < (h + 1) * D; ++j)
+              mismatched += v_half(s, std::size_t(l), c, std::uint64_t(j)) !=
+                            v_half(*before, std::size_t(l), std::uint64_t(cell_before[std::size_t(p)]), std::uint64_t(j));
+          }
+      }
+      if (mismatched) {
+        std::printf("check (%s): FAILED: %lld V values are not their head's token's\n", when, (long long)mismatched);
+        return false;
+      }
+    }
   }
   std::printf("check (%s): the cache holds exactly the %zu expected positions", when, expect.size());
   if (keys) std::printf("; their K rows in all %lld layers equal the captured post-RoPE keys (fp16)", (long long)keys->n_layer);
+  if (heads)
+    std::printf(", each KV head's its own kept tokens' (%lld head slices hold another position's key)%s", (long long)moved,
+                before ? ", and so do their V rows" : "");
   std::printf("\n");
   return true;
 }
@@ -384,10 +523,10 @@ int run(const Args& a) {
   }
 
   std::printf("prompt: %lld tokens; model: %lld layers, %lld KV heads, head_dim %lld; method %s, keep %lld of %lld, "
-              "sinks %lld, recent %lld, aggregate %s, %d threads\n",
+              "sinks %lld, recent %lld, aggregate %s, alloc %s, %d threads\n",
               (long long)N, (long long)L, (long long)Hkv, (long long)D, std::string(info.name).c_str(),
               (long long)budget, (long long)N, (long long)jo.sinks, (long long)jo.recent,
-              std::string(kvscore::joint_aggregate_name(jo.aggregate)).c_str(), a.threads);
+              std::string(kvscore::joint_aggregate_name(jo.aggregate)).c_str(), a.alloc.c_str(), a.threads);
 
   int rc = 0;
   std::vector<llama_token> plain;
@@ -459,6 +598,14 @@ int run(const Args& a) {
   }
   t0 = Clock::now();
   const std::vector<std::int64_t> kept = kvscore::select_joint(scores, budget, jo);
+  std::vector<kvscore::Selection> heads;  // --alloc per_head: each layer's KV heads' own tokens
+  if (a.alloc == "per_head") {
+    kvscore::SelectOptions so;
+    so.sinks = jo.sinks;
+    so.recent = jo.recent;
+    so.num_threads = a.threads;
+    for (const kvscore::Scores& sc : scores) heads.push_back(kvscore::select(sc, kvscore::Budget::per_head(budget), so));
+  }
   const double t_select = ms_since(t0);
   if (!a.dump.empty()) {
     kvscore::npy::save<std::int64_t>(a.dump + "/kept.npy", {std::int64_t(kept.size())}, kept.data());
@@ -467,14 +614,19 @@ int run(const Args& a) {
   }
   t0 = Clock::now();
   llama_memory_t mem = llama_get_memory(ctx);
+  StateBytes full;  // --alloc per_head: every token's K and V, before the eviction
+  if (!heads.empty()) full = state_of(ctx);
   const std::vector<kvscore::PositionRange> evict = kvscore::evicted_ranges(kept, N);
   for (const kvscore::PositionRange& r : evict)
     if (!llama_memory_seq_rm(mem, 0, llama_pos(r.begin), llama_pos(r.end)))
       throw std::runtime_error("llama_memory_seq_rm refused [" + std::to_string(r.begin) + ", " +
                                std::to_string(r.end) + ")");
+  if (!heads.empty()) give_heads_their_tokens(ctx, full, heads);
   const double t_evict = ms_since(t0);
 
-  if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction")) rc = 1;
+  if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction", heads.empty() ? nullptr : &heads,
+                              heads.empty() ? nullptr : &full))
+    rc = 1;
   if (!a.save_session.empty()) {
     if (llama_state_seq_save_file(ctx, a.save_session.c_str(), 0, prompt.data(), prompt.size()) == 0)
       throw std::runtime_error("llama_state_seq_save_file failed for " + a.save_session);

@@ -80,6 +80,9 @@ def main():
     ap.add_argument("--hard", action="store_true", help="prose filler and four distractor numbers (see above)")
     ap.add_argument("--aggregate", default="max", choices=["max", "mean", "vote"],
                     help="kvscore_llama's joint selection over heads and layers (default max)")
+    ap.add_argument("--alloc", default="joint", choices=["joint", "per_head"],
+                    help="kvscore_llama's --alloc: one set of positions for every head and layer, or each KV "
+                         "head its own tokens (default joint)")
     ap.add_argument("--chunk", type=int, help="kvzip: context tokens per reconstruction pass (default: kvscore_llama's)")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
@@ -112,14 +115,14 @@ def main():
             for method, keep in runs:
                 args = ["--prompt-file", p, "--question-file", q, "--keep", str(keep), "--recent", str(a.recent),
                         "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" else method,
-                        "--aggregate", a.aggregate]
+                        "--aggregate", a.aggregate, "--alloc", a.alloc]
                 if method == "kvzip":
                     args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
                     if a.chunk:
                         args += ["--chunk", str(a.chunk)]
                 out = run(a.bin, a.model, args)
                 answer = re.search(r"answer 0:[^|]*\| (.*)", out).group(1)
-                rec = {"method": method, "keep": keep, "aggregate": a.aggregate, "depth": depth, "key": key,
+                rec = {"method": method, "keep": keep, "aggregate": a.aggregate, "alloc": a.alloc, "depth": depth, "key": key,
                        "answer": answer,
                        "correct": key in answer,
                        "tokens": int(re.search(r"prompt: (\d+) tokens", out).group(1))}

@@ -81,3 +81,18 @@ def test_the_general_plugins_entry_point_registers_the_connector_name():
     eps[0].load()()  # loaded in every vLLM process, possibly twice: no error
     from kvscore.vllm.connector import KvscoreConnector
     assert KVConnectorFactory.get_connector_class_by_name("KvscoreConnector") is KvscoreConnector
+
+
+def test_threads_0_is_the_workers_torch_thread_count_never_openmps_default():
+    # OpenMP's default asked from vLLM's forward was 1 (the selection ran on one thread): the
+    # connector passes an explicit count to every C++ call
+    import types
+
+    import torch
+    from kvscore.vllm.connector import KvscoreConnector
+
+    def threads(n):
+        return KvscoreConnector._threads(types.SimpleNamespace(cfg=Config("knorm", 0.0, threads=n)))
+
+    assert threads(0) == max(1, torch.get_num_threads()) >= 1
+    assert threads(3) == 3

@@ -74,7 +74,8 @@ class Config:
                      (the question at the end of a prompt stays)
     aggregate        over (layer, head) rows per token: "max" (default) or "mean"
     block_aggregate  over a block's tokens: "mean" (default) or "max"
-    threads          scoring threads per worker (0 = OpenMP default)
+    threads          threads per worker for scoring and sparse decode's selection (0 = the worker's
+                     torch.get_num_threads())
 
   Sparse decode (docs/block_sparse.md), on when `attend` < 1:
     attend           keys each decode step attends: a fraction in (0, 1] of the request's tokens or a

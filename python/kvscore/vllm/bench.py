@@ -173,7 +173,11 @@ def _decode_main(a) -> int:
         for B, x in r["batches"].items():
             extra = ""
             if "sparse" in x:
-                extra = (f"  selection {1e3 * x['select_s_per_decode_step']:.1f} ms/step"
+                sp = x["sparse"]
+                other = sp["calls"] - sp["scoring_calls"]
+                extra = (f"  selection {1e3 * x['select_s_per_decode_step']:.1f} ms/step (per layer call: scoring "
+                         f"{1e3 * sp['scoring_s'] / max(1, sp['scoring_calls']):.3f} ms x {sp['scoring_calls']}, "
+                         f"kept choices {1e3 * (sp['select_s'] - sp['scoring_s']) / max(1, other):.3f} ms x {other})"
                          + (f", blocks attended {x['blocks_attended_fraction']:.3f}" if "blocks_attended_fraction" in x else "")
                          + (f", recall of exact blocks {x['recall_of_exact_blocks']:.3f}" if "recall_of_exact_blocks" in x else ""))
             print(f"  {entry:32s} batch {B:>2s}: decode {x['decode_tokens_per_s']:.2f} tok/s ({x['decode_steps']} steps, "

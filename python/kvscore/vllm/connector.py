@@ -132,8 +132,10 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._selector = None                               # sparse decode: kvscore's PagedBlockSelector
             self._decoding: set[int] = set()
             self._layer_index: dict[str, int] = {}
+            # select_s: every layer's select call; scoring_s / scoring_calls: the calls that scored a row
+            # (the others reused kept choices: refresh)
             self.sparse_stats = {"steps": 0, "rows": 0, "blocks_attended": 0, "blocks_total": 0, "plan_s": 0.0,
-                                 "select_s": 0.0}
+                                 "select_s": 0.0, "calls": 0, "scoring_s": 0.0, "scoring_calls": 0}
         else:
             self._reqs: dict[str, "Request"] = {}
             self._scoring: dict[str, tuple[list[int], int]] = {}  # req_id -> (block ids, tokens) sent to score
@@ -189,6 +191,12 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
+    def _threads(self) -> int:
+        """The worker's threads for kvscore's C++ calls: `threads`, or 0 -> the worker's torch thread
+        count. OpenMP's default (omp_get_max_threads) is 1 when asked from vLLM's forward (measured:
+        the batch-1 selection ran on one thread until this), so 0 is never passed on."""
+        return self.cfg.threads or max(1, torch.get_num_threads())
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
@@ -223,7 +231,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._selector = _k.PagedBlockSelector(
                 len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
                 sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
-                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self.cfg.threads, probe=self.cfg.probe)
+                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self._threads(), probe=self.cfg.probe)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -279,7 +287,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                     continue
                 scorer = [_SnapKV(q[n].permute(1, 0, 2).contiguous(), window=self._window)._impl
                           for n in self._layer_names]
-            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self.cfg.threads)
+            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self._threads())
             self._pending.setdefault(req_id, []).append(part)
         self._seconds += time.perf_counter() - t0
 
@@ -485,7 +493,12 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
                 step.fresh = connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query,
                                                         step.token_index, step.src, step.rows, step.tokens,
                                                         step.attend, step.dst)
-                connector.sparse_stats["select_s"] += time.perf_counter() - t0
+                dt, st = time.perf_counter() - t0, connector.sparse_stats
+                st["select_s"] += dt
+                st["calls"] += 1
+                if step.fresh.any():
+                    st["scoring_s"] += dt
+                    st["scoring_calls"] += 1
                 if SPARSE_OBSERVER is not None:
                     SPARSE_OBSERVER(connector, layer.layer_name, kv_cache, query, step)
             attn_metadata = step.md

@@ -256,14 +256,13 @@ StateBytes state_of(llama_context* ctx) {
   const std::size_t n = llama_state_seq_get_data(ctx, s.buf.data(), s.buf.size(), 0);
   s.buf.resize(n);
   std::size_t o = 0;
-  auto get = [&](void* dst, std::size_t bytes) {
-    if (o + bytes > n) throw std::runtime_error("state of sequence 0 ends early (format not understood)");
-    std::memcpy(dst, s.buf.data() + o, bytes);
-    o += bytes;
-  };
   auto skip = [&](std::uint64_t bytes) {
     if (o + bytes > n) throw std::runtime_error("state of sequence 0 ends early (format not understood)");
     o += bytes;
+  };
+  auto get = [&](void* dst, std::size_t bytes) {
+    skip(bytes);
+    std::memcpy(dst, s.buf.data() + o - bytes, bytes);
   };
   std::uint32_t magic = 0, n_stream = 0;
   std::int32_t seq = 0;

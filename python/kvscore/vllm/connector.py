@@ -193,8 +193,7 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     def _threads(self) -> int:
         """The worker's threads for kvscore's C++ calls: `threads`, or 0 -> the worker's torch thread
-        count. OpenMP's default (omp_get_max_threads) is 1 when asked from vLLM's forward (measured:
-        the batch-1 selection ran on one thread until this), so 0 is never passed on."""
+        count. 0 is never passed on: OpenMP's default asked from vLLM's forward is 1."""
         return self.cfg.threads or max(1, torch.get_num_threads())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

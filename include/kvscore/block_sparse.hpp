@@ -739,13 +739,19 @@ class PagedBlockSelector {
         }
       }
     }
+    // Which rows' kept choices stand is known before anything is read: those rows touch only their
+    // kept blocks (no summary scan: at batch 1 that scan over cold memory was most of a call).
+    std::vector<std::uint8_t> stands(rows.size(), 0);
+    if (opt_.refresh > 1)
+      for (std::size_t i = 0; i < rows.size(); ++i) stands[i] = kept_stands(layer, rows[i]);
     if (uses_summaries()) {
       // the candidate blocks whose summary is missing or stale, each once, made in parallel
       std::vector<std::int64_t> todo;
       std::vector<std::int64_t>& made_at = made_at_[std::size_t(layer)];
-      for (const BlockSparseRow& r : rows) {
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const BlockSparseRow& r = rows[i];
         const detail::ProtectedBlocks pb = detail::protected_blocks_of(r.tokens, bs_, opt_);
-        if (r.attend == pb.count()) continue;  // nothing to choose
+        if (r.attend == pb.count() || stands[i]) continue;  // nothing to choose, or nothing to score
         for (std::int64_t b = 0; b < pb.blocks; ++b) {
           const std::int64_t p = r.table[std::size_t(b)];
           if (!pb.contains(b) && made_at[std::size_t(p)] < written_[std::size_t(p)]) {
@@ -771,11 +777,12 @@ class PagedBlockSelector {
     const int threads = detail::resolve_threads(opt_.num_threads);
     if (std::int64_t(rows.size()) < threads) {  // fewer rows than threads (batch 1): each row's scoring is split
       detail::BlockChoiceScratch w;
-      for (std::size_t i = 0; i < rows.size(); ++i) probe[i] = choose(layer, keys, q_heads, rows[i], w, threads);
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        probe[i] = choose(layer, keys, q_heads, rows[i], stands[i], w, threads);
     } else {
       detail::parallel_for_state<detail::BlockChoiceScratch>(
           std::int64_t(rows.size()), threads, [&](detail::BlockChoiceScratch& w, std::int64_t i) {
-            probe[std::size_t(i)] = choose(layer, keys, q_heads, rows[std::size_t(i)], w, 1);
+            probe[std::size_t(i)] = choose(layer, keys, q_heads, rows[std::size_t(i)], stands[std::size_t(i)], w, 1);
           });
     }
     for (const auto& [e, h] : probe) {
@@ -896,16 +903,24 @@ class PagedBlockSelector {
     return s;
   }
 
+  /// The row's last scored choice in layer l stands this step (refresh > 1): it has one, it is
+  /// fewer than `refresh` steps old, and its blocks are still the row's, unwritten since.
+  bool kept_stands(std::int64_t l, const BlockSparseRow& r) const {
+    const detail::ProtectedBlocks pb = detail::protected_blocks_of(r.tokens, bs_, opt_);
+    const Kept& kept = *kept_[std::size_t(l)].at(std::int64_t(r.table[0]));
+    return r.attend > pb.count() && kept.step >= 0 && step_ - kept.step < opt_.refresh && still_held(kept, r);
+  }
+
   template <class View>
   std::pair<std::int64_t, std::int64_t> choose(std::int64_t l, const View& v, std::int64_t q_heads,
-                                               const BlockSparseRow& r, detail::BlockChoiceScratch& w, int threads) {
+                                               const BlockSparseRow& r, bool stands, detail::BlockChoiceScratch& w,
+                                               int threads) {
     const detail::ProtectedBlocks pb = detail::protected_blocks_of(r.tokens, bs_, opt_);
     const std::int64_t k = r.attend - pb.count();
-    detail::candidates(pb, w.cand);
     w.chosen.clear();
     std::pair<std::int64_t, std::int64_t> probe{0, 0};
     Kept* kept = opt_.refresh > 1 ? kept_[std::size_t(l)].at(std::int64_t(r.table[0])).get() : nullptr;
-    if (k > 0 && kept != nullptr && kept->step >= 0 && step_ - kept->step < opt_.refresh && still_held(*kept, r)) {
+    if (stands) {
       // the last choice stands: its blocks that are not protected now, topped up (or cut) to k
       // with the newest candidates (the blocks the local window let go since)
       for (const std::int64_t b : kept->blocks)
@@ -918,6 +933,7 @@ class PagedBlockSelector {
       return probe;
     }
     if (r.fresh) *r.fresh = 1;
+    detail::candidates(pb, w.cand);
     if (k > 0) {
       std::int64_t qn = q_heads;
       BlockSparseRow rq = r;

@@ -184,6 +184,12 @@ Table32 table32(const A& a, const std::string& what) {
 }
 
 /// kvscore::PagedBlockSelector over vLLM CPU's caches: the block-sparse decode of kvscore.vllm.
+///
+/// A step's rows are the same in every layer, and vLLM's caches never move: plan() takes the rows
+/// once per step and register_caches() the caches once, so that select_planned() converts only
+/// the layer's query. Inside a forward each conversion of a torch tensor costs ~7 us with its
+/// caches cold (the layers in between evict them): at batch 1 a call that keeps its rows' choices
+/// was mostly that (docs/block_sparse.md).
 class VllmBlockSelector {
  public:
   VllmBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
@@ -195,71 +201,151 @@ class VllmBlockSelector {
   void begin_step(const Any& slots, const Any& live) {
     const std::vector<std::int64_t> s = block_ids_of(slots, "slot_mapping");
     const std::vector<std::int64_t> l = block_ids_of(live, "live");
+    plan_ = Plan{};  // a plan is one step's
     nb::gil_scoped_release unlocked;
     sel_.begin_step(s, l);
   }
 
-  /// Chooses the blocks of the decode rows `rows` of the step's block table `src` (compacted:
-  /// holes removed) for one layer and writes them into the same rows of `dst`; each row's query
-  /// is query[token_index[i]] ([num_tokens, q_heads, head_dim], any float dtype and strides).
+  /// Every layer's cache (vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_dim]), in layer
+  /// order: select_planned() reads a registered one without converting it.
+  void register_caches(const nb::list& caches) {
+    if (std::int64_t(caches.size()) != sel_.layers())
+      bad("caches: " + std::to_string(caches.size()) + " given, the selector has " + std::to_string(sel_.layers()) +
+          " layers");
+    std::vector<nb::object> objs;
+    std::vector<Layer> layers;
+    for (std::size_t l = 0; l < caches.size(); ++l) {
+      const std::string what = "caches[" + std::to_string(l) + "]";
+      Any a;
+      if (!nb::try_cast(caches[l], a)) bad(what + ": expected a CPU array");
+      layers.push_back(vllm_layer(a, what));
+      objs.push_back(nb::borrow(caches[l]));
+    }
+    cache_objs_ = std::move(objs);
+    cache_layers_ = std::move(layers);
+  }
+
+  /// The step's decode rows (after begin_step): rows of `src` (the step's block table, compacted:
+  /// holes removed), each row's query token, length and blocks to attend; every layer's choice is
+  /// written into the same rows of `dst`. Kept (with src and dst) until the next begin_step.
+  void plan(const Any& token_index, const Any& src, const Any& rows, const Any& tokens, const Any& attend,
+            const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
+    Plan p;
+    p.S = table32(src, "src");
+    if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
+    if (std::int64_t(dst.shape(0)) < p.S.rows || std::int64_t(dst.shape(1)) < p.S.cols)
+      bad("dst: shape (" + std::to_string(dst.shape(0)) + ", " + std::to_string(dst.shape(1)) + ") is smaller than src's (" +
+          std::to_string(p.S.rows) + ", " + std::to_string(p.S.cols) + ")");
+    p.dst = dst.data();
+    p.dst_stride = dst.shape(0) > 1 ? dst.stride(0) : std::int64_t(dst.shape(1));
+    p.ti = block_ids_of(token_index, "token_index");
+    p.r = block_ids_of(rows, "rows");
+    p.n = block_ids_of(tokens, "tokens");
+    p.at = block_ids_of(attend, "attend");
+    if (p.ti.size() != p.r.size() || p.n.size() != p.r.size() || p.at.size() != p.r.size())
+      bad("token_index, rows, tokens and attend must have one entry per decode row (" + std::to_string(p.r.size()) + ")");
+    for (std::size_t i = 0; i < p.r.size(); ++i) {
+      if (p.r[i] < 0 || p.r[i] >= p.S.rows)
+        bad("rows[" + std::to_string(i) + "] = " + std::to_string(p.r[i]) + " out of range [0, " + std::to_string(p.S.rows) +
+            ")");
+      if (p.at[i] > p.S.cols) bad("attend[" + std::to_string(i) + "] = " + std::to_string(p.at[i]) + " is more than a table row holds");
+    }
+    p.src_ref = src;
+    p.dst_ref = dst;
+    p.set = true;
+    plan_ = std::move(p);
+  }
+
+  /// One layer of the planned step: returns how many rows were scored (the others' kept
+  /// choices stood, refresh > 1); `fresh` has the per-row flags.
+  std::int64_t select_planned(std::int64_t layer, nb::handle kv_cache, const Any& query) {
+    if (!plan_.set) bad("select_planned: no plan for this step (plan() after begin_step())");
+    const bool known = layer >= 0 && std::size_t(layer) < cache_objs_.size() && kv_cache.is(cache_objs_[std::size_t(layer)]);
+    Layer L;
+    if (known) {
+      L = cache_layers_[std::size_t(layer)];
+    } else {
+      Any a;
+      if (!nb::try_cast(kv_cache, a)) bad("kv_cache: expected a CPU array");
+      L = vllm_layer(a, "kv_cache");
+    }
+    run(layer, L, query);
+    std::int64_t scored = 0;
+    for (const std::uint8_t f : fresh_) scored += f;
+    return scored;
+  }
+
+  /// Plans the step's rows and runs one layer: plan() + select_planned().
   nb::ndarray<nb::numpy, std::uint8_t> select(std::int64_t layer, const Any& kv_cache, const Any& query,
                                               const Any& token_index, const Any& src, const Any& rows,
                                               const Any& tokens, const Any& attend,
-                                              nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst) {
+                                              const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
     const Layer L = vllm_layer(kv_cache, "kv_cache");
-    const Table32 S = table32(src, "src");
-    if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
-    if (std::int64_t(dst.shape(0)) < S.rows || std::int64_t(dst.shape(1)) < S.cols)
-      bad("dst: shape (" + std::to_string(dst.shape(0)) + ", " + std::to_string(dst.shape(1)) + ") is smaller than src's (" +
-          std::to_string(S.rows) + ", " + std::to_string(S.cols) + ")");
-    const std::int64_t dst_stride = dst.shape(0) > 1 ? dst.stride(0) : std::int64_t(dst.shape(1));
-    const std::vector<std::int64_t> ti = block_ids_of(token_index, "token_index"), r = block_ids_of(rows, "rows"),
-                                    n = block_ids_of(tokens, "tokens"), at = block_ids_of(attend, "attend");
-    if (ti.size() != r.size() || n.size() != r.size() || at.size() != r.size())
-      bad("token_index, rows, tokens and attend must have one entry per decode row (" + std::to_string(r.size()) + ")");
+    plan(token_index, src, rows, tokens, attend, dst);
+    run(layer, L, query);
+    return fresh();
+  }
+
+  /// The last select's per-row flags: 1 where scored, 0 where a kept choice stood.
+  nb::ndarray<nb::numpy, std::uint8_t> fresh() const {
+    std::vector<std::uint8_t> f = fresh_;
+    const std::size_t n = f.size();
+    return to_numpy(std::move(f), {n});
+  }
+
+ private:
+  struct Plan {
+    bool set = false;
+    Table32 S;
+    std::int32_t* dst = nullptr;
+    std::int64_t dst_stride = 0;
+    std::vector<std::int64_t> ti, r, n, at;
+    Any src_ref;  // src and dst live as long as the plan
+    nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst_ref;
+  };
+
+  void run(std::int64_t layer, const Layer& L, const Any& query) {
+    const Plan& p = plan_;
     if (query.ndim() != 3 || std::int64_t(query.shape(2)) != L.head_dim)
       bad("query: expected [num_tokens, q_heads, " + std::to_string(L.head_dim) + "] (got " + std::to_string(query.ndim()) +
           " dimensions)");
     const DT qt = dtype_of(query, "query");
     const std::int64_t qh = std::int64_t(query.shape(1)), D = L.head_dim;
     // each row's query as fp32 [q_heads][head_dim]
-    std::vector<float> q(r.size() * std::size_t(qh * D));
+    q_.resize(p.r.size() * std::size_t(qh * D));
     kvscore::visit_dtype(qt, [&]<class T>(std::type_identity<T>) {
       const T* base = static_cast<const T*>(query.data());
-      for (std::size_t i = 0; i < r.size(); ++i) {
-        if (ti[i] < 0 || ti[i] >= std::int64_t(query.shape(0)))
-          bad("token_index[" + std::to_string(i) + "] = " + std::to_string(ti[i]) + " out of range [0, " +
+      for (std::size_t i = 0; i < p.r.size(); ++i) {
+        if (p.ti[i] < 0 || p.ti[i] >= std::int64_t(query.shape(0)))
+          bad("token_index[" + std::to_string(i) + "] = " + std::to_string(p.ti[i]) + " out of range [0, " +
               std::to_string(query.shape(0)) + ")");
         for (std::int64_t h = 0; h < qh; ++h)
           for (std::int64_t j = 0; j < D; ++j)
-            q[i * std::size_t(qh * D) + std::size_t(h * D + j)] =
-                kvscore::to_float(base[ti[i] * query.stride(0) + h * query.stride(1) + j * query.stride(2)]);
+            q_[i * std::size_t(qh * D) + std::size_t(h * D + j)] =
+                kvscore::to_float(base[p.ti[i] * query.stride(0) + h * query.stride(1) + j * query.stride(2)]);
       }
     });
-    std::vector<kvscore::BlockSparseRow> br(r.size());
-    std::vector<std::uint8_t> fresh(r.size(), 0);
-    for (std::size_t i = 0; i < r.size(); ++i) {
-      if (r[i] < 0 || r[i] >= S.rows)
-        bad("rows[" + std::to_string(i) + "] = " + std::to_string(r[i]) + " out of range [0, " + std::to_string(S.rows) + ")");
-      if (at[i] > S.cols) bad("attend[" + std::to_string(i) + "] = " + std::to_string(at[i]) + " is more than a table row holds");
-      br[i] = {std::span<const std::int32_t>(S.data + r[i] * S.stride, std::size_t(S.cols)), n[i],
-               q.data() + i * std::size_t(qh * D), at[i], dst.data() + r[i] * dst_stride, fresh.data() + i};
-    }
+    fresh_.assign(p.r.size(), 0);
+    br_.resize(p.r.size());
+    for (std::size_t i = 0; i < p.r.size(); ++i)
+      br_[i] = {std::span<const std::int32_t>(p.S.data + p.r[i] * p.S.stride, std::size_t(p.S.cols)), p.n[i],
+                q_.data() + i * std::size_t(qh * D), p.at[i], p.dst + p.r[i] * p.dst_stride, fresh_.data() + i};
     static const std::vector<std::int32_t> none;
     const kvscore::BlockTable t(std::span<const std::int32_t>(none), L.block_size, L.blocks, 0);
-    {
-      nb::gil_scoped_release unlocked;
-      with_view(L, t, [&](const auto& v) {
-        sel_.select(layer, v, qh, br);
-        return 0;
-      });
-    }
-    const std::size_t rows_n = fresh.size();
-    return to_numpy(std::move(fresh), {rows_n});
+    nb::gil_scoped_release unlocked;
+    with_view(L, t, [&](const auto& v) {
+      sel_.select(layer, v, qh, br_);
+      return 0;
+    });
   }
 
- private:
   kvscore::PagedBlockSelector sel_;
+  Plan plan_;
+  std::vector<nb::object> cache_objs_;
+  std::vector<Layer> cache_layers_;
+  std::vector<float> q_;  // reused between calls
+  std::vector<kvscore::BlockSparseRow> br_;
+  std::vector<std::uint8_t> fresh_;
 };
 
 }  // namespace
@@ -454,6 +540,16 @@ void bind_vllm(nb::module_& m) {
            "tokens"_a, "attend"_a, "dst"_a,
            "One layer: the blocks of each decode row (rows of src, compacted) written into the same rows of dst;\n"
            "returns per row 1 when scored this step, 0 when its kept choice stood (refresh > 1).")
+      .def("register_caches", &VllmBlockSelector::register_caches, "caches"_a,
+           "Every layer's cache, in layer order, once: select_planned reads a registered cache without converting it.")
+      .def("plan", &VllmBlockSelector::plan, "token_index"_a, "src"_a, "rows"_a, "tokens"_a, "attend"_a, "dst"_a,
+           "Once per step, after begin_step: the step's decode rows (as select takes them), for every layer's\n"
+           "select_planned; src and dst are held until the next begin_step.")
+      .def("select_planned", &VllmBlockSelector::select_planned, "layer"_a, "kv_cache"_a, "query"_a,
+           "One layer of the planned step (select without the per-step arguments); returns how many rows were\n"
+           "scored (the others' kept choices stood); `fresh` has the per-row flags.")
+      .def_prop_ro("fresh", &VllmBlockSelector::fresh, nb::rv_policy::automatic,  // a new array, not a view
+                   "The last select's per row: 1 when scored, 0 when its kept choice stood (refresh > 1).")
       .def_prop_ro("probe", [](VllmBlockSelector& s) { return s.get().probe(); })
       .def_prop_ro("summaries_made", [](VllmBlockSelector& s) { return s.get().summaries_made(); })
       .def_prop_ro("summary_bytes", [](VllmBlockSelector& s) { return s.get().summary_bytes(); })

@@ -231,6 +231,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                 len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
                 sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
                 group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self._threads(), probe=self.cfg.probe)
+            self._selector.register_caches(self._caches)  # read in place by every step, never converted again
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -489,16 +490,15 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
             step = _step(impl, layer, query, attn_metadata, connector)
             if step.rows is not None:
                 t0 = time.perf_counter()
-                step.fresh = connector._selector.select(connector._layer_index[layer.layer_name], kv_cache, query,
-                                                        step.token_index, step.src, step.rows, step.tokens,
-                                                        step.attend, step.dst)
+                scored = connector._selector.select_planned(connector._layer_index[layer.layer_name], kv_cache, query)
                 dt, st = time.perf_counter() - t0, connector.sparse_stats
                 st["select_s"] += dt
                 st["calls"] += 1
-                if step.fresh.any():
+                if scored:
                     st["scoring_s"] += dt
                     st["scoring_calls"] += 1
                 if SPARSE_OBSERVER is not None:
+                    step.fresh = connector._selector.fresh
                     SPARSE_OBSERVER(connector, layer.layer_name, kv_cache, query, step)
             attn_metadata = step.md
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -531,7 +531,7 @@ class _Step:
     token_index: np.ndarray | None = None  # its query's token
     tokens: np.ndarray | None = None     # its length after the holes
     attend: np.ndarray | None = None     # blocks it attends
-    fresh: np.ndarray | None = None      # the last layer's: 1 where scored, 0 where a kept choice stood
+    fresh: np.ndarray | None = None      # for SPARSE_OBSERVER, the layer's: 1 where scored, 0 where a kept choice stood
 
 
 def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
@@ -597,6 +597,8 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             step.dst = src.clone()
             step.rows, step.token_index = np.asarray(rows, np.int64), np.asarray(tix, np.int64)
             step.tokens, step.attend = np.asarray(toks, np.int64), np.asarray(att, np.int64)
+            # the rows once for every layer (each layer's call then passes only its query)
+            sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst)
     if new_len != lens:
         new_sl = md.seq_lens.clone()
         new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)

@@ -39,6 +39,7 @@ def main():
     kv = torch.randn(nb, KH, BS, 2 * D, generator=g)        # vLLM CPU's [blocks, kv_heads, block, 2·head_dim]
     sel = _k.PagedBlockSelector(L, nb, KH, D, BS, score=a.score, refresh=a.refresh, prefilter=a.prefilter,
                                 threads=a.threads)
+    sel.register_caches([kv] * L)  # every layer reads the same pool here (the speed, not the choice)
     src = torch.arange(nb, dtype=torch.int32).view(B, per)
     dst = src.clone().numpy()
     rows = np.arange(B, dtype=np.int64)
@@ -55,9 +56,10 @@ def main():
         q = torch.randn(B, QH, D, generator=g)
         t0 = time.perf_counter()
         sel.begin_step(slots, first)
+        sel.plan(rows, src, rows, tok, attend, dst)  # as kvscore.vllm drives it: the rows once per step
         f = 0
         for layer in range(L):
-            f += int(sel.select(layer, kv, q, rows, src, rows, tok, attend, dst).sum())
+            f += sel.select_planned(layer, kv, q)
         times.append(time.perf_counter() - t0)
         fresh.append(f > 0)
     t = np.array(times[1:]) * 1e3

@@ -476,4 +476,56 @@ TEST_CASE("PagedBlockSelector: with refresh a kept choice stands between scoring
   }
 }
 
+TEST_CASE("PagedBlockSelector: with refresh, the few rows that score split over the threads, the same choice",
+          "[block_sparse]") {
+  // 6 rows whose refresh phases differ (row r joins at step r): most steps score one or two rows,
+  // fewer than the 3 threads, so those rows' scoring is split; a serial selector must agree
+  const std::int64_t NB = 6 * 48, H = 2, bs = 16, d = 16, R = 6;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t o = 0; o < bs; ++o)
+        pool.put(b, h, o, normal(std::size_t(d), std::uint64_t((b * H + h) * bs + o + 7)).data());
+  BlockSparseOptions o;
+  o.refresh = 3;
+  o.sinks = 1;
+  o.local = 1;
+  o.num_threads = 3;
+  PagedBlockSelector split(2, NB, H, d, bs, o);
+  o.num_threads = 1;
+  PagedBlockSelector serial(2, NB, H, d, bs, o);
+  std::vector<std::vector<std::int32_t>> tables(R);
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t i = 0; i < 48; ++i) tables[std::size_t(r)].push_back(std::int32_t(r * 48 + i));
+  std::int64_t split_steps = 0;
+  for (int step = 0; step < 9; ++step) {
+    std::vector<std::int64_t> firsts;
+    for (std::int64_t r = 0; r < R; ++r) firsts.push_back(r * 48);
+    split.begin_step({}, firsts);
+    serial.begin_step({}, firsts);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto q = normal(std::size_t(2 * H * d), std::uint64_t(1000 + step * 2 + layer));
+      std::vector<std::int32_t> a(std::size_t(R * 8)), b(std::size_t(R * 8));
+      std::vector<std::uint8_t> fa(static_cast<std::size_t>(R), 0), fb(static_cast<std::size_t>(R), 0);
+      std::vector<BlockSparseRow> ra, rb;
+      for (std::int64_t r = 0; r < R; ++r) {
+        if (r > step) continue;  // row r decodes from step r on
+        const std::int64_t tokens = 30 * bs + r * 5;
+        ra.push_back({tables[std::size_t(r)], tokens, q.data(), 8, a.data() + r * 8, fa.data() + r});
+        rb.push_back({tables[std::size_t(r)], tokens, q.data(), 8, b.data() + r * 8, fb.data() + r});
+      }
+      pool.with_view([&](const auto& v) {
+        split.select(layer, v, 2 * H, ra);
+        serial.select(layer, v, 2 * H, rb);
+      });
+      INFO("step " << step << " layer " << layer);
+      CHECK(a == b);
+      CHECK(fa == fb);
+      const auto scored = std::count(fa.begin(), fa.end(), std::uint8_t(1));
+      split_steps += std::int64_t(ra.size()) >= 3 && scored < 3 && scored > 0;
+    }
+  }
+  CHECK(split_steps > 0);  // the case itself happened: as many rows as threads, fewer scoring
+}
+
 }  // namespace

@@ -618,7 +618,7 @@ struct BlockSparseRow {
 /// between steps: quest/meanstd summaries per (layer, physical block), or one ParisKV index per
 /// (layer, sequence, KV head). Driven by one engine worker: begin_step() once per step, then
 /// select() per layer (which runs the rows in parallel, or splits a row's scoring over the
-/// threads when there are fewer rows than threads).
+/// threads when fewer rows score than there are threads).
 class PagedBlockSelector {
  public:
   PagedBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
@@ -775,7 +775,10 @@ class PagedBlockSelector {
     }
     std::vector<std::pair<std::int64_t, std::int64_t>> probe(rows.size(), {0, 0});
     const int threads = detail::resolve_threads(opt_.num_threads);
-    if (std::int64_t(rows.size()) < threads) {  // fewer rows than threads (batch 1): each row's scoring is split
+    // Fewer rows to score than threads (batch 1; or, with refresh, a step where most rows' kept
+    // choices stand): each scoring row's work is split over the threads; the others are cheap.
+    const auto scoring = std::int64_t(std::count(stands.begin(), stands.end(), std::uint8_t(0)));
+    if (scoring < threads) {
       detail::BlockChoiceScratch w;
       for (std::size_t i = 0; i < rows.size(); ++i)
         probe[i] = choose(layer, keys, q_heads, rows[i], stands[i], w, threads);

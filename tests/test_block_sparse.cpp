@@ -435,6 +435,12 @@ TEST_CASE("PagedBlockSelector: with refresh a kept choice stands between scoring
   BlockSparseOptions o1 = o;
   o1.refresh = 1;
   PagedBlockSelector every(1, NB, H, d, bs, o1);
+  BlockSparseOptions ox = o1;
+  ox.score = BlockScore::exact;
+  PagedBlockSelector exact(1, NB, H, d, bs, ox);
+  o.probe = true;  // the probe: sel's choices against each step's exact one, kept steps included
+  PagedBlockSelector probed(1, NB, H, d, bs, o);
+  std::int64_t probe_k = 0, probe_hit = 0;
   std::vector<std::int32_t> table(NB);
   std::iota(table.begin(), table.end(), 0);
   std::vector<std::int32_t> kept_before;
@@ -445,16 +451,30 @@ TEST_CASE("PagedBlockSelector: with refresh a kept choice stands between scoring
     if (step == 5) written.push_back(kept_before.at(2) * bs);  // a kept block is written
     sel.begin_step(written, std::vector<std::int64_t>{0});
     every.begin_step(written, std::vector<std::int64_t>{0});
-    std::vector<std::int32_t> out(6), ref(6);
+    exact.begin_step(written, std::vector<std::int64_t>{0});
+    probed.begin_step(written, std::vector<std::int64_t>{0});
+    std::vector<std::int32_t> out(6), ref(6), best(6), outp(6);
     std::uint8_t fresh = 9;
     std::vector<BlockSparseRow> rows{{table, tokens, q.data(), 6, out.data(), &fresh}};
     std::vector<BlockSparseRow> rows1{{table, tokens, q.data(), 6, ref.data()}};
+    std::vector<BlockSparseRow> rowsx{{table, tokens, q.data(), 6, best.data()}};
+    std::vector<BlockSparseRow> rowsp{{table, tokens, q.data(), 6, outp.data()}};
     const std::int64_t made = sel.summaries_made();
     pool.with_view([&](const auto& v) {
       sel.select(0, v, 1, rows);
       every.select(0, v, 1, rows1);
+      exact.select(0, v, 1, rowsx);
+      probed.select(0, v, 1, rowsp);
     });
     INFO("step " << step);
+    CHECK(outp == out);  // probing changes nothing
+    // 6 attended = 1 sink + the last (partial) block + 4 chosen; the probe counts, every step,
+    // how many of the exact choice's 4 the choice holds (the protected two are in both)
+    std::int64_t both = 0;
+    for (const auto b : best) both += std::count(out.begin(), out.end(), b);
+    probe_k += 4;
+    probe_hit += both - 2;
+    CHECK(probed.probe() == std::pair<std::int64_t, std::int64_t>{probe_k, probe_hit});
     const bool scored = step == 0 || step == 3 || step == 5;  // 0, 3 by the clock; 5 by the write (then 8)
     CHECK(fresh == std::uint8_t(scored));
     // a kept choice that stands reads no summary, so none is made for it (the blocks the window
@@ -474,6 +494,7 @@ TEST_CASE("PagedBlockSelector: with refresh a kept choice stands between scoring
     }
     kept_before = out;
   }
+  CHECK(probe_hit < probe_k);  // the case has kept choices that miss some exact blocks
 }
 
 TEST_CASE("PagedBlockSelector: with refresh, the few rows that score split over the threads, the same choice",

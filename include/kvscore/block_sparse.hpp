@@ -677,7 +677,9 @@ class PagedBlockSelector {
     return n;
   }
   /// With options().probe: (blocks the exact score chose beyond the protected ones, how many of
-  /// them this score chose too), summed over every row and layer since construction.
+  /// them this score chose too), summed over every row and layer since construction. With
+  /// refresh, a step whose kept choice stands counts too: the kept blocks against that step's
+  /// exact choice (what the choice lost by being kept).
   std::pair<std::int64_t, std::int64_t> probe() const noexcept { return {probe_exact_, probe_hit_}; }
 
   /// Once per engine step, before its first select(): `slots`, the physical slots written since
@@ -932,6 +934,10 @@ class PagedBlockSelector {
       for (std::int64_t b = pb.local_begin - 1; std::int64_t(w.chosen.size()) < k && b >= pb.sink_end; --b)
         if (!std::binary_search(w.chosen.begin(), w.chosen.end(), b)) w.chosen.insert(std::lower_bound(w.chosen.begin(), w.chosen.end(), b), b);
       if (r.fresh) *r.fresh = 0;
+      if (opt_.probe && k > 0) {  // what the kept choice misses of this step's exact choice
+        detail::candidates(pb, w.cand);
+        probe = probe_exact(l, v, q_heads, r, k, w);
+      }
       detail::write_choice(pb, w.chosen, r.table, r.out);
       return probe;
     }
@@ -943,13 +949,7 @@ class PagedBlockSelector {
       rq.query = detail::scoring_queries(r.query, q_heads, kh_, d_, opt_.group, w.meanq, qn);
       score(l, v, rq, qn, opt_.score, k, w, threads);
       detail::choose_top(qn, k, scale(), w, w.chosen);
-      if (opt_.probe) {  // the exact choice of every query head
-        score(l, v, r, q_heads, BlockScore::exact, k, w, threads);
-        detail::choose_top(q_heads, k, scale(), w, w.exact_chosen);
-        std::int64_t hit = 0;
-        for (const std::int64_t b : w.exact_chosen) hit += std::binary_search(w.chosen.begin(), w.chosen.end(), b);
-        probe = {k, hit};
-      }
+      if (opt_.probe) probe = probe_exact(l, v, q_heads, r, k, w);
     }
     if (kept != nullptr) {
       kept->step = step_;
@@ -959,6 +959,19 @@ class PagedBlockSelector {
     }
     detail::write_choice(pb, w.chosen, r.table, r.out);
     return probe;
+  }
+
+  /// (k, how many of the exact score's top k over w.cand -- every query head's -- the choice
+  /// w.chosen holds): the probe's count for one row and layer.
+  template <class View>
+  std::pair<std::int64_t, std::int64_t> probe_exact(std::int64_t l, const View& v, std::int64_t q_heads,
+                                                    const BlockSparseRow& r, std::int64_t k,
+                                                    detail::BlockChoiceScratch& w) {
+    score(l, v, r, q_heads, BlockScore::exact, k, w, 1);
+    detail::choose_top(q_heads, k, scale(), w, w.exact_chosen);
+    std::int64_t hit = 0;
+    for (const std::int64_t b : w.exact_chosen) hit += std::binary_search(w.chosen.begin(), w.chosen.end(), b);
+    return {k, hit};
   }
 
   /// A kept choice's blocks are still the sequence's, unwritten since it was scored.

@@ -6,7 +6,7 @@ replaces, measured in the same run: torch's scaled_dot_product_attention of each
 over all its keys and values, every layer. Random keys (the speed, not the choice). A benchmark,
 never a test.
 
-    python python/bench/bench_block_selector.py [--batch 8] [--refresh 4] [--steps 41] [--score int4]
+    python python/bench/bench_block_selector.py [--batch 8] [--refresh 8] [--steps 41] [--score int4]
                                                 [--prefilter 4] [--threads N]
 """
 import argparse
@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=7680)
     ap.add_argument("--attend", type=float, default=0.1)
-    ap.add_argument("--refresh", type=int, default=4)
+    ap.add_argument("--refresh", type=int, default=8)
     ap.add_argument("--steps", type=int, default=41, help="decode steps after the first (which makes every summary)")
     ap.add_argument("--score", default="int4")
     ap.add_argument("--prefilter", type=int, default=4)

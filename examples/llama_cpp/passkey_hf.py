@@ -1,0 +1,90 @@
+"""passkey.py's harder needle (--hard) in Python, to tell what llama.cpp's cells cost KVzip from what
+the method itself loses (docs/kvzip.md#passkey-inside-llamacpp): the same prompts (same seeds, the
+same prose, keys and distractors), SmolLM2-135M-Instruct from the same GGUF file dequantized to fp32
+(kvscore.quality.load_model), kvpress's pipeline with kvscore's KVzipPress under three allocations:
+`adakv` with alpha 0 (kvpress KVzipPress's one top-k over every layer and head), `per_head` (every
+KV head of every layer the same count: what `kvscore_llama --alloc per_head` keeps) and `joint` (one
+set of positions for every head and layer: llama.cpp's default). The pipeline applies the model's
+chat template to the context (SmolLM2's adds its default system line) and asks the question after
+the compressed cache, the answer starting "The pass key is".
+
+  python examples/llama_cpp/passkey_hf.py [--seeds 0,1] [--ratios 0.5,0.75] [--out hf.json]
+"""
+import argparse
+import json
+import pathlib
+import random
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import passkey  # noqa: E402  (the prompts: hard_text, PROSE)
+
+QUESTION = "\nWhat is the pass key? Answer with the number only."
+ALLOCS = ("adakv", "per_head", "joint")
+
+
+def prompts(tok, seed, tokens, depths):
+    """(depth, key, text) as `passkey.py --hard --seed seed` draws them (its tokenizer's count per
+    word: SmolLM2's, the same vocabulary here)."""
+    rng = random.Random(seed)
+    sample = " ".join(open(passkey.PROSE).read().split()[:400])
+    per_word = len(tok.encode(sample, add_special_tokens=False)) / 400
+    out = []
+    for depth in depths:
+        key = str(rng.randrange(10000, 100000))
+        out.append((depth, key, passkey.hard_text(rng, tokens, per_word, key, depth)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="the SmolLM2 GGUF file (default: kvscore.quality's search)")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--ratios", default="0.5,0.75", help="compression ratios (keep 0.5 / 0.25)")
+    ap.add_argument("--allocs", default=",".join(ALLOCS))
+    ap.add_argument("--out", help="write the records as JSON")
+    a = ap.parse_args()
+    import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
+    from transformers import pipeline
+
+    from kvscore.presses import KVzipPress
+    from kvscore.quality import load_model
+
+    model, tok = load_model(a.model)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    depths = [float(x) for x in a.depths.split(",")]
+    ratios = [float(x) for x in a.ratios.split(",")]
+    allocs = a.allocs.split(",")
+    records = []
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for depth, key, text in prompts(tok, seed, a.tokens, depths):
+            runs = [("full", 0.0)] + [(al, r) for r in ratios for al in allocs]
+            for alloc, ratio in runs:
+                press = None if alloc == "full" else KVzipPress(ratio, alloc=alloc, tokenizer=tok)
+                t0 = time.perf_counter()
+                answer = pipe(text, question=QUESTION, answer_prefix="The pass key is", press=press,
+                              max_new_tokens=8)["answer"]
+                rec = {"seed": seed, "depth": depth, "key": key, "alloc": alloc, "ratio": ratio, "answer": answer,
+                       "correct": key in answer, "seconds": round(time.perf_counter() - t0, 2)}
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    print("\n| allocation | " + " | ".join(f"compression {r:g}" for r in ratios) + " |")
+    print("| --- | " + " | ".join("---:" for _ in ratios) + " |")
+    full = [r["correct"] for r in records if r["alloc"] == "full"]
+    print(f"| full cache | {sum(full)}/{len(full)} |" + " |" * (len(ratios) - 1))
+    for al in allocs:
+        cells = []
+        for r in ratios:
+            c = [x["correct"] for x in records if x["alloc"] == al and x["ratio"] == r]
+            cells.append(f"{sum(c)}/{len(c)}")
+        print(f"| {al} | " + " | ".join(cells) + " |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,14 @@ def hard_text(rng, n_tokens, per_word, key, depth):
     return " ".join(body) + " "
 
 
+def table(first, columns, rows):
+    """A markdown table: `first` and `columns` for a header, rows of (name, cells); a short row's
+    missing cells are left empty."""
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+    lines += [f"| {name} | " + " | ".join(cells + [""] * (len(columns) - len(cells))) + " |" for name, cells in rows]
+    return "\n".join(lines)
+
+
 def run(binary, model, args):
     r = subprocess.run([binary, "--model", model, "--threads", "1", "--special", *args], capture_output=True,
                        text=True)
@@ -133,16 +141,12 @@ def main():
                     rec["kvzip_forward_ms"], rec["kvzip_scoring_ms"] = float(z.group(1)), float(z.group(2))
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-    print(f"\n| method | " + " | ".join(f"keep {k}" for k in keeps) + " |")
-    print("| --- | " + " | ".join("---:" for _ in keeps) + " |")
     full = [r["correct"] for r in records if r["method"] == "full"]
-    print(f"| full cache | {sum(full) / len(full):.2f} |" + " |" * (len(keeps) - 1))
+    rows = [("full cache", [f"{sum(full) / len(full):.2f}"])]
     for m in methods:
-        cells = []
-        for k in keeps:
-            c = [r["correct"] for r in records if r["method"] == m and r["keep"] == k]
-            cells.append(f"{sum(c) / len(c):.2f}")
-        print(f"| {m} | " + " | ".join(cells) + " |")
+        cells = [[r["correct"] for r in records if r["method"] == m and r["keep"] == k] for k in keeps]
+        rows.append((m, [f"{sum(c) / len(c):.2f}" for c in cells]))
+    print("\n" + table("method", [f"keep {k}" for k in keeps], rows))
     z = [r for r in records if "kvzip_forward_ms" in r]
     if z:
         fwd = sum(r["kvzip_forward_ms"] / r["prefill_ms"] for r in z) / len(z)

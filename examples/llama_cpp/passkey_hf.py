@@ -37,6 +37,15 @@ def prompts(tok, seed, tokens, depths):
     return out
 
 
+def summary(records, ratios, allocs):
+    """The table: answers holding the key per allocation and compression ratio."""
+    count = lambda c: f"{sum(c)}/{len(c)}"  # noqa: E731
+    rows = [("full cache", [count([x["correct"] for x in records if x["alloc"] == "full"])])]
+    rows += [(al, [count([x["correct"] for x in records if x["alloc"] == al and x["ratio"] == r]) for r in ratios])
+             for al in allocs]
+    return passkey.table("allocation", [f"compression {r:g}" for r in ratios], rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the SmolLM2 GGUF file (default: kvscore.quality's search)")
@@ -71,16 +80,7 @@ def main():
                        "correct": key in answer, "seconds": round(time.perf_counter() - t0, 2)}
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-    print("\n| allocation | " + " | ".join(f"compression {r:g}" for r in ratios) + " |")
-    print("| --- | " + " | ".join("---:" for _ in ratios) + " |")
-    full = [r["correct"] for r in records if r["alloc"] == "full"]
-    print(f"| full cache | {sum(full)}/{len(full)} |" + " |" * (len(ratios) - 1))
-    for al in allocs:
-        cells = []
-        for r in ratios:
-            c = [x["correct"] for x in records if x["alloc"] == al and x["ratio"] == r]
-            cells.append(f"{sum(c)}/{len(c)}")
-        print(f"| {al} | " + " | ".join(cells) + " |")
+    print("\n" + summary(records, ratios, allocs))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(records, f, indent=1)

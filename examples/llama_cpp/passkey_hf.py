@@ -6,7 +6,9 @@ same prose, keys and distractors), SmolLM2-135M-Instruct from the same GGUF file
 KV head of every layer the same count: what `kvscore_llama --alloc per_head` keeps) and `joint` (one
 set of positions for every head and layer: llama.cpp's default). The pipeline applies the model's
 chat template to the context (SmolLM2's adds its default system line) and asks the question after
-the compressed cache, the answer starting "The pass key is".
+the compressed cache, the answer starting "The pass key is". Each record also has `widest_head`, the
+largest share of the context one (layer, KV head) keeps: the cells llama.cpp would need for that
+allocation.
 
   python examples/llama_cpp/passkey_hf.py [--seeds 0,1] [--ratios 0.5,0.75] [--out hf.json]
 """
@@ -59,8 +61,21 @@ def main():
     import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
     from transformers import pipeline
 
+    from kvscore import presses
     from kvscore.presses import KVzipPress
     from kvscore.quality import load_model
+
+    # the largest share of the context any (layer, KV head) keeps: the cells llama.cpp would need
+    # to hold the allocation (one cell array for every layer, a slot in every head)
+    widest = []
+    select = presses.kvzip_select
+
+    def kvzip_select(press, scores):
+        kept = select(press, scores)
+        widest.append(max(len(h) for layer in kept for h in layer) / scores.shape[-1])
+        return kept
+
+    presses.kvzip_select = kvzip_select
 
     model, tok = load_model(a.model)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
@@ -78,6 +93,8 @@ def main():
                               max_new_tokens=8)["answer"]
                 rec = {"seed": seed, "depth": depth, "key": key, "alloc": alloc, "ratio": ratio, "answer": answer,
                        "correct": key in answer, "seconds": round(time.perf_counter() - t0, 2)}
+                if press is not None:
+                    rec["widest_head"] = round(widest.pop(), 3)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
     print("\n" + summary(records, ratios, allocs))

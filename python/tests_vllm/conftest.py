@@ -23,7 +23,7 @@ HERE = pathlib.Path(__file__).parent
 def pytest_collection_modifyitems(config, items):
     # the serving tests last: in README command (2) the vLLM tests start beside the C++ build and
     # ctest, and the serving test's two servers, each bound to one core, lose the most to them
-    items.sort(key=lambda item: pathlib.Path(str(item.fspath)).name == "test_serve.py")
+    items.sort(key=lambda item: item.path.name == "test_serve.py")
     if not HAVE_VLLM:
         for item in items:
             item.add_marker(pytest.mark.skip(reason=WHY))

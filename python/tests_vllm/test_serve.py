@@ -24,7 +24,7 @@ BLOCKS = 36
 MAX_TOKENS = 128
 # the same requests again alone (and the last request): their first 64 tokens, compared with
 # the loaded run's first 64 -- each server's batch-1 decode on one core is most of this test's time
-# (128 tokens alone: 152 s for the test on a quiet machine, 64: 133 s; docs/vllm.md#tests)
+# (128 tokens alone: 152 s for the test on a quiet machine, 64: 129 s; docs/vllm.md#tests)
 ALONE_TOKENS = 64
 MAX_MODEL_LEN = 512
 PLUGIN = {"method": "knorm", "ratio": 0.5, "attend": 0.25, "dense_below": 128}

@@ -10,6 +10,12 @@ the compressed cache, the answer starting "The pass key is". Each record also ha
 largest share of the context one (layer, KV head) keeps: the cells llama.cpp would need for that
 allocation.
 
+`--allocs full_heads` (with `--full-heads M`) asks what a cache with a length per head would answer at
+the same memory: the M (layer, KV head) rows to which the global allocation gives the most keep the
+whole context, every other row the same count, the total the global allocation's (through the adakv
+press's masks; no llama.cpp cache can hold it). Each record has `full_rows`, the rows the global
+allocation gives the most, widest first, as [layer, head].
+
   python examples/llama_cpp/passkey_hf.py [--seeds 0,1] [--ratios 0.5,0.75] [--out hf.json]
 """
 import argparse
@@ -19,11 +25,35 @@ import random
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import passkey  # noqa: E402  (the prompts: hard_text, PROSE)
 
 QUESTION = "\nWhat is the pass key? Answer with the number only."
 ALLOCS = ("adakv", "per_head", "joint")
+
+
+def full_heads_select(press, scores, m):
+    """The global allocation's total kept (layer, head, token) entries spread as: the m rows it gives
+    the most keep every token, the others share the rest equally (each its own top tokens, the
+    lowest positions first on ties); also the rows, widest first."""
+    import kvscore
+    from kvscore import _kvscore
+
+    L, H, n = scores.shape
+    rows = scores.reshape(L * H, n).numpy()
+    total = L * H * n - int(L * H * n * press.compression_ratio)
+    counts = [len(x) for x in _kvscore.select_total(rows, total, sinks=press.sinks, recent=press.recent,
+                                                    alpha=press.alpha)]
+    order = sorted(range(L * H), key=lambda r: (-counts[r], r))
+    full = set(order[:m])
+    rest = max(0, (total - m * n) // (L * H - m))
+    kept = [list(range(n)) if r in full else kvscore.select(rows[r][None], max(rest, press.sinks + press.recent),
+                                                             sinks=press.sinks, recent=press.recent)[0]
+            for r in range(L * H)]
+    return [[torch.as_tensor(kept[i * H + h], dtype=torch.int64) for h in range(H)] for i in range(L)], \
+        [list(divmod(r, H)) for r in order[:max(m, 6)]]
 
 
 def prompts(tok, seed, tokens, depths):
@@ -55,7 +85,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--ratios", default="0.5,0.75", help="compression ratios (keep 0.5 / 0.25)")
-    ap.add_argument("--allocs", default=",".join(ALLOCS))
+    ap.add_argument("--allocs", default=",".join(ALLOCS), help="of " + ", ".join(ALLOCS) + ", full_heads")
+    ap.add_argument("--full-heads", type=int, default=3, help="full_heads: the rows that keep everything")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
     import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
@@ -67,11 +98,15 @@ def main():
 
     # the largest share of the context any (layer, KV head) keeps: the cells llama.cpp would need
     # to hold the allocation (one cell array for every layer, a slot in every head)
-    widest = []
+    widest, full_rows = [], []
     select = presses.kvzip_select
 
     def kvzip_select(press, scores):
-        kept = select(press, scores)
+        if getattr(press, "full_heads", None) is not None:
+            kept, rows = full_heads_select(press, scores, press.full_heads)
+            full_rows.append(rows)
+        else:
+            kept = select(press, scores)
         widest.append(max(len(h) for layer in kept for h in layer) / scores.shape[-1])
         return kept
 
@@ -87,7 +122,10 @@ def main():
         for depth, key, text in prompts(tok, seed, a.tokens, depths):
             runs = [("full", 0.0)] + [(al, r) for r in ratios for al in allocs]
             for alloc, ratio in runs:
-                press = None if alloc == "full" else KVzipPress(ratio, alloc=alloc, tokenizer=tok)
+                press = None if alloc == "full" else \
+                    KVzipPress(ratio, alloc="adakv" if alloc == "full_heads" else alloc, tokenizer=tok)
+                if alloc == "full_heads":
+                    press.full_heads = a.full_heads
                 t0 = time.perf_counter()
                 answer = pipe(text, question=QUESTION, answer_prefix="The pass key is", press=press,
                               max_new_tokens=8)["answer"]
@@ -95,6 +133,8 @@ def main():
                        "correct": key in answer, "seconds": round(time.perf_counter() - t0, 2)}
                 if press is not None:
                     rec["widest_head"] = round(widest.pop(), 3)
+                if alloc == "full_heads":
+                    rec["full_rows"] = full_rows.pop()
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
     print("\n" + summary(records, ratios, allocs))

@@ -41,3 +41,40 @@ def test_press_example_runs():
     pytest.importorskip("transformers")
     pytest.importorskip("kvpress")
     runpy.run_path(str(ROOT / "examples/python/press.py"), run_name="__main__")
+
+
+def test_passkey_hf_full_heads_select_matches_numpy():
+    """examples/llama_cpp/passkey_hf.py's full_heads allocation (docs/kvzip.md, "How few heads need the
+    whole context") against a numpy brute force: the global top-k's widest rows keep every token, the
+    others their own top tokens, the first `sinks` positions kept everywhere."""
+    torch = pytest.importorskip("torch")
+    import sys
+    import types
+
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "examples/llama_cpp"))
+    try:
+        from passkey_hf import full_heads_select
+    finally:
+        sys.path.pop(0)
+    L, H, n, m, sinks, ratio = 4, 3, 50, 2, 4, 0.75
+    scores = torch.from_numpy(np.random.default_rng(7).random((L, H, n), dtype=np.float32))
+    kept, rows = full_heads_select(types.SimpleNamespace(compression_ratio=ratio, sinks=sinks, recent=0, alpha=0.0),
+                                   scores, m)
+    s = scores.numpy().reshape(L * H, n)
+    total = L * H * n - int(L * H * n * ratio)
+    free = s[:, sinks:]  # the global top-k over the unprotected entries (random floats: no ties)
+    threshold = np.sort(free, axis=None)[::-1][total - L * H * sinks - 1]
+    counts = sinks + (free >= threshold).sum(1)
+    order = sorted(range(L * H), key=lambda r: (-counts[r], r))
+    assert rows[:m] == [list(divmod(r, H)) for r in order[:m]]
+    rest = (total - m * n) // (L * H - m)
+    for r in range(L * H):
+        got = kept[r // H][r % H].numpy()
+        if r in order[:m]:
+            want = np.arange(n)
+        else:
+            want = np.sort(np.concatenate([np.arange(sinks), sinks + np.argsort(-s[r, sinks:])[:rest - sinks]]))
+        np.testing.assert_array_equal(got, want)
+    assert sum(len(h) for layer in kept for h in layer) <= total

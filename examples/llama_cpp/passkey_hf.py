@@ -27,6 +27,9 @@ import time
 
 import torch
 
+import kvscore
+from kvscore import _kvscore
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import passkey  # noqa: E402  (the prompts: hard_text, PROSE)
 
@@ -38,9 +41,6 @@ def full_heads_select(press, scores, m):
     """The global allocation's total kept (layer, head, token) entries spread as: the m rows it gives
     the most keep every token, the others share the rest equally (each its own top tokens, the
     lowest positions first on ties); also the rows, widest first."""
-    import kvscore
-    from kvscore import _kvscore
-
     L, H, n = scores.shape
     rows = scores.reshape(L * H, n).numpy()
     total = L * H * n - int(L * H * n * press.compression_ratio)

@@ -936,7 +936,7 @@ class PagedBlockSelector {
       if (r.fresh) *r.fresh = 0;
       if (opt_.probe && k > 0) {  // what the kept choice misses of this step's exact choice
         detail::candidates(pb, w.cand);
-        probe = probe_exact(l, v, q_heads, r, k, w);
+        probe = probe_exact(l, v, q_heads, r, k, w, threads);
       }
       detail::write_choice(pb, w.chosen, r.table, r.out);
       return probe;
@@ -949,7 +949,7 @@ class PagedBlockSelector {
       rq.query = detail::scoring_queries(r.query, q_heads, kh_, d_, opt_.group, w.meanq, qn);
       score(l, v, rq, qn, opt_.score, k, w, threads);
       detail::choose_top(qn, k, scale(), w, w.chosen);
-      if (opt_.probe) probe = probe_exact(l, v, q_heads, r, k, w);
+      if (opt_.probe) probe = probe_exact(l, v, q_heads, r, k, w, threads);
     }
     if (kept != nullptr) {
       kept->step = step_;
@@ -966,8 +966,8 @@ class PagedBlockSelector {
   template <class View>
   std::pair<std::int64_t, std::int64_t> probe_exact(std::int64_t l, const View& v, std::int64_t q_heads,
                                                     const BlockSparseRow& r, std::int64_t k,
-                                                    detail::BlockChoiceScratch& w) {
-    score(l, v, r, q_heads, BlockScore::exact, k, w, 1);
+                                                    detail::BlockChoiceScratch& w, int threads) {
+    score(l, v, r, q_heads, BlockScore::exact, k, w, threads);
     detail::choose_top(q_heads, k, scale(), w, w.exact_chosen);
     std::int64_t hit = 0;
     for (const std::int64_t b : w.exact_chosen) hit += std::binary_search(w.chosen.begin(), w.chosen.end(), b);

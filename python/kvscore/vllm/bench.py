@@ -6,6 +6,10 @@ requests with a KV cache too small to hold them all, with and without kvscore, i
                                  [--blocks 540] [--methods keydiff,knorm] [--ratio 0.5] [--out FILE]
     python -m kvscore.vllm.bench --model DIR --workload decode [--length 8192] [--max-tokens 256]
                                  [--batches 1,8,16] [--configs vllm,attend=0.1,attend=0.05,ratio=0.5,...]
+    python -m kvscore.vllm.bench --model DIR --workload needle [--lengths 2048,4096,7168] [--cases 64]
+                                 [--batch 8] [--configs vllm,attend=0.1,attend=0.05] [--probe]
+
+--workload needle: passkey prompts the model answers in its own words (kvscore.vllm.needle).
 
 --workload decode: for each configuration one engine (max_num_seqs = the largest batch) runs the
 batches one after another (batch B: the first B prompts, all at once); every step is timed, and a
@@ -67,6 +71,19 @@ def _time_attention() -> dict:
     return acc
 
 
+def _attention_isa(llm) -> str | None:
+    """The CPU attention ISA vLLM picked (vec, vec16, amx, neon), read from the first layer."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        ex = llm.llm_engine.engine_core.engine_core.model_executor
+        cfg = ex.driver_worker.worker.model_runner.vllm_config
+        layers = get_layers_from_vllm_config(cfg, Attention)
+        return str(getattr(next(iter(layers.values())), "isa", None))
+    except Exception:  # noqa: BLE001 (only a label for the report)
+        return None
+
+
 def _decode_run(spec: dict) -> dict:
     """--workload decode, one configuration: batches one after another in one engine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -84,9 +101,11 @@ def _decode_run(spec: dict) -> dict:
     if spec.get("blocks"):
         kw["num_gpu_blocks_override"] = spec["blocks"]
     batches = spec["batches"]
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-              block_size=32, enable_prefix_caching=False, seed=0, max_num_seqs=max(batches),
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **kw)
+    if spec.get("shape"):  # a published architecture with random weights (kvscore.vllm.shapes)
+        kw["load_format"] = "dummy"
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+              max_model_len=spec["max_model_len"], block_size=32, enable_prefix_caching=False, seed=0,
+              max_num_seqs=max(batches), max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **kw)
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     last = {}
@@ -105,7 +124,11 @@ def _decode_run(spec: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     prompts = _prompts(spec["model"], max(batches), spec["length"])
-    res = {"batches": {}, "prompt_tokens_mean": sum(len(p) for p, _ in prompts) / len(prompts)}
+    if spec.get("shape"):  # random weights: any text of the length will do; the needle says nothing
+        prompts = [(p * (-(-spec["length"] // len(p))))[: spec["length"]] for p, _ in prompts]
+        prompts = [(p, "") for p in prompts]
+    res = {"batches": {}, "prompt_tokens_mean": sum(len(p) for p, _ in prompts) / len(prompts),
+           "isa": _attention_isa(llm)}
     for B in batches:
         st0 = dict(worker.sparse_stats) if worker is not None else None
         probe0 = worker._selector.probe if worker is not None and worker._selector is not None else (0, 0)
@@ -150,11 +173,20 @@ def _decode_run(spec: dict) -> dict:
 
 def _decode_main(a) -> int:
     batches = [int(x) for x in a.batches.split(",")]
-    base = {"model": a.model, "length": a.length, "max_tokens": a.max_tokens, "batches": batches,
-            "max_model_len": a.length + a.max_tokens + 64}
+    model, dtype = a.model, "float32"
+    if a.shape:
+        from . import shapes
+        model = shapes.model_dir(a.shape, os.path.join(os.path.dirname(os.path.abspath(a.model)), "shapes", a.shape),
+                                 a.model, dtype="bfloat16")
+        dtype = "bfloat16"
+    base = {"model": model, "length": a.length, "max_tokens": a.max_tokens, "batches": batches,
+            "max_model_len": a.length + a.max_tokens + 64, "dtype": dtype, "shape": a.shape}
     if a.blocks_decode:
         base["blocks"] = a.blocks_decode
     report = {"workload": "decode", "config": {k: v for k, v in base.items() if k != "model"}, "runs": {}}
+    if a.shape:
+        from . import shapes
+        report["config"]["shape_params"] = shapes.params(a.shape)
     print(f"vLLM CPU decode bench: prompts of ~{a.length} tokens, {a.max_tokens} generated each, batches {batches}",
           flush=True)
     for entry in (e for e in a.configs.split(",") if e):
@@ -183,6 +215,24 @@ def _decode_main(a) -> int:
             print(f"  {entry:32s} batch {B:>2s}: decode {x['decode_tokens_per_s']:.2f} tok/s ({x['decode_steps']} steps, "
                   f"attention {x['decode_attention_s']:.1f} of {x['decode_s']:.1f} s)  needle "
                   f"{x['needle_correct']}/{x['needle_total']}{extra}", flush=True)
+    if a.shape:  # the bytes bound beside every figure
+        from . import shapes
+        for entry, r in report["runs"].items():
+            for B, x in r["batches"].items():
+                n = int(r["prompt_tokens_mean"] + a.max_tokens / 2)  # a decode step's mean length
+                plain_b = shapes.step_bytes(a.shape, [n] * int(B))
+                x["bytes_per_step_plain"] = plain_b
+                x["bytes_per_step"] = plain_b
+                if "blocks_attended_fraction" in x:
+                    d = shapes.SHAPES[a.shape]["head_dim"]
+                    refresh = float(dict(kv.split("=", 1) for kv in entry.split("@")).get("refresh", 8))
+                    # int4's reads per (block, KV head) when a row scores: Quest's min and max for every
+                    # candidate, the step and 4-bit codes for about 4x the chosen share (prefilter 4)
+                    summ = int((2 * d * 4 + min(1.0, 4 * x["blocks_attended_fraction"]) * (d * 4 + d * 16)) / refresh)
+                    att = [int(n * x["blocks_attended_fraction"])] * int(B)
+                    x["bytes_per_step"] = shapes.step_bytes(a.shape, [n] * int(B), att, summary_bytes_per_block_head=summ)
+                x["bound_x"] = plain_b / x["bytes_per_step"]
+                x["bytes_per_s"] = x["bytes_per_step"] * x["decode_steps"] / max(x["decode_s"], 1e-9)
     plain = report["runs"].get("vllm")
     if plain:
         for entry, r in report["runs"].items():
@@ -195,6 +245,8 @@ def _decode_main(a) -> int:
             if entry != "vllm":
                 print(f"  {entry}: " + ", ".join(
                     f"batch {B} x{x['x_decode_tokens_per_s']:.2f}"
+                    + (f" (bound x{x['bound_x']:.2f}: {x['bytes_per_step'] / 1e9:.2f} of "
+                       f"{x['bytes_per_step_plain'] / 1e9:.2f} GB per step)" if "bound_x" in x else "")
                     + (f" (selection {100 * x['selection_vs_dense_attention']:.1f} % of dense attention)"
                        if "selection_vs_dense_attention" in x else "") for B, x in r["batches"].items()), flush=True)
     if a.out:
@@ -285,7 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="SmolLM2 safetensors folder (scripts/smollm2_safetensors.sh)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--length", type=int, default=2048, help="nominal context length (kvscore.quality)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens generated (default 64; needle: 24)")
     ap.add_argument("--blocks", type=int, default=540, help="KV blocks of 32 tokens in the pool (all layers)")
     ap.add_argument("--methods", default="keydiff,knorm",
                     help="comma-separated; an entry may add plugin settings: knorm@aggregate=mean")
@@ -295,11 +347,23 @@ def main(argv=None) -> int:
     ap.add_argument("--watermark", type=float, default=0.0,
                     help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--workload", choices=("concurrency", "decode"), default="concurrency")
+    ap.add_argument("--workload", choices=("concurrency", "decode", "needle"), default="concurrency")
+    ap.add_argument("--lengths", default=",".join(str(x) for x in (2048, 4096, 7168)),
+                    help="needle workload: prompt lengths in tokens (chat template included)")
+    ap.add_argument("--cases", type=int, default=64, help="needle workload: cases per length")
+    ap.add_argument("--batch", type=int, default=8, help="needle workload: concurrent requests")
+    ap.add_argument("--seed", type=int, default=0, help="needle workload: the cases' seed")
+    ap.add_argument("--resume", action="store_true",
+                    help="needle workload: keep the configurations --out already holds (the same cases)")
+    ap.add_argument("--probe", action="store_true",
+                    help="needle workload: the recall of the exact blocks per layer and decode step (slower)")
     ap.add_argument("--batches", default="1,8,16", help="decode workload: batch sizes, run one after another")
     ap.add_argument("--configs", default="vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5",
                     help="decode workload: 'vllm' (plain) or kvscore settings joined by '@'")
     ap.add_argument("--method", default="knorm", help="decode workload: the eviction scorer")
+    ap.add_argument("--shape", default=None, choices=("llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "llama-3.1-8b"),
+                    help="decode workload: a published architecture with random weights (load_format=dummy), bf16 "
+                         "weights and KV cache, SmolLM2's tokenizer; --model names SmolLM2's folder")
     ap.add_argument("--blocks-decode", type=int, default=0,
                     help="decode workload: KV blocks in the pool (0: VLLM_CPU_KVCACHE_SPACE decides)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
@@ -311,6 +375,15 @@ def main(argv=None) -> int:
         return 0
     if not a.model:
         ap.error("--model is required")
+    if a.workload == "needle":
+        from . import needle
+        if a.max_tokens is None:
+            a.max_tokens = 24
+        if a.configs == ap.get_default("configs"):
+            a.configs = "vllm,attend=0.1,attend=0.05"
+        return needle.main(a)
+    if a.max_tokens is None:
+        a.max_tokens = 64
     if a.workload == "decode":
         return _decode_main(a)
     base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,

@@ -42,7 +42,7 @@ class Checker:
 
     def __call__(self, connector, layer_name, kv_cache, query, step) -> None:
         f = self._open()
-        if self.step_id is not id(step):
+        if self.step_id != id(step):
             self.step_id = id(step)
             self.steps += 1
         cfg, bs = connector.cfg, connector.block_size

@@ -55,7 +55,7 @@ TEST_CASE("snippet quickstart (README): score an HF layer, select 512 per head",
   opt.recent = 64;
   kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(512), opt);
 
-  // then gather the kept rows of K and V in place (docs/compaction.md)
+  // then gather the kept rows of K and V in place (docs/reference/compaction.md)
   // [snippet end]
   REQUIRE(sel.heads == kv_heads);
   for (std::int64_t h = 0; h < kv_heads; ++h) {
@@ -67,7 +67,7 @@ TEST_CASE("snippet quickstart (README): score an HF layer, select 512 per head",
   }
 }
 
-TEST_CASE("snippet select (docs/select.md, select.hpp): per-head and AdaKV budgets", "[snippets]") {
+TEST_CASE("snippet select (docs/reference/select.md, select.hpp): per-head and AdaKV budgets", "[snippets]") {
   const std::vector<float> k = layer<float>(4, 300, 32, 2);
   const kvscore::KeysView<float> keys(k.data(), 4, 300, 32, 300 * 32, 32);
   // [snippet select]
@@ -101,7 +101,7 @@ TEST_CASE("snippet select (docs/select.md, select.hpp): per-head and AdaKV budge
   CHECK(ragged.total() == 4 * 75);
 }
 
-TEST_CASE("snippet scorers-by-name (docs/scorers.md, make_scorer.hpp): a scorer from the registry", "[snippets]") {
+TEST_CASE("snippet scorers-by-name (docs/reference/scorers.md, make_scorer.hpp): a scorer from the registry", "[snippets]") {
   const std::vector<float> k = layer<float>(8, 600, 128, 3);
   const kvscore::KeysView<float> keys(k.data(), 8, 600, 128, 600 * 128, 128);
   const std::vector<float> queries = randn(std::size_t(32 * 64 * 128), 4);
@@ -128,7 +128,7 @@ TEST_CASE("snippet scorers-by-name (docs/scorers.md, make_scorer.hpp): a scorer 
   CHECK(top.total() == 8 * 100);
 }
 
-TEST_CASE("snippet compaction (docs/compaction.md): select, then gather K and V in place", "[snippets]") {
+TEST_CASE("snippet compaction (docs/reference/compaction.md): select, then gather K and V in place", "[snippets]") {
   const std::int64_t batch = 2, kv_heads = 2, seq = 100, head_dim = 16, capacity = 128, b = 1, n = 40;
   std::vector<kvscore::half> k_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 5);
   std::vector<kvscore::half> v_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 6);
@@ -153,7 +153,7 @@ TEST_CASE("snippet compaction (docs/compaction.md): select, then gather K and V 
     }
 }
 
-TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, compact it", "[snippets]") {
+TEST_CASE("snippet paged (docs/reference/paged.md): score a vLLM block pool, its slots, compact it", "[snippets]") {
   const std::int64_t kv_heads = 2, head_dim = 16, block_size = 16, num_blocks = 12, seq_len = 70, n = 32, h = 1;
   std::vector<kvscore::half> k_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 7);
   std::vector<kvscore::half> v_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 8);
@@ -190,7 +190,7 @@ TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, co
   CHECK(kept.positions == sel.positions);
 }
 
-TEST_CASE("snippet paged-vllm-cpu (docs/paged.md): vLLM CPU's transposed keys scored in place", "[snippets]") {
+TEST_CASE("snippet paged-vllm-cpu (docs/reference/paged.md): vLLM CPU's transposed keys scored in place", "[snippets]") {
   const std::int64_t kv_heads = 3, head_dim = 16, block_size = 32, num_blocks = 6, tokens = 70;
   // keys[h][t][j], written into vLLM CPU's layer [num_blocks][kv_heads][block_size][2 * head_dim]
   // with the keys of each (block, head) transposed, at the blocks of the table
@@ -214,7 +214,7 @@ TEST_CASE("snippet paged-vllm-cpu (docs/paged.md): vLLM CPU's transposed keys sc
   for (std::size_t i = 0; i < s.values().size(); ++i) CHECK(s.values()[i] == Approx(ref.values()[i]).epsilon(1e-5));
 }
 
-TEST_CASE("snippet pariskv (docs/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
+TEST_CASE("snippet pariskv (docs/methods/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
   const std::int64_t head_dim = 64, n_prefill = 600, row_stride = head_dim, N = 900, n = 128, max_tokens = 1000;
   const std::vector<kvscore::half> k_all = layer<kvscore::half>(1, max_tokens, head_dim, 9);
   const std::vector<kvscore::half> v_all = layer<kvscore::half>(1, max_tokens, head_dim, 10);
@@ -329,7 +329,7 @@ TEST_CASE("snippet pariskv-layer-header and ojakv-layer-header: a layer's decode
   }
 }
 
-TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
+TEST_CASE("snippet decoding (docs/reference/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
   const std::int64_t kv_heads = 2, head_dim = 16, n = 1500, h = 1;
   const std::vector<kvscore::half> prompt_k = layer<kvscore::half>(kv_heads, n, head_dim, 12);
   const std::vector<kvscore::half> prompt_v = layer<kvscore::half>(kv_heads, n, head_dim, 13);
@@ -360,7 +360,7 @@ TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at it
   CHECK(pos.size() == 1);
 }
 
-TEST_CASE("snippet ojakv (docs/ojakv.md): projectors, anchors, the hybrid store, generation", "[snippets]") {
+TEST_CASE("snippet ojakv (docs/methods/ojakv.md): projectors, anchors, the hybrid store, generation", "[snippets]") {
   const int kv_heads = 2;
   const std::int64_t d = 128, q_heads = 4, tokens = 300, h = 1;
   const std::vector<float> kbuf = layer<float>(kv_heads, tokens, d, 15), vbuf = layer<float>(kv_heads, tokens, d, 16);
@@ -404,7 +404,7 @@ TEST_CASE("snippet ojakv (docs/ojakv.md): projectors, anchors, the hybrid store,
   CHECK(cache.tokens() == tokens + 1);
 }
 
-TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-aware scores", "[snippets]") {
+TEST_CASE("snippet protokv and snapkv (docs/methods/protokv.md, docs/methods/snapkv.md): query-aware scores", "[snippets]") {
   const std::int64_t kv_heads = 2, q_heads = 4, head_dim = 32, tokens = 1500;
   const std::vector<float> kbuf = layer<float>(kv_heads, tokens, head_dim, 21);
   const kvscore::KeysView<float> keys(kbuf.data(), kv_heads, tokens, head_dim, tokens * head_dim, head_dim);
@@ -420,7 +420,7 @@ TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-a
     o.sinks = 4;
     o.recent = pk.protected_recent();                  // = w: the window is kept, by a mask
     kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_head(1024), o);
-    // or o.alloc = kvscore::Alloc::adakv; then compaction (docs/compaction.md) as for any scorer
+    // or o.alloc = kvscore::Alloc::adakv; then compaction (docs/reference/compaction.md) as for any scorer
     // [snippet end]
     CHECK(kept.total() == kv_heads * 1024);
     CHECK(kept.head(0).back() == tokens - 1);
@@ -437,7 +437,7 @@ TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-a
   CHECK(kept.head(1).back() == tokens - 1);
 }
 
-TEST_CASE("snippet kvzip (docs/kvzip.md): two reconstruction passes fill one score array, one top-k keeps",
+TEST_CASE("snippet kvzip (docs/methods/kvzip.md): two reconstruction passes fill one score array, one top-k keeps",
           "[snippets]") {
   const std::int64_t kv_heads = 2, q_heads = 6, head_dim = 32, n = 300, budget = 2 * 100;
   const std::vector<float> kbuf = layer<float>(kv_heads, n, head_dim, 31);
@@ -479,7 +479,7 @@ TEST_CASE("snippet kvzip (docs/kvzip.md): two reconstruction passes fill one sco
   }
 }
 
-TEST_CASE("snippet manifoldkv and integration (docs/manifoldkv.md, docs/integration.md)", "[snippets]") {
+TEST_CASE("snippet manifoldkv and integration (docs/methods/manifoldkv.md, docs/guides/integration.md)", "[snippets]") {
   const std::int64_t N = 400;
   const std::vector<float> kbuf = layer<float>(2, N, 32, 23);
   const kvscore::KeysView<float> view(kbuf.data(), 2, N, 32, N * 32, 32);
@@ -527,7 +527,7 @@ TEST_CASE("snippet streaming-llm and synth (streaming_llm.hpp, synth.hpp)", "[sn
   CHECK(data.keys.size() == std::size_t(4 * 2048 * 64));
 }
 
-TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
+TEST_CASE("snippet joint (docs/reference/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
   const int n_layer = 3;
   const std::int64_t kv_heads = 2, tokens = 300, head_dim = 32, budget = 120;
   std::vector<std::vector<float>> cache;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Python snippets of README.md ("Python quickstart") and docs/python.md ("Ten lines"), run as
+"""The Python snippets of README.md ("Python quickstart") and docs/reference/python.md ("Ten lines"), run as
 a program: each doc shows exactly a marked region of this file (python/tests/test_examples.py
 runs it and compares), so a snippet cannot use a name it does not define."""
 

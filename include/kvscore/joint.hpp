@@ -20,7 +20,7 @@
 // Aggregation (JointAggregate), per token t over the rows r in order:
 //   max   J(t) = max_r z_r(t), NaN rows skipped (all NaN -> NaN): a token survives if some head
 //         of some layer ranks it high. The default: it keeps the most attention mass of the
-//         three on SmolLM2 (docs/joint.md has the measurement).
+//         three on SmolLM2 (docs/reference/joint.md has the measurement).
 //   mean  J(t) = float(sum_r z_r(t) / count), double sum over the non-NaN rows (none -> NaN;
 //         +inf and -inf both present -> NaN).
 //   vote  every row runs select() with the same budget and protection; J(t) = the number of
@@ -35,7 +35,7 @@
 // Deterministic for any thread count (num_threads parallelises the rows' statistics and votes;
 // every token's aggregate is summed over the rows in row order). Cost: O(R * N) for R rows and N
 // tokens, plus R select() calls for vote. Errors: std::invalid_argument naming the value.
-// See docs/joint.md.
+// See docs/reference/joint.md.
 #pragma once
 
 #include <algorithm>

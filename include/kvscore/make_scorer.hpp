@@ -59,7 +59,7 @@ struct ScorerArgs {
   QueryPlacement placement = QueryPlacement::in_cache;  ///< snapkv, protokv, kvzip
   QueryAggregate aggregate = QueryAggregate::max;       ///< kvzip: max (KVzip) or mean over the queries
   std::int64_t kernel_size = kDefaultSnapKVKernel;      ///< snapkv: pooling kernel, odd >= 1
-  // protokv (docs/protokv.md)
+  // protokv (docs/methods/protokv.md)
   std::uint64_t seed = 0;                                   ///< RFF seed
   std::int64_t kappa = kDefaultProtoKVKappa;                ///< neighbourhood radius κ >= 1
   std::int64_t sat_candidates = kDefaultProtoKVSatCandidates;  ///< SAT candidates p in [0, tokens]

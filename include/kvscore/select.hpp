@@ -39,7 +39,7 @@
 // key window, no sort; kvscore/select/radix.hpp), 4*N bytes of scratch per thread (AdaKV:
 // 8*H*N bytes). Kernels: AVX-512, AVX2 or portable C++, chosen at run time (SelectKernels).
 // select_into() writes into caller memory and does not allocate: query
-// select_workspace_bytes() and select_total() first. See docs/select.md.
+// select_workspace_bytes() and select_total() first. See docs/reference/select.md.
 // Errors: std::invalid_argument with a message naming the offending values.
 //
 // This header is the API; the work is below it (CUB's layering): select/options.hpp (Budget,

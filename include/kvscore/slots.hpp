@@ -9,7 +9,7 @@
 //    table of the scored cells, the ranges are given in position space.
 //  - partition_slots(): SGLang's req_to_token row split into the kept slots (the new row) and the
 //    slots to free.
-// See docs/compaction.md for what to call per engine.
+// See docs/reference/compaction.md for what to call per engine.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // kvscore/synth.hpp — synthetic KV caches with the planted structure real caches show
-// and that each scorer's claim depends on (docs/synth.md).
+// and that each scorer's claim depends on (docs/reference/synth.md).
 //
 // [snippet synth-header: tests/test_snippets.cpp]
 //   kvscore::synth::Spec spec;                 // kind mixed, 1 layer, 4 KV heads, G = 2, 2048 tokens, d = 64

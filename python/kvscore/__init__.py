@@ -1,4 +1,4 @@
-"""kvscore: KV-cache token scorers and selectors for numpy and PyTorch (docs/python.md).
+"""kvscore: KV-cache token scorers and selectors for numpy and PyTorch (docs/reference/python.md).
 
     import kvscore
     scores = kvscore.ManifoldL2().score(keys)          # keys [kv_heads, tokens, head_dim] or [1, ...]
@@ -12,7 +12,7 @@ silent copy. Results come back as the kind of array that went in (numpy in, nump
 in, torch out; a CUDA tensor in, a tensor on its device out), scores always float32. Bad values
 raise ValueError carrying the C++ message, wrong kinds of argument TypeError. Heavy calls
 release the GIL. CUDA tensors run on kvscore::cuda when the package was built with it
-(KVSCORE_CUDA=1 pip install .; cuda_available(), cuda_status(); docs/python.md "CUDA tensors").
+(KVSCORE_CUDA=1 pip install .; cuda_available(), cuda_status(); docs/reference/python.md "CUDA tensors").
 
 Every method name and every default comes from the C++ registry (include/kvscore/methods.hpp,
 make_scorer.hpp, make_method.hpp) through the module kvscore._kvscore: REGISTRY is its list,
@@ -244,7 +244,7 @@ class ManifoldL2(_Scorer):
 
 class WindowedManifoldL2(_Scorer):
     """Windowed ManifoldKV: L2 distance to the centroid of the key's window of ``window`` tokens
-    (docs/windowed-manifoldkv.md).
+    (docs/methods/windowed-manifoldkv.md).
 
     Parameters
     ----------
@@ -264,7 +264,7 @@ class WindowedManifoldL2(_Scorer):
 
 
 class QFilter(_Scorer):
-    """Q-Filters: score = <k, f_h> (docs/qfilters.md).
+    """Q-Filters: score = <k, f_h> (docs/methods/qfilters.md).
 
     Parameters
     ----------
@@ -406,7 +406,7 @@ class SnapKV(_QueryScorer):
 
 
 class ProtoKV(_QueryScorer):
-    """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/protokv.md).
+    """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/methods/protokv.md).
 
     Parameters
     ----------
@@ -447,7 +447,7 @@ class ProtoKV(_QueryScorer):
 
 class KVzip(_QueryScorer):
     """KVzip (Kim et al. 2025): the attention each key receives from a set of queries, max over the
-    queries and the query heads of its group (docs/kvzip.md). KVzip's queries are those of a
+    queries and the query heads of its group (docs/methods/kvzip.md). KVzip's queries are those of a
     context-reconstruction pass; kvscore.presses.KvscorePress("kvzip") runs that pass inside
     kvpress's pipeline, and score_span() scores one pass of it.
 
@@ -493,7 +493,7 @@ class KVzip(_QueryScorer):
                     sinks: int = 0, aggregate: str = _ARGS.aggregate, query_weights=None, key_weights=None,
                     threads: int = 0, query_block: int = 0):
         """One reconstruction pass with its attention computed from the same logits
-        (kvscore::KVzip::attend_span, docs/kvzip.md#the-fused-pass): score_span's scores into
+        (kvscore::KVzip::attend_span, docs/methods/kvzip.md#the-fused-pass): score_span's scores into
         ``out`` (to ~1e-6 relative), and into ``attn_out`` (float32 ``[m, q_heads, head_dim]``,
         C-contiguous) each query's causal attention output: the softmax over every cache row and
         its own rows up to itself, times ``values`` / ``own_values`` (``[kv_heads, rows,
@@ -684,7 +684,7 @@ def _score_layers(scores, who: str):
 def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: str | None = None,
                  threads: int = 0):
     """ONE set of kept positions for every head of every layer, for caches that drop a token
-    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/joint.md).
+    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/reference/joint.md).
     `scores`: float32 [layers, kv_heads, tokens], [rows, tokens] (one layer, or all rows
     stacked), or a list of [kv_heads, tokens] arrays, one per layer. Each row is z-normalised,
     then aggregated per token: 'max' (the default), 'mean' or 'vote'; then select()'s rules
@@ -699,7 +699,7 @@ def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggreg
 def select_joint_blocks(scores, block_size: int, budget: int, *, sinks: int = 0, recent: int = 0,
                         aggregate: str | None = None, block_aggregate: str | None = None, threads: int = 0):
     """ONE set of kept BLOCKS of `block_size` positions for every head of every layer, for paged
-    caches that free whole blocks (vLLM; docs/joint.md, "Whole blocks"). `scores` as select_joint's
+    caches that free whole blocks (vLLM; docs/reference/joint.md, "Whole blocks"). `scores` as select_joint's
     (max or mean aggregate over rows; vote is refused). A block's score is the mean (default) or
     max of its positions' joint scores; the blocks holding the first `sinks` or last `recent`
     positions and a partial last block are always kept, inside `budget` (blocks). Returns int64
@@ -843,7 +843,7 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
         ``[layers, q_heads, n_c, d]``: queries of other text, Q-Filters' calibration under the
         leak-free protocol (qfilter is skipped without them).
     protocol : {'leak_free', 'shared'}, optional
-        Which queries the methods see (docs/evaluate.md "Protocols"): 'leak_free' (as in an
+        Which queries the methods see (docs/reference/evaluate.md "Protocols"): 'leak_free' (as in an
         engine; needs window_queries) or 'shared' (every method sees Q: an upper bound). Default:
         'leak_free' when window_queries is given, else 'shared'.
     mix_metric : {'recall', 'error', 'overlap'}, optional
@@ -877,7 +877,7 @@ _SYNTH = _DEF["synth.Spec"]
 def synth(kind: str = _SYNTH["kind"], *, layers: int = _SYNTH["layers"], kv_heads: int = _SYNTH["kv_heads"],
           group: int = _SYNTH["group"], tokens: int = _SYNTH["tokens"], head_dim: int = _SYNTH["head_dim"],
           queries: int = _SYNTH["queries"], segment: int = _SYNTH["segment"], seed: int = _SYNTH["seed"]) -> dict:
-    """``kvscore synth`` as a function (docs/synth.md).
+    """``kvscore synth`` as a function (docs/reference/synth.md).
 
     Returns
     -------
@@ -894,7 +894,7 @@ _PARIS, _PARIS_SEARCH, _PARIS_CACHE = _DEF["ParisKVConfig"], _DEF["ParisKVSearch
 
 
 class ParisKV:
-    """ParisKV retrieval index of one KV head (docs/pariskv.md).
+    """ParisKV retrieval index of one KV head (docs/methods/pariskv.md).
 
     Parameters
     ----------
@@ -956,7 +956,7 @@ class ParisKV:
 
 
 class ParisKVCache:
-    """ParisKV's decode-time cache of one KV head (docs/pariskv.md "Decode-time cache").
+    """ParisKV's decode-time cache of one KV head (docs/methods/pariskv.md "Decode-time cache").
 
     The first ``sinks`` tokens, a ParisKV index over the middle and the last ``local`` tokens;
     dense attention below max(dense_min, sinks + local + 2k) tokens. ``append(keys, values)``

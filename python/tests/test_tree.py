@@ -24,7 +24,7 @@ def _name_pattern():
     for m in kvscore.REGISTRY:
         spellings += [m["name"], m["cli"], *m["aliases"]]
     alternatives = "|".join(re.escape(s) for s in sorted(set(spellings), key=len, reverse=True))
-    # a spelling as a word: not part of an identifier, a path ("docs/ojakv.md") or a flag
+    # a spelling as a word: not part of an identifier, a path ("docs/methods/ojakv.md") or a flag
     return re.compile(r"(^|[^A-Za-z0-9_./-])(" + alternatives + r")(?![A-Za-z0-9_/-]|\.[a-z])")
 
 
@@ -149,7 +149,7 @@ def f(window=4096, *, sinks=4, threads=0, tail="merge", keep=(0.1, 1)):
     return opts.get("window", 64), opts.get("n", 1), g(kernel=5), f"use {x} or windowed-l2"
 class P:
     window: int = 64
-    name = "docs/ojakv.md"
+    name = "docs/methods/ojakv.md"
 '''
     names, defaults = scan_python(py)
     assert names == ["2: knorm in 'knorm'", "2: l2 in 'l2'", "5: windowed-l2 in ' or windowed-l2'"]

@@ -17,7 +17,7 @@ struct KernelTable;  // kvscore/simd/table.hpp
 }
 
 /// Where the window queries of a query-aware scorer (SnapKV, ProtoKV, OjaResidual) sit
-/// relative to the keys they score (docs/scorers.md):
+/// relative to the keys they score (docs/reference/scorers.md):
 ///   in_cache     the queries are those of the cache's last `window` positions (prefill
 ///                compression, kvpress's convention): query i of w sits at position N - w + i and
 ///                sees t <= N - w + i (causal); the window is protected (`protected_recent()` = w).

@@ -8,7 +8,7 @@
 //    they are not read back. require_equal_lengths reads the offsets back (synchronises).
 //  * a host kvscore::Selection — validated like the CPU compact(), then copied into the
 //    caller's workspace (compact_workspace_bytes) on `stream`.
-// No allocation; asynchronous on `stream`. One CTA per head (see docs/cuda.md).
+// No allocation; asynchronous on `stream`. One CTA per head (see docs/reference/cuda.md).
 #pragma once
 
 #include <cstddef>

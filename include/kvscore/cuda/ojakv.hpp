@@ -20,12 +20,12 @@
 // (fp64 squared norm of the widened row finite and <= FLT_MAX: −inf otherwise) and its window
 // rule. The pooled covariance C = XᵀX/m is fp64 on the device (pooled rows bit-identical to the
 // CPU's, the sum in a fixed order); the Oja steps and the Householder QR run on the host with
-// the CPU's own oja::oja_steps (U is d × r: tiny; docs/cuda_ojakv.md says why). Every result is
+// the CPU's own oja::oja_steps (U is d × r: tiny; docs/reference/cuda_ojakv.md says why). Every result is
 // bit-identical across runs (no floating atomics).
 // Errors: std::invalid_argument naming the value, before any launch; CUDA failures throw
 // kvscore::cuda::Error. Asynchronous on `stream` except pooled_covariances / prefill /
 // decode_update, which copy C back to the host (they synchronise the stream).
-// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/cuda_ojakv.md.
+// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/reference/cuda_ojakv.md.
 #pragma once
 
 #include <cstddef>

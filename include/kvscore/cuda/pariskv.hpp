@@ -8,7 +8,7 @@
 //   kvscore::cuda::DeviceBuffer ws(index.search_workspace_bytes(q_heads, 1, opt, max_tokens));  // once
 //   index.search(d_queries, q_heads, 1, opt, d_positions, d_scores, {ws.get(), ws.bytes()}, stream);
 //
-// Same encoding and search as the CPU index, kernel by kernel (docs/cuda_pariskv.md):
+// Same encoding and search as the CPU index, kernel by kernel (docs/reference/cuda_pariskv.md):
 //   append   validate (NaN/Inf/fp32 norm overflow: std::invalid_argument naming head, key and
 //            element; the batch is rejected whole), the frozen key mean μ of the first append
 //            (fp64, token order), then one thread per key: centring, rotation (fp32 butterflies),

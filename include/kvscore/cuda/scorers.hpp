@@ -11,7 +11,7 @@
 // argument checks as the CPU path (the policy's own check() runs first; std::invalid_argument).
 // fp32 scores, fp32 row accumulation, fp64 centroids / softmax sums; bit-identical across runs.
 // Asynchronous on `stream`; no allocation: query the workspace once (0 bytes for KNorm).
-// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/cuda.md.
+// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/reference/cuda.md.
 #pragma once
 
 #include <cmath>

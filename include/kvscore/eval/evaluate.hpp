@@ -1,5 +1,5 @@
 // kvscore/eval/evaluate.hpp — run methods × budgets over dumped layers and measure quality
-// against full attention (metrics.hpp), the engine of `kvscore eval` (docs/evaluate.md).
+// against full attention (metrics.hpp), the engine of `kvscore eval` (docs/reference/evaluate.md).
 //
 //   std::vector<kvscore::eval::LayerInput> layers = {...};   // fp32 K, V, Q per layer
 //   kvscore::eval::EvalOptions opt;

@@ -58,7 +58,7 @@ struct LayerInput {
   }
 };
 
-/// Which queries a method may see (docs/evaluate.md "Protocols").
+/// Which queries a method may see (docs/reference/evaluate.md "Protocols").
 ///  * shared: every method sees the evaluation queries (query-aware methods are scored on the
 ///    very queries that measure them; Q-Filters are calibrated on them): an upper bound.
 ///  * leak_free: as in an engine. snapkv, protokv and ojakv see only the cache's last-window
@@ -118,7 +118,7 @@ inline Compressed select_scores(const Scores& s, std::int64_t n, const MethodOpt
 Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptions& o);
 
 /// Ranks of OjaKV's bases in the evaluator: r = max(1, head_dim / 4) for keys and values
-/// (32 of 128), seeded random start + prefill (docs/ojakv.md defaults), so the low-rank part
+/// (32 of 128), seeded random start + prefill (docs/methods/ojakv.md defaults), so the low-rank part
 /// costs a quarter of the full cache and the budget n is the number of full-rank tokens.
 inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std::max<std::int64_t>(1, head_dim / 4); }
 
@@ -132,7 +132,7 @@ Compressed hybrid_method(std::string_view spelling, const LayerInput& in, std::i
 /// index per KV head (built inside the timed call), one search per (query head, query) with
 /// the paper's length-adaptive (beta, rho); no protection. `pariskv` keeps its zones
 /// (pariskv_zones(n): sinks min(4, n), local window min(256, ⌊(n − sinks)/2⌋), the rest
-/// retrieved per query; docs/evaluate.md), `pariskv_flat` retrieves all n.
+/// retrieved per query; docs/reference/evaluate.md), `pariskv_flat` retrieves all n.
 Compressed retriever_method(std::string_view spelling, const LayerInput& in, std::int64_t n);
 using kvscore::ParisKVZones;
 using kvscore::pariskv_zones;

@@ -15,7 +15,7 @@
 //                              (ties: lower position first), i.e. the share of the oracle's
 //                              choice at the same budget that S recovers, in [0, 1]
 //
-// Decisions (docs/evaluate.md):
+// Decisions (docs/reference/evaluate.md):
 //   * no causal mask: the queries are those that attend after compression, so they see
 //     every cached token;
 //   * ‖o_full‖ = 0 (all-zero values): the error is the absolute ‖o_kept − o_full‖;

@@ -1,5 +1,5 @@
 // kvscore/eval/report.hpp — an evaluation Report as JSON, a text table and an SVG plot
-// (the outputs of `kvscore eval`; layout in docs/evaluate.md).
+// (the outputs of `kvscore eval`; layout in docs/reference/evaluate.md).
 //
 // JSON: {"kvscore_eval": 1, "input": {...}, "options": {...},
 //        "results": [{"method", "keep", "budget", "attention_mass_recall", "output_rel_error",

@@ -3,7 +3,7 @@
 // reconstruction K^ = K~ U_k^T, reference attention, memory accounting, and append() during
 // generation (blocks of T tokens: basis update, rebase, the residual rule on the block, codes
 // in the new basis). The projectors and the residual scorer are in kvscore/ojakv/ojakv.hpp; the
-// decisions are in docs/ojakv.md.
+// decisions are in docs/methods/ojakv.md.
 #pragma once
 
 #include <cmath>
@@ -52,7 +52,7 @@ inline OjaMemory ojakv_memory(std::int64_t tokens, std::int64_t full_rank_tokens
   return m;
 }
 
-/// Decode-time policy of OjaHybridCache::append (docs/ojakv.md "Decode").
+/// Decode-time policy of OjaHybridCache::append (docs/methods/ojakv.md "Decode").
 struct OjaDecodeOptions {
   /// Share of every closed block kept at full rank: budget_from_ratio(block, fraction) tokens
   /// (nearest integer, at least 1 when > 0), the top of the block's residual scores.

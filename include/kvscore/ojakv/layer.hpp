@@ -81,7 +81,7 @@ class OjaLayerCache {
   std::int64_t size() const noexcept { return prefilled() ? rows_.front().store.tokens() : 0; }
   const OjaHybridCache& store(std::int64_t b) const { return row(b, "store").store; }
   const std::vector<OjaProjector>& projectors(std::int64_t b) const { return row(b, "projectors").proj; }
-  /// The hybrid store's memory by the paper's formula (docs/ojakv.md, Definitions 11) at
+  /// The hybrid store's memory by the paper's formula (docs/methods/ojakv.md, Definitions 11) at
   /// bytes_per_scalar bytes per element, summed over rows and heads; .ratio against full rank.
   OjaMemory memory(std::int64_t bytes_per_scalar) const {
     OjaMemory m;

@@ -13,7 +13,7 @@
 //                 memory accounting; append() during generation.
 //   residual_energy_ratio / subspace_overlap: RER and SO of ojakv.txt §4.
 //
-// Decisions (docs/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
+// Decisions (docs/methods/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
 // value works for keys of any magnitude; the prefill runs up to 32 steps at eta 1.5 and stops
 // early when the step is below 1e-7; decode runs one step at eta 0.1 every T = 128 tokens on
 // the pooled buffer. Invalid rows (fp32 squared norm not finite, the project-wide rule) are
@@ -107,7 +107,7 @@ double orthonormality_error(const Mat& u);
 /// iterations from a seeded random start, never below max diag(C) nor, when a basis U is
 /// given, max_j u_j^T C u_j (every one a lower bound of lambda1). 0 for C = 0. (A start on a
 /// coordinate axis — e.g. the column of the largest diagonal — is an eigenvector of a small
-/// eigenvalue when that channel is isolated, and the estimate then stays there: docs/ojakv.md.)
+/// eigenvalue when that channel is isolated, and the estimate then stays there: docs/methods/ojakv.md.)
 double top_eigenvalue(const Mat& c, const Mat* u = nullptr);
 
 /// Oja's batch rule, `iterations` times: U <- orth(U + (eta/lambda1(C)) (C U - U U^T C U)).
@@ -181,7 +181,7 @@ double subspace_overlap(const Eigen::MatrixXd& u1, const Eigen::MatrixXd& u2);
 
 // ------------------------------------------------------------------ one basis
 
-/// Parameters of the online updates (docs/ojakv.md lists the source of every default).
+/// Parameters of the online updates (docs/methods/ojakv.md lists the source of every default).
 struct OjaOptions {
   double eta_prefill = 1.5;     ///< prefill step, relative to lambda1 of the pooled covariance
   int prefill_iterations = 32;  ///< most prefill steps (each followed by QR)
@@ -194,7 +194,7 @@ struct OjaOptions {
   /// The paper's prefill (ojakv.txt Alg. 1, lines 3-4; η = 0.10 in its Table of settings): one
   /// step at η = 0.10 from a calibrated start, instead of converging to the prompt's principal
   /// subspace (the default: up to 32 steps at 1.5). η stays relative to λ̂1, kvscore's
-  /// normalisation, so the step does not depend on the keys' scale. docs/ojakv.md compares them.
+  /// normalisation, so the step does not depend on the keys' scale. docs/methods/ojakv.md compares them.
   static OjaOptions paper() noexcept {
     OjaOptions o;
     o.eta_prefill = 0.10;

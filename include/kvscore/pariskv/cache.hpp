@@ -17,7 +17,7 @@
 // dense_fallback is off) it returns every position. attend(q) is softmax(q·k/√d)·v over the
 // selected positions in fp32 (pariskv/attention.hpp: the same bits on every kernel set).
 //
-// Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
+// Defaults (docs/methods/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,
 // top-k 100 (2048 for Qwen3-8B). Inputs are post-RoPE keys and queries, as an engine holds them.
 // ParisKVRetrieval::exact keeps the zones but retrieves the exact top k of the retrieval zone

@@ -191,7 +191,7 @@ inline std::int64_t ratio_count(double x, std::int64_t n) noexcept {
 /// Stage I candidate count C for `results` = max(k, k') <= N results. An explicit β (> 0):
 /// max(⌈βN⌉, results). The length-adaptive default: at least min(N, 2·results) as well, so the
 /// RSQ-IP rerank always has candidates beyond the results it returns (below 5K tokens the default
-/// β = 0.5 would give C = k at keep 0.5: no rerank at all; docs/pariskv.md).
+/// β = 0.5 would give C = k at keep 0.5: no rerank at all; docs/methods/pariskv.md).
 inline std::int64_t candidate_count(double beta, std::int64_t n, std::int64_t results) noexcept {
   if (beta != 0) return std::max(ratio_count(beta, n), results);
   return std::max(ratio_count(default_ratios(n).beta, n), std::min(n, 2 * results));

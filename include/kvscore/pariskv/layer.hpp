@@ -36,7 +36,7 @@ namespace kvscore {
 /// Measured by python/bench/bench_decode.py on this project's 2-core Intel Xeon (AVX-512), one
 /// thread, 30 (SmolLM2) or 8 (synthetic) layers: head_dim 64 (SmolLM2-135M's keys, GQA 3:1;
 /// synthetic drift keys) between 5.5K and 8K tokens across runs, head_dim 128 (synthetic, GQA
-/// 4:1) about 5.3K; docs/generation.md "The dense threshold". Around the crossover the two steps
+/// 4:1) about 5.3K; docs/guides/generation.md "The dense threshold". Around the crossover the two steps
 /// are within ~10 % of each other. Other head dims take the nearer measured value.
 inline std::int64_t retrieval_dense_below(std::int64_t head_dim) noexcept { return head_dim <= 96 ? 6144 : 5120; }
 

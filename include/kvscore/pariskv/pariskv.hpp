@@ -42,7 +42,7 @@
 // in [2, 16] dividing P, k > N, β or ρ outside (0, 1], k' < k. A zero key is valid: its ids are
 // the all-ones pattern, w = 0, so its estimate is exactly its inner product, 0. A zero query
 // returns the first k positions with score 0 (every inner product ties at 0).
-// See docs/pariskv.md.
+// See docs/methods/pariskv.md.
 //
 // Why this file is long (~800 lines): the ParisKV class is one index whose append (encoding,
 // records) and search (Stage I patterns, Stage II estimates, rerank) share its private layout;

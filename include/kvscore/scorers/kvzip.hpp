@@ -3,7 +3,7 @@
 // receives from a set of queries — in KVzip, the queries of a second forward pass in which the
 // model reconstructs the context from its cache ("Repeat the previous context exactly." + the
 // context). The scorer itself takes any set of post-RoPE queries (a reconstruction pass, a
-// SnapKV window, a question); docs/kvzip.md has the algorithm around it.
+// SnapKV window, a question); docs/methods/kvzip.md has the algorithm around it.
 //
 // Per KV head h, with the G = q_heads / kv_heads query heads of its group (contiguous, the
 // Hugging Face repeat_kv order) and m queries, query i of head g sees the key set
@@ -27,7 +27,7 @@
 // window queries (causal); protected_recent() = w. With `after_cache` every query sees every
 // key (span [0, N), no own rows) and nothing is protected.
 //
-// Decisions (docs/kvzip.md): the softmax is over S_i only, as kvpress computes it (not over the
+// Decisions (docs/methods/kvzip.md): the softmax is over S_i only, as kvpress computes it (not over the
 // whole cache the model attended to); invalid keys (fp32 squared norm not finite,
 // scorer_base.hpp) take no part in any softmax and score -inf; a +inf logit is clamped to
 // FLT_MAX and a NaN logit dropped (as SnapKV); a query that sees no valid key adds nothing.
@@ -138,7 +138,7 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
   }
 
   /// One reconstruction pass with the pass's attention computed here, from the same logits (the
-  /// fused pass, docs/kvzip.md#the-fused-pass): writes score_span()'s scores (the same logits;
+  /// fused pass, docs/methods/kvzip.md#the-fused-pass): writes score_span()'s scores (the same logits;
   /// the scored subset's softmax taken from the attention's exponentials, so equal to ~1e-6
   /// relative, not bit for bit) and each query's attention output, the softmax over every row it sees (the whole cache,
   /// then its own rows up to itself: the model's causal attention for the pass) times the

@@ -1,7 +1,7 @@
 // kvscore/scorers/protokv.hpp — ProtoKV (ICLR 2026, "Knowledge in Long Context is Already
 // Organized Before You Query"): prototype-guided cluster retention.
 //
-// Per KV head h (docs/protokv.md has every choice and its reason):
+// Per KV head h (docs/methods/protokv.md has every choice and its reason):
 //   1. S(i) = mean cos(k_i, k_j) over the valid j in [i-κ, i+κ], j != i (clipped at the ends);
 //      Θ(i) = (E[S] - S(i)) / sd[S]: LOW neighbourhood similarity = HIGH local deviation.
 //   2. SAT candidates: the p tokens of highest Θ (ties: lower position), zero keys excluded.
@@ -111,9 +111,9 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   using detail::AllocatingScore<ProtoKV>::score;
 
   static constexpr const char* name = "protokv";
-  static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
+  static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/methods/protokv.md)
 
-  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/protokv.md).
+  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/methods/protokv.md).
   static constexpr std::int64_t kDefaultKappa = kDefaultProtoKVKappa;
   static constexpr std::int64_t kDefaultSatCandidates = kDefaultProtoKVSatCandidates;
   static constexpr int kDefaultLshBits = kDefaultProtoKVLshBits;
@@ -130,7 +130,7 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   double bandwidth = 0;                                 ///< σ > 0 fixed, 0 = median heuristic
   std::uint64_t seed = 0;                               ///< RFF seed
   /// Cluster score ψ. Default attention: measured better than the sum on a real model's dump and
-  /// on synthetic data (docs/protokv.md); the GPU path has sum and mean only.
+  /// on synthetic data (docs/methods/protokv.md); the GPU path has sum and mean only.
   Psi psi = Psi::attention;
   /// The queries are the cache's last `window` positions (default: the window is protected and
   /// must fit the cache) or follow the cache (nothing protected). ψ uses no causal mask either way.

@@ -7,7 +7,7 @@
 // of projections). GQA: the plain mean over each contiguous group of H_q/H_kv
 // query heads (not renormalised, as the paper says "average"). One pass.
 //
-// Sign conventions of filter files (docs/qfilters.md). kvscore's: score = +⟨k, f⟩, f as
+// Sign conventions of filter files (docs/methods/qfilters.md). kvscore's: score = +⟨k, f⟩, f as
 // calibrate_qfilters returns it (most queries project positively), stored as .npy. The
 // authors' published files (safetensors, tensor `q_filters` [layers, kv_heads, head_dim], the
 // ones kvpress loads) store f = −v₁⁺ and score −⟨f, k⟩: scoring them as +⟨k, f⟩ reverses the

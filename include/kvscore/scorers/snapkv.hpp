@@ -15,7 +15,7 @@
 // step or held-out queries; scorer_base.hpp) P = N: every query sees every key, the whole
 // cache is pooled, and nothing is protected (`protected_recent()` = 0); any window size works.
 //
-// Decisions (docs/snapkv.md): pooling runs over the prefix [0, P) only (as kvpress does;
+// Decisions (docs/methods/snapkv.md): pooling runs over the prefix [0, P) only (as kvpress does;
 // window scores never leak into the prefix). The window tokens get their own mean
 // attention x(t) — finite, never a sentinel; callers protect them with the selector's
 // `recent = protected_recent()` (= w), a mask. N < w is an error. Softmax in fp32 logits

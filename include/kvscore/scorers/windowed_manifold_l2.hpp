@@ -6,7 +6,7 @@
 //  * WindowTail::merge (default): merged into the window before it when shorter than W/2.
 //    A 3-token window sits at distance ~0 from its own centroid and is evicted wholesale;
 //    merged, its tokens are judged against W+ neighbours. Measured better than the paper's
-//    rule on a real model's dump and never worse (docs/windowed-manifoldkv.md);
+//    rule on a real model's dump and never worse (docs/methods/windowed-manifoldkv.md);
 //  * WindowTail::own: its own window, the paper's Alg. 2 (K[t:min(t+W, N)], App. B.1).
 #pragma once
 

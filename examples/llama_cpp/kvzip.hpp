@@ -28,7 +28,7 @@ namespace kvscore_llama {
 /// Context tokens per pass by default here: 512, not kvpress's 2048. llama.cpp computes the pass's
 /// attention inside ggml, so the scores recompute its logits (the press fuses them instead), and
 /// that cost grows with the chunk while the passes' forward does not: one ~1,060-token chunk
-/// 6.5 % of the passes' forward, 512-token chunks 3.2 % (docs/methods/kvzip.md#what-it-costs).
+/// 6.5 % of the passes' forward, 512-token chunks 3.2 % (docs/results/kvzip.md#what-it-costs).
 inline constexpr std::int64_t kLlamaKVzipChunk = 512;
 
 struct KVzipOptions {

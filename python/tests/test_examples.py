@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "python" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # <!-- example: examples/python/FILE.py#REGION --> right above the fenced block it shows
 MARKED = re.compile(r"<!-- example: (\S+?)#([\w-]+) -->\n```python\n(.*?)```", re.S)
 EXEMPT = re.compile(r"<!-- not an example: [^\n]+ -->\n```python\n")
@@ -27,7 +27,8 @@ def region(path: pathlib.Path, name: str) -> str:
 def test_every_python_snippet_of_the_docs_is_an_example_region(doc):
     text = doc.read_text()
     marked = MARKED.findall(text)
-    assert len(marked) + len(EXEMPT.findall(text)) == text.count("```python"), \
+    fences = re.findall(r"^```python$", text, re.M)
+    assert len(marked) + len(EXEMPT.findall(text)) == len(fences), \
         f"{doc.name}: a ```python block without an example marker or a reason"
     for path, name, code in marked:
         assert code == region(ROOT / path, name), f"{doc.name}: the snippet differs from {path}#{name}"

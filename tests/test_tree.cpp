@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <kvscore/methods.hpp>
+#include <kvscore/version.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -375,4 +376,24 @@ TEST_CASE("tree: the C++ examples of README, docs and headers are compiled regio
     CHECK(used.count(name) == 1);
   }
   CHECK(copies.size() >= regions.size());
+}
+
+TEST_CASE("tree: one version: version.hpp, CMake, pyproject.toml and CHANGELOG.md agree", "[tree][version]") {
+  const std::string v = kvscore::version_string;
+  CHECK(v == std::to_string(KVSCORE_VERSION_MAJOR) + "." + std::to_string(KVSCORE_VERSION_MINOR) + "." +
+                 std::to_string(KVSCORE_VERSION_PATCH));
+  CHECK(v == KVSCORE_VERSION_STRING);
+#ifdef KVSCORE_PROJECT_VERSION
+  CHECK(v == KVSCORE_PROJECT_VERSION);  // CMakeLists.txt read it from version.hpp
+#endif
+  // pyproject.toml takes the package version from the same #define (scikit-build-core's regex provider)
+  const std::string py = read(kRoot / "pyproject.toml");
+  CHECK(py.find("input = \"include/kvscore/version.hpp\"") != std::string::npos);
+  CHECK(py.find("regex = '#define KVSCORE_VERSION_STRING \"(?P<value>[^\"]+)\"'") != std::string::npos);
+  // CHANGELOG.md: Keep a Changelog, the newest release first, this version
+  const std::string log = read(kRoot / "CHANGELOG.md");
+  std::smatch m;
+  REQUIRE(std::regex_search(log, m, std::regex(R"(\n## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2}))")));
+  CHECK(m[1].str() == v);
+  CHECK(log.find("## [Unreleased]") < std::size_t(m.position(0)));
 }

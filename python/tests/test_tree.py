@@ -184,3 +184,16 @@ def test_python_defaults_are_the_registrys():
                  "kDefaultParisKVLocal"):
         m = re.search(rf"constexpr (?:std::int64_t|int) {name} = (\d+);", hdr)
         assert m and int(m.group(1)) == getattr(_kvscore, name), name
+
+
+# ------------------------------------------------------------------ one version
+
+def test_the_package_version_is_the_cpp_version():
+    """kvscore.__version__ (the C++ string), the installed distribution's version (pyproject.toml's
+    regex over the same header) and include/kvscore/version.hpp agree."""
+    import importlib.metadata
+
+    header = (ROOT / "include" / "kvscore" / "version.hpp").read_text()
+    want = re.search(r'#define KVSCORE_VERSION_STRING "([^"]+)"', header).group(1)
+    assert kvscore.__version__ == want
+    assert importlib.metadata.version("kvscore") == want

@@ -55,8 +55,9 @@ enum class CompactTail {
   zero,  ///< zero-filled (+0.0 in every dtype)
 };
 
+/// Options of compact(). Every field is validated; a bad value throws std::invalid_argument.
 struct CompactOptions {
-  CompactTail tail = CompactTail::keep;
+  CompactTail tail = CompactTail::keep;  ///< rows past each head's kept count: kept as they were, or zero-filled
   /// Throw std::invalid_argument (before touching the cache) if heads keep different counts:
   /// for engines with one length per sequence (token-major slot caches, vLLM, HF DynamicCache).
   bool require_equal_lengths = false;

@@ -52,6 +52,7 @@ inline constexpr std::int64_t kDefaultKVzipRepeat = 8;
 /// KVzip's reconstruction prompts (the paper's, kvpress KVzipPress's): the first pass, and the
 /// later ones, which continue with the last kDefaultKVzipRepeat tokens of the previous chunk.
 inline constexpr std::string_view kKVzipPromptFirst = "\n\nRepeat the previous context exactly.";
+/// The later passes' prompt, followed by the previous chunk's last kDefaultKVzipRepeat tokens.
 inline constexpr std::string_view kKVzipPromptNext = "\n\nRepeat the part of the previous context exactly, starting with";
 
 /// What shape of method an entry is (the concepts of contract.hpp where one exists); each kind
@@ -65,6 +66,7 @@ enum class MethodKind {
   reference,       ///< not a compression method: the evaluator's ceiling (oracle)
 };
 
+/// The kind's name in the registry (`kvscore.REGISTRY`'s "kind"): "scorer", "query_scorer", ...
 inline constexpr std::string_view kind_name(MethodKind k) noexcept {
   switch (k) {
     case MethodKind::scorer: return "scorer";
@@ -77,14 +79,15 @@ inline constexpr std::string_view kind_name(MethodKind k) noexcept {
   return "?";
 }
 
+/// One entry of the registry: a method's names, kind, type, header and documentation page.
 struct MethodInfo {
   std::string_view name;     ///< canonical: code, Python, docs
   std::string_view cli;      ///< the CLI / report / benchmark spelling
   std::string_view aliases;  ///< other accepted spellings, comma-separated ("" = none)
-  MethodKind kind;
+  MethodKind kind;  ///< which constructor of make_method.hpp builds it
   std::string_view cls;      ///< the C++ type (kvscore::cls)
-  std::string_view header;   ///< include/<header>
-  std::string_view doc;      ///< docs/<doc>
+  std::string_view header;   ///< its header, under `include/`
+  std::string_view doc;      ///< its documentation page, under `docs/`
   std::string_view summary;  ///< one line for --help, the evaluator and the docs
   /// The options beyond the keys a front end passes to its constructor, comma-separated ("" =
   /// none): the fields of its kind's arguments (kvscore/make_method.hpp: ScorerArgs, ...) it

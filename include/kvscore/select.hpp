@@ -77,6 +77,7 @@ inline std::size_t select_workspace_bytes(std::int64_t heads, std::int64_t token
 inline Selection select(const ConstScoresView& scores, Budget budget, const SelectOptions& opt = {}) {
   return detail::sel::select_impl(scores, budget, opt);
 }
+/// \overload
 inline Selection select(const Scores& scores, Budget budget, const SelectOptions& opt = {}) {
   return select(scores.view(), budget, opt);
 }
@@ -90,6 +91,7 @@ inline std::int64_t select_into(const ConstScoresView& scores, Budget budget, co
   return detail::sel::select_into_impl(scores, budget, opt, workspace, workspace_bytes, offsets_out, positions_out,
                                        positions_capacity);
 }
+/// \overload
 inline std::int64_t select_into(const Scores& scores, Budget budget, const SelectOptions& opt, void* workspace,
                                 std::size_t workspace_bytes, std::int64_t* offsets_out, std::int64_t* positions_out,
                                 std::size_t positions_capacity) {

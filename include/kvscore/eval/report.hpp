@@ -63,6 +63,7 @@ inline std::string fmt(const char* f, double v) {
 
 }  // namespace detail
 
+/// The report as JSON (what `kvscore eval --out` writes and `kvscore.evaluate` returns as a dict).
 inline std::string to_json(const Report& r) {
   using detail::json_num;
   using detail::json_str;

@@ -66,11 +66,15 @@ struct KVzipSpan {
   const float* key_weights = nullptr;
 };
 
+/// KVzip (Kim et al. 2025): each key scored by the attention it receives from the queries of a
+/// context-reconstruction pass (max or mean over the queries and the group's heads). score(keys) takes the queries
+/// as the cache's last rows; score_span scores one pass's span, attend_span also computes the pass's attention
+/// output (the fused pass).
 class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
  public:
   using detail::AllocatingScore<KVzip>::score;
 
-  static constexpr const char* name = "kvzip";
+  static constexpr const char* name = "kvzip";  ///< the registry's CLI spelling
   static constexpr int passes = 1;  ///< reads of the keys per block of queries
   /// Queries per block at most (query_block = 0 picks up to this many by the buffer's size).
   static constexpr std::int64_t kMaxBlock = 64;
@@ -95,10 +99,11 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     detail::copy_query_window("kvscore::KVzip", queries, q_heads, n_queries, head_dim, group, queries_, scaled_);
   }
 
-  std::int64_t q_heads() const noexcept { return q_heads_; }
-  std::int64_t n_queries() const noexcept { return n_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
-  std::int64_t group() const noexcept { return group_; }
+  std::int64_t q_heads() const noexcept { return q_heads_; }  ///< query heads of the queries
+  std::int64_t n_queries() const noexcept { return n_; }  ///< queries per head
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a query
+  std::int64_t group() const noexcept { return group_; }  ///< q_heads / kv_heads (0: from the keys)
+  /// The queries as given, [q_heads][n_queries][head_dim].
   const std::vector<float>& queries() const noexcept { return queries_; }
   /// Tokens at the end of the cache to protect (SelectOptions::recent): the in-cache queries'
   /// own rows; 0 when they follow the cache.

@@ -128,7 +128,7 @@ class KvscorePress(ScorerPress):
     """
 
     def __init__(self, method: str = _kv.ManifoldL2.name, compression_ratio: float = 0.0, *, sinks: int = 0,
-                 recent: int = 0, threads: int = 0, alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
+                 recent: int = 0, threads: int = 0, alloc: _kv.Alloc = _SEL["alloc"], alpha: float = _SEL["alpha"],
                  **method_options):
         self.method = _kv.method_name(method)
         self.compression_ratio = compression_ratio
@@ -807,7 +807,7 @@ class KVzipPress(KvscorePress):
     kvzip_plus=True is KVzip+'s normalization; any KvscorePress option changes the rest."""
 
     def __init__(self, compression_ratio: float = 0.0, *, kvzip_plus: bool = False, layerwise: bool = False,
-                 chunk_size: int = KVZIP_CHUNK_SIZE, sinks: int = _k.kDefaultSinks, alloc: str = "adakv",
+                 chunk_size: int = KVZIP_CHUNK_SIZE, sinks: int = _k.kDefaultSinks, alloc: _kv.Alloc = "adakv",
                  alpha: float = 0.0, **options):
         super().__init__(_KVZIP, compression_ratio, kvzip_plus=kvzip_plus, layerwise=layerwise, chunk_size=chunk_size,
                          sinks=sinks, alloc=alloc, alpha=alpha, **options)

@@ -197,3 +197,45 @@ def test_the_package_version_is_the_cpp_version():
     want = re.search(r'#define KVSCORE_VERSION_STRING "([^"]+)"', header).group(1)
     assert kvscore.__version__ == want
     assert importlib.metadata.version("kvscore") == want
+
+
+# ------------------------------------------------------------------ the string options' Literal types
+
+def _accepted(call) -> set:
+    """The values the C++ parser lists in its error for a bad value ('a', 'b' or 'c'; or the
+    synth kinds' comma list)."""
+    with pytest.raises(ValueError) as e:
+        call()
+    msg = str(e.value)
+    if "expected one of" in msg:
+        return set(msg.split("expected one of ")[1].rstrip(")").split(", "))
+    tail = msg.split(" must be ")[1]
+    quoted = re.findall(r"'([^']+)'", tail)
+    return set(quoted) if quoted else set(re.split(r", | or ", tail))
+
+
+def test_the_literal_types_are_the_values_the_cpp_parsers_accept():
+    import typing
+
+    import numpy as np
+
+    s = np.random.default_rng(0).random((2, 10), dtype=np.float32)
+    k = np.random.default_rng(1).random((2, 10, 8), dtype=np.float32)
+    q = np.random.default_rng(2).random((2, 4, 8), dtype=np.float32)
+    calls = {
+        "Alloc": lambda: kvscore.select(s, 2, alloc="x"),
+        "Tail": lambda: kvscore.compact(k.copy(), k.copy(), kvscore.select(s, 2), tail="x"),
+        "Rounding": lambda: kvscore.budget_from_ratio(10, 0.5, rounding="x"),
+        "Placement": lambda: kvscore.SnapKV(q, placement="x"),
+        "Aggregate": lambda: kvscore.KVzip(q, aggregate="x"),
+        "WindowTail": lambda: kvscore.WindowedManifoldL2(tail="x"),
+        "JointAggregate": lambda: kvscore.select_joint(s, 2, aggregate="x"),
+        "BlockAggregate": lambda: kvscore.select_joint_blocks(s, 2, 2, block_aggregate="x"),
+        "Psi": lambda: kvscore.ProtoKV(q, psi="x"),
+        "Protocol": lambda: kvscore.evaluate(k[None], k[None], q[None], protocol="x"),
+        "MixMetric": lambda: kvscore.evaluate(k[None], k[None], q[None], mix_metric="x"),
+        "SynthKind": lambda: kvscore.synth(kind="x"),
+        "DType": lambda: kvscore.ParisKVCache(8, dtype="x"),
+    }
+    for name, call in calls.items():
+        assert set(typing.get_args(getattr(kvscore, name))) == _accepted(call), name

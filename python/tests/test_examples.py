@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
-DOCS = [ROOT / "README.md", ROOT / "python" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "python" / "README.md",
+        *sorted(p for p in (ROOT / "docs").rglob("*.md") if "logs" not in p.relative_to(ROOT).parts)]
 # <!-- example: examples/python/FILE.py#REGION --> right above the fenced block it shows
 MARKED = re.compile(r"<!-- example: (\S+?)#([\w-]+) -->\n```python\n(.*?)```", re.S)
 EXEMPT = re.compile(r"<!-- not an example: [^\n]+ -->\n```python\n")

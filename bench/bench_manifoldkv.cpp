@@ -1,5 +1,5 @@
 // ManifoldKV (ManifoldL2): score/l2/<fp32|fp16|bf16>/d<64|128>/N<4096|65536|2^20>, one head, one thread
-// (kvbench::register_score in bench_common.hpp). Doc: docs/manifoldkv.md.
+// (kvbench::register_score in bench_common.hpp). Doc: docs/methods/manifoldkv.md.
 #include "bench_common.hpp"
 
 namespace {

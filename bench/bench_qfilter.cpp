@@ -1,5 +1,5 @@
 // Q-Filters (QFilter): score/qfilter/<fp32|fp16|bf16>/d<64|128>/N<4096|65536|2^20>, one head, one
-// thread (kvbench::register_score in bench_common.hpp), with a fixed filter. Doc: docs/qfilters.md.
+// thread (kvbench::register_score in bench_common.hpp), with a fixed filter. Doc: docs/methods/qfilters.md.
 #include <vector>
 
 #include "bench_common.hpp"

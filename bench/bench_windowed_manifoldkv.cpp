@@ -1,6 +1,6 @@
 // Windowed ManifoldKV (WindowedManifoldL2, W = 4096):
 // score/windowed-l2/<fp32|fp16|bf16>/d<64|128>/N<4096|65536|2^20>, one head, one thread
-// (kvbench::register_score in bench_common.hpp). Doc: docs/windowed-manifoldkv.md.
+// (kvbench::register_score in bench_common.hpp). Doc: docs/methods/windowed-manifoldkv.md.
 #include "bench_common.hpp"
 
 namespace {

@@ -1,5 +1,5 @@
 // Which scorer at which budget? Generate a synthetic cache with topic drift, evaluate two
-// scorers against full attention and print the table (docs/evaluate.md, docs/synth.md).
+// scorers against full attention and print the table (docs/reference/evaluate.md, docs/reference/synth.md).
 //
 // The same from the command line:
 //   kvscore synth --kind drift --out /tmp/kv --tokens 1024 --segment 256

@@ -1,4 +1,4 @@
-// OjaKV from prompt to generation (docs/ojakv.md "Prefill modes" and "Decode"):
+// OjaKV from prompt to generation (docs/methods/ojakv.md "Prefill modes" and "Decode"):
 //  1. which prefill to use — the default (converge to the prompt's principal subspace) or the
 //     paper's (one step at eta 0.10 from a calibrated start) — measured as the residual energy
 //     ratio (RER) on the prompt and on the next 8K tokens of synthetic drifting keys;

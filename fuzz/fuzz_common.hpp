@@ -1,4 +1,4 @@
-// fuzz/fuzz_common.hpp — shared helpers of the libFuzzer harnesses (fuzz/README in docs/robustness.md).
+// fuzz/fuzz_common.hpp — shared helpers of the libFuzzer harnesses (fuzz/README in docs/contributing/robustness.md).
 //
 // Every harness turns the fuzzer's bytes into arguments with FuzzedDataProvider, calls the
 // library, and checks invariants; a broken invariant calls fuzz_fail (abort), an exception

@@ -73,7 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       TS = heads * d;  // only reached if no overflow was reported
     } else if (which == 2) {
       const i64 batch = std::max<i64>(1, hs % 4), bi = ts % 4, cap = fdp.ConsumeBool() ? -1 : pick(fdp);
-      // Finding F3 (docs/robustness.md, fixed in view.hpp): hf() formed the batch pointer
+      // Finding F3 (docs/contributing/robustness.md, fixed in view.hpp): hf() formed the batch pointer
       // before validating the shape. Negative shapes now reach hf() and must be rejected;
       // only offsets far beyond this small buffer are skipped (the rows are read below).
       const double off = double(cap < 0 ? tokens : cap) * double(d) * double(heads) * double(bi);
@@ -92,7 +92,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     check_view(v, H, N, d, HS, TS);
     // Slices: either rejected or inside the view.
     const i64 t0 = pick(fdp), t1 = pick(fdp);
-    // Finding F1 (docs/robustness.md, fixed in view.hpp): tokens_slice offset the pointer for
+    // Finding F1 (docs/contributing/robustness.md, fixed in view.hpp): tokens_slice offset the pointer for
     // views with 0 heads, for empty slices at t0 == tokens, and for spans that fit int64 in
     // elements but not in bytes. No skip: UBSan's pointer-overflow check guards it now.
     try {

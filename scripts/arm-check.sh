@@ -2,7 +2,7 @@
 # Cross-compiles part of the test suite for AArch64 with the NEON table (src/isa_neon.cpp)
 # and runs it under qemu-aarch64: every table against scalar ([simd], [dtype]), the selector
 # and ParisKV's portable paths, the numpy goldens, each geometric scorer's own tests. No Arm
-# machine is needed; what qemu cannot show is speed (docs/simd.md, "Arm").
+# machine is needed; what qemu cannot show is speed (docs/design/simd.md, "Arm").
 #   scripts/arm-check.sh [build-dir]      (needs g++-aarch64-linux-gnu and qemu-user)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

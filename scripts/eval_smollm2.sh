@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/evaluate.md's SmolLM2 section, reproduced: SmolLM2-135M-Instruct dumped at 2K and 8K tokens
+# docs/reference/evaluate.md's SmolLM2 section, reproduced: SmolLM2-135M-Instruct dumped at 2K and 8K tokens
 # (tools/dump_kv.py --following: the context's cache, the queries of the 64 tokens that follow it,
 # the context's last 64 queries, Q-Filters' calibration queries from other text), `kvscore eval`
 # on each dump under both protocols (leak-free, the default for these dumps, and shared), then
@@ -44,7 +44,7 @@ for N in 2048 8192; do
   "$CLI" eval --dump "$D" --keep 0.1,0.25,0.5 --threads 2 --out "$OUT/leak-free-$N.json" >/dev/null
   "$CLI" eval --dump "$D" --keep 0.1,0.25,0.5 --threads 2 --protocol shared --out "$OUT/shared-$N.json" >/dev/null
 done
-# The per-layer mix for the quality benchmark (docs/quality.md): a dump of the benchmark's kind of
+# The per-layer mix for the quality benchmark (docs/results/quality.md): a dump of the benchmark's kind of
 # workload on other text (needles in DUMP_TEXTS, chat template, the questions and answers as the
 # following tokens), evaluated leak-free with the presses' 4 sinks; its per_layer_best is the mix.
 W="$OUT/workload"
@@ -61,4 +61,4 @@ fi
 echo "eval_smollm2: the per-layer mixes are $OUT/mix-qa.json and $OUT/mix-qa-agnostic.json (per_layer_best)"
 [ "$MIX_ONLY" = 1 ] && exit 0
 "$PY" tools/smollm2_report.py "$OUT"
-cp "$OUT/per_layer.svg" docs/smollm2_per_layer.svg  # the figure of docs/evaluate.md
+cp "$OUT/per_layer.svg" docs/results/smollm2_per_layer.svg  # the figure of docs/reference/evaluate.md

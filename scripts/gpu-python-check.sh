@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of kvscore's CUDA tensors in Python, on the GPU machine, from a kit made by
-# scripts/gpu-python-kit.sh (issue 48; docs/python.md "CUDA tensors"). From the repository root:
+# scripts/gpu-python-kit.sh (issue 48; docs/reference/python.md "CUDA tensors"). From the repository root:
 #   bash scripts/gpu-python-check.sh [KIT]       (QUICK=1: gpu_check --quick; OUT=DIR for the logs)
 # Stages, each under its own time limit (the whole run: < 7 minutes on an H100):
 #   env       GPU, driver, python3, torch, nvcc, Python.h

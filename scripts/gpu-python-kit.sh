@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares the GPU check of kvscore's CUDA tensors in Python (issue 48; python/tests/gpu_check.py)
 # for a GPU machine with Python 3.12, torch, nvcc, nanobind and scikit-build-core but no network
-# and no kvscore build tools (docs/cuda.md "A GPU run from a machine without one"):
+# and no kvscore build tools (docs/reference/cuda.md "A GPU run from a machine without one"):
 #   * builds here, for ARCH (default 90: H100/H200), the static libraries the Python modules link
 #     (libkvscore_cuda.a, the static CUDA runtime inside; libkvscore_dispatch.a) and the C++ test
 #     binary kvscore_cuda_tests, so the GPU machine compiles only the two nanobind modules;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp for examples/llama_cpp (docs/integration.md): the source vendored in the PyPI sdist
+# llama.cpp for examples/llama_cpp (docs/guides/integration.md): the source vendored in the PyPI sdist
 # llama-cpp-python 0.3.36 (vendor/llama.cpp; archive hash checked), built CPU-only as static
 # libraries -- only the `llama` library and the ggml libraries it links, no tests, tools, examples,
 # server, common or curl -- and installed into a prefix that kvscore's CMake takes as
@@ -10,7 +10,7 @@
 # LLAMA_CPP_SDIST   an already downloaded llama_cpp_python-0.3.36.tar.gz to use (hash checked)
 # PYTHON            the interpreter whose pip downloads the sdist (default python3)
 # LLAMA_CPP_OPT     optimisation level (default -O2, as kvscore's own build and every timing in
-#                   docs/integration.md; scripts/test.sh asks -O1: its tests check tokens, not speed,
+#                   docs/guides/integration.md; scripts/test.sh asks -O1: its tests check tokens, not speed,
 #                   and the build takes 120 instead of 164 s of CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."

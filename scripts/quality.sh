@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# docs/quality.md, reproduced: the generation-level quality benchmark (python -m kvscore.quality)
+# docs/results/quality.md, reproduced: the generation-level quality benchmark (python -m kvscore.quality)
 # on SmolLM2-135M-Instruct, in the Python environment of scripts/test_python.sh (made here when
 # missing) with the model from scripts/fetch_smollm2.sh.
-#   bash scripts/quality.sh                    # docs/quality.md: the full run into quality-out/
+#   bash scripts/quality.sh                    # docs/results/quality.md: the full run into quality-out/
 #   bash scripts/quality.sh --quick --out DIR  # the CI smoke run (<= 3 min)
 # The full run first makes the per-layer mix (scripts/eval_smollm2.sh --mix-only: a dump of the
 # benchmark's kind of workload on other text, `kvscore eval` leak-free, build/smollm2/mix-qa.json)

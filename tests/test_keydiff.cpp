@@ -1,4 +1,4 @@
-// KeyDiff (score = -cos(k, ā), kvscore/scorers/keydiff.hpp; docs/keydiff.md): invariance to a
+// KeyDiff (score = -cos(k, ā), kvscore/scorers/keydiff.hpp; docs/methods/keydiff.md): invariance to a
 // positive scale of a key, and tiny keys (subnormal fp32 squared norms) on every SIMD table.
 // The numpy fixtures are in test_golden.cpp, the cross-scorer properties in
 // test_scorer_properties.cpp, the radial-outlier theorem (KeyDiff vs ManifoldL2) in test_manifoldkv.cpp.

@@ -1,4 +1,4 @@
-// KNorm (score = -‖k‖, kvscore/scorers/knorm.hpp; docs/knorm.md): a closed form, the score
+// KNorm (score = -‖k‖, kvscore/scorers/knorm.hpp; docs/methods/knorm.md): a closed form, the score
 // scales with its key and no other row moves. The numpy fixtures are in test_golden.cpp; zero,
 // NaN/Inf rows, empty caches and determinism across scorers in test_scorer_properties.cpp.
 #include <catch2/catch.hpp>

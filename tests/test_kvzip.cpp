@@ -1,4 +1,4 @@
-// KVzip (include/kvscore/scorers/kvzip.hpp, docs/kvzip.md): the scorer of attention received
+// KVzip (include/kvscore/scorers/kvzip.hpp, docs/methods/kvzip.md): the scorer of attention received
 // against a float64 brute-force reference of the definition (every placement, aggregate, span,
 // sinks and weights; fp32/fp16/bf16 keys; every kernel table), chunking over queries and
 // threads (bit-identical), closed forms, SnapKV's mean as a peer, invalid rows and the errors.

@@ -1,4 +1,4 @@
-// ManifoldKV (ManifoldL2, score = ‖k - μ‖, kvscore/scorers/manifold_l2.hpp; docs/manifoldkv.md):
+// ManifoldKV (ManifoldL2, score = ‖k - μ‖, kvscore/scorers/manifold_l2.hpp; docs/methods/manifoldkv.md):
 // the paper's Thm A.1 closed form (a radial outlier kept by ManifoldL2, evicted by KeyDiff) and
 // invariance to translating every key. Windows: test_windowed_manifoldkv.cpp; numpy fixtures:
 // test_golden.cpp; the cross-scorer properties: test_scorer_properties.cpp.

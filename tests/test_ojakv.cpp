@@ -1,4 +1,4 @@
-// OjaKV (include/kvscore/ojakv/ojakv.hpp, docs/ojakv.md): the generator against its published
+// OjaKV (include/kvscore/ojakv/ojakv.hpp, docs/methods/ojakv.md): the generator against its published
 // reference values, closed forms (RER, SO, energy rank, one Oja step recomputed with an
 // eigen-solver and Gram–Schmidt, memory), planted structure (a subspace, a drift, high-residual
 // tokens), a brute-force fp64 reference of the residual score, invalid rows and error paths.

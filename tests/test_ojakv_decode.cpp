@@ -1,4 +1,4 @@
-// OjaKV during generation (OjaHybridCache::append / commit, docs/ojakv.md "Decode"): every
+// OjaKV during generation (OjaHybridCache::append / commit, docs/methods/ojakv.md "Decode"): every
 // block checked against a brute-force fp64 simulation (bases from the same projectors, the
 // residual rule from its definition, codes rebased basis by basis), a 64K-token generation on
 // drifting synthetic keys against the frozen basis (output error, memory per token against the
@@ -216,7 +216,7 @@ TEST_CASE("ojakv decode: 64K drifting decode steps, adapted vs frozen basis", "[
 
 TEST_CASE("ojakv decode: a task shift - new tokens gain, rebased old ones lose", "[ojakv][decode][drift]") {
   // The adapted basis follows the new subspace; every rebase projects the older codes onto it,
-  // so the prompt's tokens lose what the new basis does not span (docs/ojakv.md "Decode").
+  // so the prompt's tokens lose what the new basis does not span (docs/methods/ojakv.md "Decode").
   const DriftErrors e = drift_run(true, false);
   WARN("ojakv decode, " << kSteps << " steps, task shift after " << kSteps / 4 << ": " << report(e));
   CHECK(e.rer_last_adapted < 0.6 * e.rer_last_frozen);  // 0.02x at 64K steps, 0.5x at 16K (still converging)

@@ -1,4 +1,4 @@
-// ParisKV (include/kvscore/pariskv/pariskv.hpp, docs/pariskv.md): rotation orthonormality, encoder
+// ParisKV (include/kvscore/pariskv/pariskv.hpp, docs/methods/pariskv.md): rotation orthonormality, encoder
 // round trip against an independent float64 re-encoding, the Lloyd–Max table against the
 // public numbers and an independent Simpson integration, Stage I against a brute-force
 // float64 definition, RSQ-IP accuracy, recall on planted structured data (prefill and drift),

@@ -1,4 +1,4 @@
-// ProtoKV (include/kvscore/scorers/protokv.hpp, docs/protokv.md): golden values from an
+// ProtoKV (include/kvscore/scorers/protokv.hpp, docs/methods/protokv.md): golden values from an
 // independent float64 numpy implementation (tests/data/protokv/, tools/gen_protokv_fixtures.py),
 // bit-exact RNG, planted structure (anchors kept whole at a 5% budget, chunk prototypes recover
 // contiguous topics, sum vs mean ψ), the cluster-granular selection for every budget, equivalence

@@ -1,5 +1,5 @@
 // Q-Filters (QFilter, score = <k, f_h>, and calibrate_qfilters; kvscore/scorers/qfilter.hpp;
-// docs/qfilters.md): linearity in keys and filter, shape errors, the calibration's sign rule and
+// docs/methods/qfilters.md): linearity in keys and filter, shape errors, the calibration's sign rule and
 // GQA mean. Against numpy: test_golden.cpp (fixtures, from_npy, SVD); the published filter
 // convention: test_safetensors.cpp; the cross-scorer properties: test_scorer_properties.cpp.
 #include <catch2/catch.hpp>

@@ -1,7 +1,7 @@
 // Robustness (issue 10): determinism across threads, runs and kernel tables for every CPU
 // scorer and the selector; limits (head_dim range, heads, 2^31+ tokens, int64 overflow of
 // sizes) — huge views are built over small buffers and must be rejected before any access,
-// or (2^31+ tokens) work through a sparse read-only mapping. See docs/robustness.md.
+// or (2^31+ tokens) work through a sparse read-only mapping. See docs/contributing/robustness.md.
 #include <sys/mman.h>
 
 #include <catch2/catch.hpp>

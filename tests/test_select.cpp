@@ -59,7 +59,7 @@ bool better(const Cand& a, const Cand& b) {
 }
 
 std::vector<float> ref_znorm(const float* x, std::int64_t n) {
-  // double sums in 8 lanes (lane = position % 8), combined pairwise (docs/select.md)
+  // double sums in 8 lanes (lane = position % 8), combined pairwise (docs/reference/select.md)
   auto combine = [](const double* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); };
   double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sq[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   std::int64_t c = 0;

@@ -1,4 +1,4 @@
-// SnapKV (include/kvscore/scorers/snapkv.hpp, docs/snapkv.md): golden values against the
+// SnapKV (include/kvscore/scorers/snapkv.hpp, docs/methods/snapkv.md): golden values against the
 // numpy fixtures in tests/data/snapkv/ (tools/gen_snapkv_fixtures.py), a float64
 // brute-force reference for random shapes, closed forms, invariants, invalid rows,
 // error paths and determinism.
@@ -71,7 +71,7 @@ Ref widen(const std::vector<T>& keys, std::int64_t H, std::int64_t N, std::int64
   return r;
 }
 
-/// SnapKV in float64, straight from the definition (docs/snapkv.md). after_cache: the queries
+/// SnapKV in float64, straight from the definition (docs/methods/snapkv.md). after_cache: the queries
 /// follow the cache, so every one sees all N keys and the whole cache is the pooled prefix.
 std::vector<double> ref_snapkv(const Ref& r, const std::vector<float>& q, std::int64_t Hq, std::int64_t w,
                                std::int64_t kernel, bool after_cache = false) {

@@ -1,5 +1,5 @@
 // The code the documentation shows, compiled and run (CUB's habit): every C++ example of README.md,
-// docs/*.md and the header comments is a region of this file,
+// docs/**/*.md and the header comments is a region of this file,
 //   // [snippet NAME]
 //   ...
 //   // [snippet end]
@@ -43,19 +43,15 @@ TEST_CASE("snippet quickstart (README): score an HF layer, select 512 per head",
   const std::vector<kvscore::half> cache = layer<kvscore::half>(batch * kv_heads, seq, head_dim, 1);
   const kvscore::half* layer_ptr = cache.data();
   // [snippet quickstart]
-  // one layer of an HF cache: kvscore::half keys[batch][kv_heads][seq][head_dim]
+  // one layer of an HF cache: kvscore::half keys[batch][kv_heads][seq][head_dim], read in place
   auto keys = kvscore::KeysView<kvscore::half>::hf(layer_ptr, /*batch_index*/ 0, batch, kv_heads, seq, head_dim);
+  kvscore::Scores s = kvscore::ManifoldL2{}.score(keys);  // fp32 [kv_heads][seq], higher = keep
 
-  kvscore::ManifoldL2 scorer;                    // or KNorm, KeyDiff, WindowedManifoldL2{4096}, QFilter
-  kvscore::Scores s = scorer.score(keys);        // fp32 [kv_heads][seq], higher = keep
-
-  // keep 512 tokens per head, the first 4 and last 64 always; kept positions ascend per head
-  kvscore::SelectOptions opt;
-  opt.sinks = 4;
-  opt.recent = 64;
-  kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(512), opt);
-
-  // then gather the kept rows of K and V in place (docs/compaction.md)
+  kvscore::SelectOptions opt;                             // keep 512 tokens per head,
+  opt.sinks = 4;                                          // the first 4 always
+  opt.recent = 64;                                        // and the last 64
+  kvscore::Selection sel = kvscore::select(s, kvscore::Budget::per_head(512), opt);  // ascending per head
+  // then kvscore::compact gathers the kept rows of K and V in place
   // [snippet end]
   REQUIRE(sel.heads == kv_heads);
   for (std::int64_t h = 0; h < kv_heads; ++h) {
@@ -67,7 +63,7 @@ TEST_CASE("snippet quickstart (README): score an HF layer, select 512 per head",
   }
 }
 
-TEST_CASE("snippet select (docs/select.md, select.hpp): per-head and AdaKV budgets", "[snippets]") {
+TEST_CASE("snippet select (docs/reference/select.md, select.hpp): per-head and AdaKV budgets", "[snippets]") {
   const std::vector<float> k = layer<float>(4, 300, 32, 2);
   const kvscore::KeysView<float> keys(k.data(), 4, 300, 32, 300 * 32, 32);
   // [snippet select]
@@ -101,7 +97,7 @@ TEST_CASE("snippet select (docs/select.md, select.hpp): per-head and AdaKV budge
   CHECK(ragged.total() == 4 * 75);
 }
 
-TEST_CASE("snippet scorers-by-name (docs/scorers.md, make_scorer.hpp): a scorer from the registry", "[snippets]") {
+TEST_CASE("snippet scorers-by-name (docs/reference/scorers.md, make_scorer.hpp): a scorer from the registry", "[snippets]") {
   const std::vector<float> k = layer<float>(8, 600, 128, 3);
   const kvscore::KeysView<float> keys(k.data(), 8, 600, 128, 600 * 128, 128);
   const std::vector<float> queries = randn(std::size_t(32 * 64 * 128), 4);
@@ -128,7 +124,7 @@ TEST_CASE("snippet scorers-by-name (docs/scorers.md, make_scorer.hpp): a scorer 
   CHECK(top.total() == 8 * 100);
 }
 
-TEST_CASE("snippet compaction (docs/compaction.md): select, then gather K and V in place", "[snippets]") {
+TEST_CASE("snippet compaction (docs/reference/compaction.md): select, then gather K and V in place", "[snippets]") {
   const std::int64_t batch = 2, kv_heads = 2, seq = 100, head_dim = 16, capacity = 128, b = 1, n = 40;
   std::vector<kvscore::half> k_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 5);
   std::vector<kvscore::half> v_buf = layer<kvscore::half>(batch * kv_heads, capacity, head_dim, 6);
@@ -153,7 +149,7 @@ TEST_CASE("snippet compaction (docs/compaction.md): select, then gather K and V 
     }
 }
 
-TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, compact it", "[snippets]") {
+TEST_CASE("snippet paged (docs/reference/paged.md): score a vLLM block pool, its slots, compact it", "[snippets]") {
   const std::int64_t kv_heads = 2, head_dim = 16, block_size = 16, num_blocks = 12, seq_len = 70, n = 32, h = 1;
   std::vector<kvscore::half> k_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 7);
   std::vector<kvscore::half> v_buf = layer<kvscore::half>(num_blocks * block_size, kv_heads, head_dim, 8);
@@ -190,7 +186,7 @@ TEST_CASE("snippet paged (docs/paged.md): score a vLLM block pool, its slots, co
   CHECK(kept.positions == sel.positions);
 }
 
-TEST_CASE("snippet paged-vllm-cpu (docs/paged.md): vLLM CPU's transposed keys scored in place", "[snippets]") {
+TEST_CASE("snippet paged-vllm-cpu (docs/reference/paged.md): vLLM CPU's transposed keys scored in place", "[snippets]") {
   const std::int64_t kv_heads = 3, head_dim = 16, block_size = 32, num_blocks = 6, tokens = 70;
   // keys[h][t][j], written into vLLM CPU's layer [num_blocks][kv_heads][block_size][2 * head_dim]
   // with the keys of each (block, head) transposed, at the blocks of the table
@@ -214,7 +210,7 @@ TEST_CASE("snippet paged-vllm-cpu (docs/paged.md): vLLM CPU's transposed keys sc
   for (std::size_t i = 0; i < s.values().size(); ++i) CHECK(s.values()[i] == Approx(ref.values()[i]).epsilon(1e-5));
 }
 
-TEST_CASE("snippet pariskv (docs/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
+TEST_CASE("snippet pariskv (docs/methods/pariskv.md, pariskv.hpp): the index, a retriever, the decode cache", "[snippets]") {
   const std::int64_t head_dim = 64, n_prefill = 600, row_stride = head_dim, N = 900, n = 128, max_tokens = 1000;
   const std::vector<kvscore::half> k_all = layer<kvscore::half>(1, max_tokens, head_dim, 9);
   const std::vector<kvscore::half> v_all = layer<kvscore::half>(1, max_tokens, head_dim, 10);
@@ -329,7 +325,7 @@ TEST_CASE("snippet pariskv-layer-header and ojakv-layer-header: a layer's decode
   }
 }
 
-TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
+TEST_CASE("snippet decoding (docs/reference/decoding.md, decoding.hpp): a cache kept at its target size", "[snippets]") {
   const std::int64_t kv_heads = 2, head_dim = 16, n = 1500, h = 1;
   const std::vector<kvscore::half> prompt_k = layer<kvscore::half>(kv_heads, n, head_dim, 12);
   const std::vector<kvscore::half> prompt_v = layer<kvscore::half>(kv_heads, n, head_dim, 13);
@@ -360,7 +356,7 @@ TEST_CASE("snippet decoding (docs/decoding.md, decoding.hpp): a cache kept at it
   CHECK(pos.size() == 1);
 }
 
-TEST_CASE("snippet ojakv (docs/ojakv.md): projectors, anchors, the hybrid store, generation", "[snippets]") {
+TEST_CASE("snippet ojakv (docs/methods/ojakv.md): projectors, anchors, the hybrid store, generation", "[snippets]") {
   const int kv_heads = 2;
   const std::int64_t d = 128, q_heads = 4, tokens = 300, h = 1;
   const std::vector<float> kbuf = layer<float>(kv_heads, tokens, d, 15), vbuf = layer<float>(kv_heads, tokens, d, 16);
@@ -404,7 +400,7 @@ TEST_CASE("snippet ojakv (docs/ojakv.md): projectors, anchors, the hybrid store,
   CHECK(cache.tokens() == tokens + 1);
 }
 
-TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-aware scores", "[snippets]") {
+TEST_CASE("snippet protokv and snapkv (docs/methods/protokv.md, docs/methods/snapkv.md): query-aware scores", "[snippets]") {
   const std::int64_t kv_heads = 2, q_heads = 4, head_dim = 32, tokens = 1500;
   const std::vector<float> kbuf = layer<float>(kv_heads, tokens, head_dim, 21);
   const kvscore::KeysView<float> keys(kbuf.data(), kv_heads, tokens, head_dim, tokens * head_dim, head_dim);
@@ -420,7 +416,7 @@ TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-a
     o.sinks = 4;
     o.recent = pk.protected_recent();                  // = w: the window is kept, by a mask
     kvscore::Selection kept = kvscore::select(s, kvscore::Budget::per_head(1024), o);
-    // or o.alloc = kvscore::Alloc::adakv; then compaction (docs/compaction.md) as for any scorer
+    // or o.alloc = kvscore::Alloc::adakv; then compaction (docs/reference/compaction.md) as for any scorer
     // [snippet end]
     CHECK(kept.total() == kv_heads * 1024);
     CHECK(kept.head(0).back() == tokens - 1);
@@ -437,7 +433,7 @@ TEST_CASE("snippet protokv and snapkv (docs/protokv.md, docs/snapkv.md): query-a
   CHECK(kept.head(1).back() == tokens - 1);
 }
 
-TEST_CASE("snippet kvzip (docs/kvzip.md): two reconstruction passes fill one score array, one top-k keeps",
+TEST_CASE("snippet kvzip (docs/methods/kvzip.md): two reconstruction passes fill one score array, one top-k keeps",
           "[snippets]") {
   const std::int64_t kv_heads = 2, q_heads = 6, head_dim = 32, n = 300, budget = 2 * 100;
   const std::vector<float> kbuf = layer<float>(kv_heads, n, head_dim, 31);
@@ -479,7 +475,7 @@ TEST_CASE("snippet kvzip (docs/kvzip.md): two reconstruction passes fill one sco
   }
 }
 
-TEST_CASE("snippet manifoldkv and integration (docs/manifoldkv.md, docs/integration.md)", "[snippets]") {
+TEST_CASE("snippet manifoldkv and integration (docs/methods/manifoldkv.md, docs/guides/integration.md)", "[snippets]") {
   const std::int64_t N = 400;
   const std::vector<float> kbuf = layer<float>(2, N, 32, 23);
   const kvscore::KeysView<float> view(kbuf.data(), 2, N, 32, N * 32, 32);
@@ -527,7 +523,7 @@ TEST_CASE("snippet streaming-llm and synth (streaming_llm.hpp, synth.hpp)", "[sn
   CHECK(data.keys.size() == std::size_t(4 * 2048 * 64));
 }
 
-TEST_CASE("snippet joint (docs/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
+TEST_CASE("snippet joint (docs/reference/joint.md, joint.hpp): one keep list for every head and layer", "[snippets]") {
   const int n_layer = 3;
   const std::int64_t kv_heads = 2, tokens = 300, head_dim = 32, budget = 120;
   std::vector<std::vector<float>> cache;
@@ -589,4 +585,183 @@ TEST_CASE("snippet: block-sparse decode over a paged cache (block_sparse.hpp)", 
   CHECK(out[3] == 2);
   CHECK(out[4] == 11);
   CHECK(std::find(table.begin() + 1, table.begin() + 7, out[1]) != table.begin() + 7);
+}
+
+namespace {
+
+/// One layer's NHD pool [num_blocks][block_size][kv_heads][head_dim] with some structure.
+std::vector<float> nhd_pool(std::int64_t num_blocks, std::int64_t block_size, std::int64_t kv_heads,
+                            std::int64_t head_dim, std::uint32_t seed) {
+  return layer<float>(num_blocks * block_size, kv_heads, head_dim, seed);
+}
+
+/// The keys of a sequence as [kv_heads][tokens][head_dim], gathered through its block table.
+std::vector<float> gather_keys(const std::vector<float>& pool, std::span<const std::int32_t> table,
+                               std::int64_t tokens, std::int64_t block_size, std::int64_t kv_heads,
+                               std::int64_t head_dim) {
+  std::vector<float> k(std::size_t(kv_heads * tokens * head_dim));
+  for (std::int64_t h = 0; h < kv_heads; ++h)
+    for (std::int64_t t = 0; t < tokens; ++t)
+      for (std::int64_t j = 0; j < head_dim; ++j)
+        k[std::size_t((h * tokens + t) * head_dim + j)] =
+            pool[std::size_t(((table[std::size_t(t / block_size)] * block_size + t % block_size) * kv_heads + h) *
+                                 head_dim + j)];
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("snippet paged-evict and paged-evict-tp (docs/guides/paged-engine.md): whole blocks, holes, TP ranks",
+          "[snippets]") {
+  const std::int64_t layers = 3, num_blocks = 40, block_size = 16, kv_heads = 4, head_dim = 32, tokens = 300;
+  std::vector<std::vector<float>> pools;
+  for (std::int64_t l = 0; l < layers; ++l)
+    pools.push_back(nhd_pool(num_blocks, block_size, kv_heads, head_dim, 70u + std::uint32_t(l)));
+  std::vector<const float*> k_pool;
+  for (const auto& p : pools) k_pool.push_back(p.data());
+  std::vector<std::int32_t> table(std::size_t(kvscore::blocks_for(tokens, block_size)));
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = std::int32_t((7 * i + 3) % std::size_t(num_blocks));
+  std::vector<std::int32_t> free_list;
+  auto free_block = [&](std::int32_t id) { free_list.push_back(id); };
+  // [snippet paged-evict]
+  // after the prefill of one sequence: every layer's keys in its pool, the sequence's block table
+  kvscore::BlockTable bt(table, block_size, num_blocks, tokens);
+  std::vector<kvscore::Scores> per_layer;
+  for (std::int64_t l = 0; l < layers; ++l)
+    per_layer.push_back(kvscore::KNorm{}.score(kvscore::PagedKeysView<float>::nhd(k_pool[l], kv_heads, head_dim, bt)));
+
+  kvscore::BlockJointOptions o;
+  o.sinks = 4;                                    // the first block always kept
+  o.recent = 64;                                  // the blocks of the last 64 positions too
+  const std::int64_t nb = kvscore::blocks_for(tokens, block_size);
+  std::vector<std::int64_t> kept = kvscore::select_joint_blocks(per_layer, block_size, nb / 2, o);  // logical, ascending
+
+  // holes: nothing moves; attention reads the kept blocks' ids and a length less the evicted tokens
+  std::vector<std::int32_t> attend_table;
+  for (std::int64_t b : kept) attend_table.push_back(table[std::size_t(b)]);
+  const std::int64_t attend_len = tokens - (nb - std::int64_t(kept.size())) * block_size;
+  for (std::int64_t b = 0, k = 0; b < nb; ++b)   // the evicted blocks go back to the pool
+    if (k < std::int64_t(kept.size()) && kept[std::size_t(k)] == b) ++k;
+    else free_block(table[std::size_t(b)]);
+  // [snippet end]
+  REQUIRE(std::int64_t(kept.size()) == nb / 2);
+  CHECK(kept.front() == 0);
+  CHECK(kept.back() == nb - 1);  // the partial last block
+  CHECK(std::int64_t(free_list.size()) == nb - nb / 2);
+  CHECK(attend_len == (std::int64_t(kept.size()) - 1) * block_size + (tokens - (nb - 1) * block_size));
+  for (std::int32_t id : free_list) CHECK(std::find(attend_table.begin(), attend_table.end(), id) == attend_table.end());
+
+  // two tensor-parallel ranks, two KV heads each: each scores its own heads of every layer
+  std::vector<std::vector<kvscore::Scores>> rank_scores(2);
+  for (int r = 0; r < 2; ++r)
+    for (std::int64_t l = 0; l < layers; ++l) {
+      const kvscore::Scores& all = per_layer[std::size_t(l)];
+      kvscore::Scores s(2, tokens);
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t t = 0; t < tokens; ++t) s.view()(h, t) = all(2 * r + h, t);
+      rank_scores[std::size_t(r)].push_back(std::move(s));
+    }
+  std::vector<kvscore::JointPartial> all_partials;
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<kvscore::Scores>& my_per_layer = rank_scores[std::size_t(r)];
+    // [snippet paged-evict-tp]
+    // on every rank: its own KV heads of every layer give its partial (max, sum, count per position)
+    kvscore::JointPartial mine = kvscore::joint_partial(my_per_layer, o);
+    // [snippet end]
+    all_partials.push_back(std::move(mine));
+  }
+  // [snippet paged-evict-tp-combine]
+  // in one place (vLLM: the scheduler), every rank's partial: one decision for all ranks
+  std::vector<float> J = kvscore::combine_partials(all_partials, o);   // the joint score per position
+  std::vector<float> B = kvscore::block_scores(J, block_size, o);      // per block
+  std::vector<std::int64_t> kept_tp = kvscore::select_blocks(B, tokens, block_size, nb / 2, o);
+  // [snippet end]
+  CHECK(kept_tp == kept);  // max over rows: the split does not change the decision (bit for bit)
+}
+
+TEST_CASE("snippet block-sparse-loop (docs/guides/block-sparse-decode.md): a whole decode step loop", "[snippets]") {
+  const std::int64_t layers = 2, num_blocks = 64, block_size = 16, kv_heads = 2, head_dim = 32, q_heads = 4;
+  std::vector<std::vector<float>> pools;
+  for (std::int64_t l = 0; l < layers; ++l)
+    pools.push_back(nhd_pool(num_blocks, block_size, kv_heads, head_dim, 90u + std::uint32_t(l)));
+  std::vector<const float*> k_pool;
+  for (const auto& p : pools) k_pool.push_back(p.data());
+  struct Seq {
+    std::vector<std::int32_t> table;
+    std::int64_t tokens;
+  };
+  std::vector<Seq> seqs(2);  // two sequences of 400 and 330 tokens, growing by one per step
+  for (std::int32_t b = 0; b < 30; ++b) seqs[0].table.push_back(b);
+  for (std::int32_t b = 30; b < 60; ++b) seqs[1].table.push_back(b);
+  seqs[0].tokens = 400;
+  seqs[1].tokens = 330;
+  std::vector<std::vector<float>> queries;  // [layer][seq] this step's query [q_heads][head_dim]
+  for (std::int64_t l = 0; l < layers; ++l)
+    for (std::size_t s = 0; s < seqs.size(); ++s)
+      queries.push_back(randn(std::size_t(q_heads * head_dim), 100u + std::uint32_t(l * 2) + std::uint32_t(s)));
+  auto query = [&](std::int64_t l, std::size_t s) { return queries[std::size_t(l) * seqs.size() + s].data(); };
+  std::vector<std::vector<std::vector<std::int32_t>>> attended(static_cast<std::size_t>(layers));  // what attention read
+  auto attention = [&](std::int64_t l, std::size_t s, std::span<const std::int32_t> blocks, std::int64_t len) {
+    CHECK(len == (std::int64_t(blocks.size()) - 1) * block_size +
+                     (seqs[s].tokens - (kvscore::blocks_for(seqs[s].tokens, block_size) - 1) * block_size));
+    attended[std::size_t(l)].emplace_back(blocks.begin(), blocks.end());
+  };
+  const int steps = 3;
+  // [snippet block-sparse-loop]
+  kvscore::BlockSparseOptions opt;                 // int4 scores, 4 sinks, 64 local tokens
+  opt.refresh = 8;                                 // a sequence's blocks scored every 8th step
+  kvscore::PagedBlockSelector sel(layers, num_blocks, kv_heads, head_dim, block_size, opt);
+  // the selector reads the pool's data, strides and shape only: a table of 0 tokens views the whole pool
+  const kvscore::BlockTable pool_only(std::span<const std::int32_t>{}, block_size, num_blocks, 0);
+  std::vector<kvscore::BlockSparseRow> rows(seqs.size());
+  std::vector<std::vector<std::int32_t>> chosen(seqs.size());
+  for (int step = 0; step < steps; ++step) {
+    // the engine appended one token to every sequence and wrote its key to `slots`
+    std::vector<std::int64_t> slots, live;
+    for (Seq& s : seqs) {
+      const std::int64_t t = s.tokens++;           // its position; the last block has room here
+      slots.push_back(s.table[std::size_t(t / block_size)] * block_size + t % block_size);
+      live.push_back(s.table[0]);                  // a sequence is named by its first block
+    }
+    sel.begin_step(slots, live);                   // once per step; `live` keeps the running ones' state
+    for (std::int64_t l = 0; l < layers; ++l) {
+      for (std::size_t s = 0; s < seqs.size(); ++s) {
+        const std::int64_t a = kvscore::attended_blocks(seqs[s].tokens, block_size, 0.1, opt);
+        chosen[s].resize(std::size_t(a));
+        rows[s] = {seqs[s].table, seqs[s].tokens, query(l, s), a, chosen[s].data()};
+      }
+      sel.select(l, kvscore::PagedKeysView<float>::nhd(k_pool[l], kv_heads, head_dim, pool_only), q_heads, rows);
+      for (std::size_t s = 0; s < seqs.size(); ++s) {  // the engine's own paged attention, on fewer blocks
+        const std::int64_t nb = kvscore::blocks_for(seqs[s].tokens, block_size);
+        const std::int64_t len = (rows[s].attend - 1) * block_size + (seqs[s].tokens - (nb - 1) * block_size);
+        attention(l, s, chosen[s], len);
+      }
+    }
+  }
+  // [snippet end]
+  // every step's choice: the attended count, the protected blocks, ids of the sequence's table in order;
+  // the first step (every sequence scored) is the stateless reference's on the same keys and query
+  for (std::int64_t l = 0; l < layers; ++l) {
+    REQUIRE(attended[std::size_t(l)].size() == std::size_t(steps) * seqs.size());
+    for (std::size_t i = 0; i < attended[std::size_t(l)].size(); ++i) {
+      const auto& got = attended[std::size_t(l)][i];
+      const Seq& s = seqs[i % seqs.size()];
+      CHECK(got.front() == s.table[0]);
+      std::vector<std::int64_t> logical;
+      for (std::int32_t id : got)
+        logical.push_back(std::find(s.table.begin(), s.table.end(), id) - s.table.begin());
+      CHECK(std::is_sorted(logical.begin(), logical.end()));
+      CHECK(logical.back() < std::int64_t(s.table.size()));
+    }
+    for (std::size_t si = 0; si < seqs.size(); ++si) {
+      const std::int64_t tokens0 = seqs[si].tokens - steps + 1;  // the first step's length
+      const std::vector<float> k = gather_keys(pools[std::size_t(l)], seqs[si].table, tokens0, block_size, kv_heads, head_dim);
+      const std::int64_t a = kvscore::attended_blocks(tokens0, block_size, 0.1, opt);
+      const std::vector<std::int64_t> want = kvscore::block_sparse_reference(
+          k.data(), kv_heads, tokens0, head_dim, block_size, query(l, si), q_heads, a, opt);
+      std::vector<std::int32_t> want_ids;
+      for (std::int64_t b : want) want_ids.push_back(seqs[si].table[std::size_t(b)]);
+      CHECK(attended[std::size_t(l)][si] == want_ids);
+    }
+  }
 }

@@ -1,4 +1,4 @@
-// StreamingLLM (sinks + the most recent tokens per head, kvscore/streaming_llm.hpp; docs/select.md,
+// StreamingLLM (sinks + the most recent tokens per head, kvscore/streaming_llm.hpp; docs/reference/select.md,
 // "StreamingLLM"): the kept positions, equality with select() under the same protection and
 // with the per-layer form, and the error messages. The selector itself is tested in test_select.cpp.
 #include <catch2/catch.hpp>

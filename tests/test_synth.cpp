@@ -1,7 +1,7 @@
-// Synthetic caches (include/kvscore/synth.hpp, docs/synth.md): the random stream against a
+// Synthetic caches (include/kvscore/synth.hpp, docs/reference/synth.md): the random stream against a
 // numpy reimplementation (tools/gen_eval_fixtures.py), reproducibility, the planted
 // structure itself, and — on that data, through the evaluator — the papers' qualitative
-// claims, each an assertion with a margin (measured values are in docs/synth.md; margins
+// claims, each an assertion with a margin (measured values are in docs/reference/synth.md; margins
 // are about half the measured gap, checked on two seeds).
 #include <catch2/catch.hpp>
 

@@ -1,10 +1,11 @@
 // The source tree against what its docs say about it: the floors of include/kvscore
-// (docs/architecture.md, "The floors") worked out from the #include lines; the front ends
+// (docs/design/architecture.md, "The floors") worked out from the #include lines; the front ends
 // name no method and write no default of their own (both come from kvscore/methods.hpp and the
 // library's option structs).
 #include <catch2/catch.hpp>
 
 #include <kvscore/methods.hpp>
+#include <kvscore/version.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -108,10 +109,10 @@ std::string text(const Graph& g) {
 
 }  // namespace
 
-TEST_CASE("tree: docs/architecture.md's floors are the include graph's", "[tree]") {
+TEST_CASE("tree: docs/design/architecture.md's floors are the include graph's", "[tree]") {
   const Graph g = include_graph();
   const std::map<std::string, int> floor = floors_of(g);
-  const std::string doc = read(kRoot / "docs" / "architecture.md");
+  const std::string doc = read(kRoot / "docs" / "design" / "architecture.md");
 
   // the picture: "floor N   room room ..."
   std::map<std::string, int> drawn;
@@ -178,7 +179,7 @@ std::vector<fs::path> front_end_sources() {
 }
 
 /// What a front end must not write: a spelling of a method of kvscore/methods.hpp as a word of
-/// a string literal ("docs/ojakv.md" is a path, not a name), a default other than 0 or 1 in
+/// a string literal ("docs/methods/ojakv.md" is a path, not a name), a default other than 0 or 1 in
 /// --help ("default 4096") or as a flag's fallback (get_int("--window", 4096, ...)).
 struct Findings {
   std::vector<std::string> names, defaults;
@@ -227,7 +228,7 @@ TEST_CASE("tree: the front-end scan finds a method name and a written default", 
   const std::string src =
       "// \"knorm\" in a comment\n"
       "const char* a = \"use snapkv, l2 or windowed-l2.\"; /* \"l2\" */ char c = '\"';\n"
-      "auto b = \"docs/ojakv.md, ojakv.txt, the L2 norm, --kl2, pariskv-codebook \\\" x (default 0)\";\n"
+      "auto b = \"docs/methods/ojakv.md, ojakv.txt, the L2 norm, --kl2, pariskv-codebook \\\" x (default 0)\";\n"
       "auto w = args.get_int(\"--window\", 4096, 1, 9); auto t = args.get_int(\"--threads\", 0, 0, 9);\n"
       "auto u = \"(default 4096, > 0)\";\n";
   const auto lits = string_literals(src);
@@ -314,8 +315,9 @@ TEST_CASE("tree: the C++ examples of README, docs and headers are compiled regio
 
   // docs: every ```cpp block is a snippet, or says why not
   std::vector<fs::path> pages{kRoot / "README.md"};
-  for (const auto& e : fs::directory_iterator(kRoot / "docs"))
+  for (const auto& e : fs::recursive_directory_iterator(kRoot / "docs"))
     if (e.path().extension() == ".md") pages.push_back(e.path());
+  std::sort(pages.begin() + 1, pages.end());
   const std::regex marker(R"(^<!-- snippet ([\w-]+): tests/test_snippets\.cpp -->$)"), exempt(R"(^<!-- not a snippet: .+ -->$)");
   for (const fs::path& page : pages) {
     std::vector<std::string> lines;
@@ -323,7 +325,7 @@ TEST_CASE("tree: the C++ examples of README, docs and headers are compiled regio
     for (std::string l; std::getline(in, l);) lines.push_back(l);
     for (std::size_t i = 0; i < lines.size(); ++i) {
       if (lines[i].rfind("```cpp", 0) != 0) continue;
-      const std::string where = page.filename().string() + ":" + std::to_string(i + 1);
+      const std::string where = fs::relative(page, kRoot).generic_string() + ":" + std::to_string(i + 1);
       INFO(where);
       std::smatch m;
       const std::string before = i > 0 ? lines[i - 1] : "";
@@ -374,4 +376,24 @@ TEST_CASE("tree: the C++ examples of README, docs and headers are compiled regio
     CHECK(used.count(name) == 1);
   }
   CHECK(copies.size() >= regions.size());
+}
+
+TEST_CASE("tree: one version: version.hpp, CMake, pyproject.toml and CHANGELOG.md agree", "[tree][version]") {
+  const std::string v = kvscore::version_string;
+  CHECK(v == std::to_string(KVSCORE_VERSION_MAJOR) + "." + std::to_string(KVSCORE_VERSION_MINOR) + "." +
+                 std::to_string(KVSCORE_VERSION_PATCH));
+  CHECK(v == KVSCORE_VERSION_STRING);
+#ifdef KVSCORE_PROJECT_VERSION
+  CHECK(v == KVSCORE_PROJECT_VERSION);  // CMakeLists.txt read it from version.hpp
+#endif
+  // pyproject.toml takes the package version from the same #define (scikit-build-core's regex provider)
+  const std::string py = read(kRoot / "pyproject.toml");
+  CHECK(py.find("input = \"include/kvscore/version.hpp\"") != std::string::npos);
+  CHECK(py.find("regex = '#define KVSCORE_VERSION_STRING \"(?P<value>[^\"]+)\"'") != std::string::npos);
+  // CHANGELOG.md: Keep a Changelog, the newest release first, this version
+  const std::string log = read(kRoot / "CHANGELOG.md");
+  std::smatch m;
+  REQUIRE(std::regex_search(log, m, std::regex(R"(\n## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2}))")));
+  CHECK(m[1].str() == v);
+  CHECK(log.find("## [Unreleased]") < std::size_t(m.position(0)));
 }

@@ -1,5 +1,5 @@
 // Windowed ManifoldKV (WindowedManifoldL2, kvscore/scorers/windowed_manifold_l2.hpp;
-// docs/windowed-manifoldkv.md): window boundaries under both tail rules, each window equal to
+// docs/methods/windowed-manifoldkv.md): window boundaries under both tail rules, each window equal to
 // ManifoldL2 of its slice, N <= W equal to ManifoldL2, and the window <= 0 error. Translation
 // invariance is in test_manifoldkv.cpp, the cross-scorer properties in test_scorer_properties.cpp.
 #include <catch2/catch.hpp>

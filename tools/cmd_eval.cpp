@@ -1,5 +1,5 @@
 // tools/cmd_eval.cpp — `kvscore eval`: which scorer at which budget, measured against full
-// attention on dumped (or synthetic) K, V, Q. Library: include/kvscore/eval/. Docs: docs/evaluate.md.
+// attention on dumped (or synthetic) K, V, Q. Library: include/kvscore/eval/. Docs: docs/reference/evaluate.md.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>

@@ -1,5 +1,5 @@
 // tools/cmd_oja.cpp — `kvscore oja`: OjaKV prefill update of the key basis of every head
-// (docs/ojakv.md), written as U.npy; prints RER (and SO against a reference) on one line.
+// (docs/methods/ojakv.md), written as U.npy; prints RER (and SO against a reference) on one line.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -38,7 +38,7 @@ const char* const kOjaUsage =
     "  --out-basis U.npy   '<f4' [heads, head_dim, R]: the key bases after the prefill update\n"
     "  --prefill P         converged (default: up to 32 steps at eta 1.5, about the prompt's PCA) |\n"
     "                      paper (ojakv.txt Alg. 1: one step at eta 0.10 from the --calib start,\n"
-    "                      which it needs); docs/ojakv.md says when each is better\n"
+    "                      which it needs); docs/methods/ojakv.md says when each is better\n"
     "  -h, --help          this help\n";
 
 const std::vector<FlagSpec> kOjaFlags = {

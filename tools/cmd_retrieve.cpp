@@ -20,7 +20,7 @@ namespace kvscore::cli {
 const char* const kRetrieveUsage =
     "usage: kvscore retrieve --keys K.npy --queries Q.npy --topk K --out I.npy [options]\n"
     "\n"
-    "ParisKV retrieval (docs/pariskv.md): one index per KV head over all its keys, then for\n"
+    "ParisKV retrieval (docs/methods/pariskv.md): one index per KV head over all its keys, then for\n"
     "every query the top-K positions by estimated inner product <k, q>, ascending per row.\n"
     "Without --rerank-exact this is the paper's pipeline (collision votes, then RSQ-IP rerank\n"
     "of the candidates from 4-bit codes) on keys centred by their mean.\n"
@@ -37,7 +37,7 @@ const char* const kRetrieveUsage =
     "  --rho R             collision ratio in (0, 1] (default: by length, 0.5 .. 0.2)\n"
     "  --rerank-exact K2   rescore the best K2 >= K RSQ-IP candidates exactly with the keys\n"
     "                      (default: off; 3K is a good choice)\n"
-    "  --sinks S           zones (docs/pariskv.md, decode-time cache): every row also holds the\n"
+    "  --sinks S           zones (docs/methods/pariskv.md, decode-time cache): every row also holds the\n"
     "  --local L           first S and the last L positions, and the top K are retrieved from\n"
     "                      the tokens between them (index over [S, tokens - L)); rows are\n"
     "                      S + K + L long. Default 0 and 0: no zones\n"

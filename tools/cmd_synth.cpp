@@ -1,5 +1,5 @@
 // tools/cmd_synth.cpp — `kvscore synth`: write a synthetic cache with planted structure
-// (include/kvscore/synth.hpp, docs/synth.md) as K.npy, V.npy, Q.npy + planted.json.
+// (include/kvscore/synth.hpp, docs/reference/synth.md) as K.npy, V.npy, Q.npy + planted.json.
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -31,7 +31,7 @@ std::string synth_usage() {
     "  K.npy, V.npy  [kv_heads, tokens, d]  ([layers, kv_heads, tokens, d] with --layers > 1)\n"
     "  Q.npy         [q_heads, queries, d]  ([layers, q_heads, queries, d])\n"
     "  planted.json  the spec and the positions of every planted token per (layer, head)\n"
-    "Same arguments, same bytes (splitmix64 + Box-Muller; see docs/synth.md).\n"
+    "Same arguments, same bytes (splitmix64 + Box-Muller; see docs/reference/synth.md).\n"
     "\n"
     "  --kind KIND     mixed (everything, moderate: the built-in benchmark data) | sinks |\n"
     "                  anisotropic | lowrank | drift | radial-needles | angular-needles |\n"

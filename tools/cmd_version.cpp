@@ -15,7 +15,7 @@ const char* const kVersionUsage =
     "Prints the kvscore version, the active SIMD kernel table (the one 'score' uses;\n"
     "pinned by the environment variable KVSCORE_ISA) and every table usable on this CPU:\n"
     "\n"
-    "  kvscore 0.1.0\n"
+    "  kvscore " KVSCORE_VERSION_STRING "\n"
     "  isa: avx2\n"
     "  available: scalar, sse2, avx2\n";
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dump a Hugging Face model's keys, values and queries for `kvscore eval` (docs/evaluate.md).
+"""Dump a Hugging Face model's keys, values and queries for `kvscore eval` (docs/reference/evaluate.md).
 
     python3 tools/dump_kv.py --model MODEL --text prompt.txt --window 32 --out DIR [--layers 0,4,8]
     python3 tools/dump_kv.py --model minilm --window 32 --out DIR   # bundled MiniLM encoder
@@ -32,7 +32,7 @@ where the model has one) and applies the model's own apply_rotary_pos_emb to the
 embeddings the module receives. The window tokens are not in K/V, so the queries attend to a
 cache that does not contain them, the evaluator's "queries after compression" (no causal mask).
 
-The leak-free dump (causal LMs; docs/evaluate.md "Protocols"): with --following F the last F
+The leak-free dump (causal LMs; docs/reference/evaluate.md "Protocols"): with --following F the last F
 tokens follow the context (or --following-text FILE: that file's tokens are appended). Then
 K.npy / V.npy hold the WHOLE context (C = N - F tokens), Q.npy the F following tokens' queries
 (the metrics), Qwin.npy [layers, q_heads, w, d] the context's own last w = --window queries
@@ -223,7 +223,7 @@ def dump(model, input_ids, window: int, out: pathlib.Path, layers=None, keep_ful
 
 def dump_split(model, input_ids, following: int, window: int, out: pathlib.Path, layers=None, calib_ids=None,
                keep_full=False):
-    """The leak-free dump of a causal LM (docs/evaluate.md "Leak-free protocol"): the last
+    """The leak-free dump of a causal LM (docs/reference/evaluate.md "Leak-free protocol"): the last
     `following` tokens of input_ids follow the context, the N - following tokens before them
     are the context (the cache). Writes (float16, C order):
 

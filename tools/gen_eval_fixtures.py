@@ -20,7 +20,7 @@ tests/data/eval/:
     normals.npy    '<f8' [9]         first 9 Box-Muller normals of kvscore::synth::Normal(42)
     stream_seeds.npy '<u8' [3]       synth::stream_seed for (7,0,0,0), (7,2,3,1), (2**64-1, 5, 1023, 2)
 
-The reference computes each quantity directly from its definition (docs/evaluate.md), not
+The reference computes each quantity directly from its definition (docs/reference/evaluate.md), not
 in the order the C++ does: p = exp(l) / sum(exp(l)) with a max shift, o_kept as a
 softmax over the kept logits alone (not by renormalising p), the top-k set with
 numpy's stable argsort of -p.

@@ -27,7 +27,7 @@ Layout of tests/data/golden/:
 
 Expected scores are computed in float64 from the keys *as rounded to the element
 type* (the scorer only ever sees the rounded values), following the definitions
-in docs/testing.md: per KV head h, "higher score = keep",
+in docs/contributing/testing.md: per KV head h, "higher score = keep",
 
     knorm        -||k||
     keydiff      -cos(k, abar), abar = mean of k/||k|| over valid non-zero rows;
@@ -148,7 +148,7 @@ def ref_l2(k):
 
 
 def windows(n: int, w: int) -> list:
-    """[(t0, t1)] per the tail rule (docs/testing.md)."""
+    """[(t0, t1)] per the tail rule (docs/contributing/testing.md)."""
     if n == 0:
         return []
     if n < w:

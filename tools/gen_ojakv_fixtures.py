@@ -12,7 +12,7 @@ Deterministic (fixed seed). Files in tests/data/ojakv/:
     keys.npy           '<f4' [heads, tokens, head_dim]; row `invalid` = [head, token] holds a NaN
     u0.npy             '<f8' [heads, head_dim, rank]   orthonormal start bases
     queries.npy        '<f4' [q_heads, window, head_dim]
-    u1.npy             '<f8' [heads, head_dim, rank]   after ONE prefill step (docs/ojakv.md):
+    u1.npy             '<f8' [heads, head_dim, rank]   after ONE prefill step (docs/methods/ojakv.md):
                        pool windows of `pool` tokens (mean of the valid rows), C = Xp^T Xp / m,
                        U1 = orth(U0 + eta / lambda1(C) * (C U0 - U0 U0^T C U0)), orth = QR with diag(R) >= 0
     scores.npy         '<f8' [heads, tokens]  e_t = mean over the group's causal window queries of

@@ -25,7 +25,7 @@ Layout of tests/data/protokv/:
     <case>/<t>_bandwidth.npy     '<f8' [kv_heads]
     <case>/rff_W.npy, rff_b.npy  '<f8' RFF parameters of heads 0 and 1 for the case's seed and lsh_bits
 
-The reference below is an independent float64 implementation of docs/protokv.md. The random
+The reference below is an independent float64 implementation of docs/methods/protokv.md. The random
 numbers are reproduced bit for bit in pure Python (splitmix64, Box–Muller with math.log/cos/sin).
 Every discrete decision the C++ code makes in fp32 (the p-th candidate, each LSH sign, each
 argmax, the order of cluster psi and of q.k inside a cluster) is asserted here to have a margin

@@ -16,7 +16,7 @@ Layout of tests/data/select/:
     <case>/<config>.positions.npy     '<i8' [total]   kept positions, CSR, ascending per head
     <case>/<config>.offsets.npy       '<i8' [H + 1]
 
-The reference below is written from the rules in docs/select.md with numpy sorts
+The reference below is written from the rules in docs/reference/select.md with numpy sorts
 (np.lexsort), independently of the C++ radix select:
 
   order      higher score first; equal scores -> lower position first; NaN below every

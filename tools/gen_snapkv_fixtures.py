@@ -20,7 +20,7 @@ Layout of tests/data/snapkv/:
     <case>/expected_<t>.npy    '<f8' [kv_heads, tokens]   t in f32 f16 bf16
 
 Expected scores are float64 functions of the keys *as rounded to the element type*
-and of the float32 queries (docs/snapkv.md). Per KV head h, with G = q_heads/kv_heads,
+and of the float32 queries (docs/methods/snapkv.md). Per KV head h, with G = q_heads/kv_heads,
 its query heads h*G .. h*G+G-1, P = N - w:
 
     p[g,i,t] = softmax over t <= P+i of q[g,i].k[t] / sqrt(d)   (invalid keys excluded)

@@ -4,7 +4,7 @@
 //   kvscore version
 //
 // Exit codes: 0 success (and --help), 2 any error: exactly one line on stderr,
-// starting with "kvscore: ". See docs/cli.md.
+// starting with "kvscore: ". See docs/reference/cli.md.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""docs/evaluate.md's SmolLM2 tables and per-layer figure from scripts/eval_smollm2.sh's reports.
+"""docs/reference/evaluate.md's SmolLM2 tables and per-layer figure from scripts/eval_smollm2.sh's reports.
 
     python3 tools/smollm2_report.py DIR      # DIR/{leak-free,shared}-{2048,8192}.json
 

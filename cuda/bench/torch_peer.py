@@ -6,7 +6,7 @@ batched top-k, then times torch's own version of each on the same shapes (fp16 k
 drawn on the GPU; fp32 scores) with CUDA events, median of 20 after a warm-up, and prints one
 table: kvscore time, torch time, speed-up (torch / kvscore) and kvscore's bandwidth_fraction.
 
-torch's versions compute the same scores as kvscore (docs/scorers.md), in fp32 from fp16 keys:
+torch's versions compute the same scores as kvscore (docs/reference/scorers.md), in fp32 from fp16 keys:
   knorm        -‖k‖                                   torch.linalg.vector_norm(k, dtype=float32)
   l2           ‖k − mean_t k‖
   windowed-l2  ‖k − mean of its 4096-token window‖     (a view [H][N/W][W][d])

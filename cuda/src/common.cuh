@@ -35,7 +35,7 @@ namespace kvscore::cuda::detail {
 /// First line of every entry point that launches: an error already pending on this host thread
 /// was left by an earlier CUDA call of the caller's, so it is neither reported as a kvscore launch
 /// failure nor taken from its owner: kvscore throws an Error that says so, launches nothing, and
-/// leaves the error pending (docs/cuda.md, "Errors").
+/// leaves the error pending (docs/reference/cuda.md, "Errors").
 void require_no_pending_error(const char* who);
 
 /// f(std::integral_constant<dtype, D>{}) for the element type t: the one switch over the

@@ -309,7 +309,7 @@ __device__ __forceinline__ float finish(Geometric kind, float sq, float dot, flo
     case Geometric::l2: return vec_ok ? sqrtf(dist) : kNegInf;
     case Geometric::keydiff: {
       if (!vec_ok) return 0.f;  // zero anchor: every valid key scores 0
-      const float n = sqrtf(sq);  // the CPU takes ‖k‖ < 2^-63 in fp64 (docs/keydiff.md); here only the clamp
+      const float n = sqrtf(sq);  // the CPU takes ‖k‖ < 2^-63 in fp64 (docs/methods/keydiff.md); here only the clamp
       return n > 0.f ? fminf(1.f, fmaxf(-1.f, -dot / n)) : 0.f;
     }
   }

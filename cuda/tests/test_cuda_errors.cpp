@@ -1,4 +1,4 @@
-// cuda/tests/test_cuda_errors.cpp — CUDA error hygiene (docs/cuda.md, "Errors"): a failed kvscore
+// cuda/tests/test_cuda_errors.cpp — CUDA error hygiene (docs/reference/cuda.md, "Errors"): a failed kvscore
 // call leaves no pending error behind, a kvscore launch check reports only its own launch, and an
 // error the caller left pending is reported as the caller's and left pending, never taken.
 //

@@ -1,5 +1,5 @@
 // examples/llama_cpp/joint_mass.cpp — which joint aggregation keeps the most attention mass on a
-// real model (docs/joint.md). For each text: the first N tokens are the context, prefilled with
+// real model (docs/reference/joint.md). For each text: the first N tokens are the context, prefilled with
 // their post-RoPE keys (and the last `window` queries, for query scorers) captured; the next W
 // tokens are then decoded as one batch with the full cache and their post-RoPE queries captured.
 // A[l][h][t] = sum over the W queries and the query heads of KV head h of softmax over the N

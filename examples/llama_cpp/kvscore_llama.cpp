@@ -1,4 +1,4 @@
-// examples/llama_cpp/kvscore_llama.cpp — kvscore inside llama.cpp (docs/integration.md).
+// examples/llama_cpp/kvscore_llama.cpp — kvscore inside llama.cpp (docs/guides/integration.md).
 //
 // Prefills a prompt, captures every layer's post-RoPE keys through cb_eval (capture.hpp), scores
 // them with any kvscore scorer, picks ONE set of positions for all heads and layers
@@ -17,7 +17,7 @@
 //   kvscore_llama --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file text.txt \
 //                 --method knorm --keep 0.5 --sinks 4 --recent 64 --n-predict 32
 //
-// --method kvzip (KVzip, docs/kvzip.md; kvzip.hpp): after the prefill the model reconstructs the
+// --method kvzip (KVzip, docs/methods/kvzip.md; kvzip.hpp): after the prefill the model reconstructs the
 // prompt from its cache in passes decoded after it; each pass's queries and keys are captured, the
 // prompt's tokens are scored by the attention they receive, the pass's tokens are dropped
 // (llama_memory_seq_rm), and the same joint selection evicts. --question-file F (repeatable): each
@@ -631,7 +631,7 @@ int run(const Args& a) {
       throw std::runtime_error("llama_state_seq_save_file failed for " + a.save_session);
     // Read back into this context too: a load packs the kept cells at the cache's front, and
     // attention sums over cells in cell order, so the writer answers from the layout every reader
-    // of the file gets (from the scattered cells a near-tie can flip a token: docs/kvzip.md).
+    // of the file gets (from the scattered cells a near-tie can flip a token: docs/methods/kvzip.md).
     std::vector<llama_token> back(prompt.size() + 1);
     std::size_t n_back = 0;
     llama_memory_seq_rm(mem, 0, -1, -1);

@@ -1,4 +1,4 @@
-// examples/llama_cpp/kvzip.hpp — KVzip inside llama.cpp (docs/kvzip.md): after a context is
+// examples/llama_cpp/kvzip.hpp — KVzip inside llama.cpp (docs/methods/kvzip.md): after a context is
 // prefilled, the model reconstructs it from its own cache, in passes of at most `chunk` context
 // tokens, each pass = the reconstruction prompt + the chat template's suffix + the chunk, decoded
 // after the context (positions N, N+1, ...) as kvpress's KVzipPress builds it. cb_eval captures
@@ -28,7 +28,7 @@ namespace kvscore_llama {
 /// Context tokens per pass by default here: 512, not kvpress's 2048. llama.cpp computes the pass's
 /// attention inside ggml, so the scores recompute its logits (the press fuses them instead), and
 /// that cost grows with the chunk while the passes' forward does not: one ~1,060-token chunk
-/// 6.5 % of the passes' forward, 512-token chunks 3.2 % (docs/kvzip.md#what-it-costs).
+/// 6.5 % of the passes' forward, 512-token chunks 3.2 % (docs/results/kvzip.md#what-it-costs).
 inline constexpr std::int64_t kLlamaKVzipChunk = 512;
 
 struct KVzipOptions {

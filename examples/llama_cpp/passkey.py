@@ -1,4 +1,4 @@
-"""Passkey retrieval through kvscore_llama (docs/kvzip.md): a pass key hidden at several depths of
+"""Passkey retrieval through kvscore_llama (docs/methods/kvzip.md): a pass key hidden at several depths of
 filler text (Mohtashami & Jaggi's passkey prompt) inside SmolLM2's chat template; the context is
 prefilled, compressed by --method at each --keep, and the question is decoded after the compressed
 cache and answered greedily. A cell's accuracy: the share of depths whose answer holds the key.

@@ -1,5 +1,5 @@
 """passkey.py's harder needle (--hard) in Python, to tell what llama.cpp's cells cost KVzip from what
-the method itself loses (docs/kvzip.md#passkey-inside-llamacpp): the same prompts (same seeds, the
+the method itself loses (docs/results/kvzip.md#passkey-inside-llamacpp): the same prompts (same seeds, the
 same prose, keys and distractors), SmolLM2-135M-Instruct from the same GGUF file dequantized to fp32
 (kvscore.quality.load_model), kvpress's pipeline with kvscore's KVzipPress under three allocations:
 `adakv` with alpha 0 (kvpress KVzipPress's one top-k over every layer and head), `per_head` (every

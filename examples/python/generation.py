@@ -1,4 +1,4 @@
-"""kvscore.generation inside transformers' generate (docs/generation.md): SmolLM2-135M-Instruct
+"""kvscore.generation inside transformers' generate (docs/guides/generation.md): SmolLM2-135M-Instruct
 answers a question about a fact planted in a 1K-token context, once with ParisKV attending 10 % of
 the keys per decoded token, once with OjaKV's low-rank store at about half the K/V memory, and
 with ParisKV in kvpress's own pipeline. Needs

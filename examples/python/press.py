@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""docs/python.md's "Presses" snippet, run as a program on a small random Llama (no download):
+"""docs/reference/python.md's "Presses" snippet, run as a program on a small random Llama (no download):
 the doc shows exactly the marked region (python/tests/test_examples.py compares them)."""
 
 import torch

@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""The Python snippets of README.md ("Python quickstart") and docs/python.md ("Ten lines"), run as
-a program: each doc shows exactly a marked region of this file (python/tests/test_examples.py
+"""The Python snippets of README.md, python/README.md (the package's page) and docs/ ("Ten lines"), run as a program: each doc shows exactly a marked region of this file (python/tests/test_examples.py
 runs it and compares), so a snippet cannot use a name it does not define."""
 
 # [ten-lines:begin]
@@ -25,18 +24,27 @@ assert n == 1024 and keys.shape == values.shape == (1, 8, 1024, 128)
 def readme():
     # [readme:begin]
     import torch, kvscore
-    keys = torch.randn(1, 8, 4096, 128, dtype=torch.float16)    # one layer of an HF cache (read in place)
+    keys = torch.randn(1, 8, 4096, 128, dtype=torch.float16)      # one layer of an HF cache, read in place
     values = torch.randn_like(keys)
-    scores = kvscore.ManifoldL2().score(keys)                  # float32 [8, 4096]
-    keep = kvscore.select(scores, 1024, sinks=4, recent=64)    # int64 [8, 1024], rows ascending
-    n = kvscore.compact(keys, values, keep)                    # in place
-    keys, values = keys[:, :, :n], values[:, :, :n]
-
-    from kvscore.presses import KvscorePress                    # kvpress-compatible
-    press = KvscorePress(method="manifold_l2", compression_ratio=0.5)   # with press(model): ...
+    keep = kvscore.select(kvscore.ManifoldL2().score(keys), 1024, sinks=4, recent=64)  # int64 [8, 1024]
+    n = kvscore.compact(keys, values, keep)                      # in place: keys[:, :, :n] are the kept rows
+    from kvscore.presses import KvscorePress                      # kvpress: `with press(model):` ...
+    press = KvscorePress(method="manifold_l2", compression_ratio=0.5)
     # [readme:end]
-    assert n == 1024 and keys.shape == (1, 8, 1024, 128) and press.method == "manifold_l2"
+    assert n == 1024 and bool((keep[:, :4] == torch.arange(4)).all()) and press.method == "manifold_l2"
+
+
+def package():
+    # [package:begin]
+    import torch, kvscore
+    keys = torch.randn(1, 8, 4096, 128, dtype=torch.float16)   # one layer of an HF cache
+    values = torch.randn_like(keys)
+    keep = kvscore.select(kvscore.KNorm().score(keys), 1024, sinks=4, recent=64)   # int64 [8, 1024]
+    n = kvscore.compact(keys, values, keep)                   # in place
+    # [package:end]
+    assert n == 1024 and tuple(keep.shape) == (8, 1024)
 
 
 readme()
+package()
 print("quickstart: ok")

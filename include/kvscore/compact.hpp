@@ -11,7 +11,7 @@
 // row read (sel.head(h)[i] >= i), and every row read later lies after every row written so far.
 // Overlapping ranges (runs of adjacent rows) are moved with memmove.
 //
-// Heads may keep different counts. Per layout (docs/compaction.md):
+// Heads may keep different counts. Per layout (docs/reference/compaction.md):
 //   HF [batch, kv_heads, seq, head_dim]: each head's rows are contiguous; head h is valid up to
 //     kept(h). An engine with one sequence length (HF DynamicCache) needs equal counts, or
 //     max(kept) plus a per-head attention mask over the tails.
@@ -22,7 +22,7 @@
 //     Zero-filled tails are not a mask: a zero key still gets logit 0 and takes softmax mass.
 //   paged (MutPagedKeysView): the sequence's logical rows are compacted; blocks past
 //     blocks_for(max(kept), block_size) can then be freed. The blocks must be distinct and not
-//     shared with another sequence (prefix caching): see docs/paged.md.
+//     shared with another sequence (prefix caching): see docs/reference/paged.md.
 #pragma once
 
 #include <algorithm>
@@ -55,8 +55,9 @@ enum class CompactTail {
   zero,  ///< zero-filled (+0.0 in every dtype)
 };
 
+/// Options of compact(). Every field is validated; a bad value throws std::invalid_argument.
 struct CompactOptions {
-  CompactTail tail = CompactTail::keep;
+  CompactTail tail = CompactTail::keep;  ///< rows past each head's kept count: kept as they were, or zero-filled
   /// Throw std::invalid_argument (before touching the cache) if heads keep different counts:
   /// for engines with one length per sequence (token-major slot caches, vLLM, HF DynamicCache).
   bool require_equal_lengths = false;

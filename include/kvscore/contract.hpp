@@ -1,4 +1,4 @@
-// kvscore/contract.hpp — the method contract as C++20 concepts (docs/architecture.md "The
+// kvscore/contract.hpp — the method contract as C++20 concepts (docs/design/architecture.md "The
 // contract"). Every method in the tree satisfies one of them, and tests/test_contract.cpp
 // checks each with static_assert; a new method is added by satisfying one.
 //

@@ -34,17 +34,23 @@
 
 namespace kvscore {
 
+/// Options of DecodingCompressor.
 struct DecodingOptions {
   std::int64_t target = 1024;  ///< tokens per head kept by a compression (kvpress target_size)
   std::int64_t interval = 256;  ///< tokens appended between compressions (kvpress compression_interval)
   SelectOptions select{};       ///< sinks, recent, threads; alloc must be per_head
 };
 
+/// A generating cache of `heads` KV heads kept at `target` tokens per head: append() stores each new token's K and
+/// V rows; every `interval` appended tokens the held keys are scored (`Scorer`), `target` per head selected and K/V
+/// compacted in place, so the held length stays within target + interval (kvpress's DecodingPress).
 template <class T, class Scorer>
 class DecodingCompressor {
   static_assert(is_element_type_v<T>, "DecodingCompressor: T must be float, half or bfloat16");
 
  public:
+  /// Empty store for `heads` KV heads of `head_dim` dimensions, scored by `scorer`; std::invalid_argument for a bad
+  /// shape or option (sinks + recent > target, an alloc other than per_head).
   DecodingCompressor(std::int64_t heads, std::int64_t head_dim, Scorer scorer, const DecodingOptions& opt = {})
       : scorer_(std::move(scorer)), opt_(opt), h_(heads), d_(head_dim) {
     const std::string who = "kvscore::DecodingCompressor";
@@ -65,16 +71,17 @@ class DecodingCompressor {
     pos_.assign(std::size_t(h_ * cap_), 0);
   }
 
-  std::int64_t heads() const noexcept { return h_; }
-  std::int64_t head_dim() const noexcept { return d_; }
+  std::int64_t heads() const noexcept { return h_; }  ///< KV heads held
+  std::int64_t head_dim() const noexcept { return d_; }  ///< elements per key and value row
   /// Tokens held per head now (at most target + interval).
   std::int64_t length() const noexcept { return len_; }
   /// Tokens appended so far (the position the next token gets).
   std::int64_t appended() const noexcept { return seen_; }
-  std::int64_t compressions() const noexcept { return compressions_; }
-  const DecodingOptions& options() const noexcept { return opt_; }
+  std::int64_t compressions() const noexcept { return compressions_; }  ///< compressions run so far
+  const DecodingOptions& options() const noexcept { return opt_; }  ///< the options it was built with
   /// The held keys / values: head h, row t at h·(target+interval)·head_dim + t·head_dim.
   KeysView<T> key_view() const { return KeysView<T>(k_.data(), h_, len_, d_, cap_ * d_, d_); }
+  /// The held values, as key_view() holds the keys.
   KeysView<T> value_view() const { return KeysView<T>(v_.data(), h_, len_, d_, cap_ * d_, d_); }
   /// Original positions of head h's held rows, ascending.
   std::span<const std::int64_t> positions(std::int64_t h) const {

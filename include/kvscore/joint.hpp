@@ -20,7 +20,7 @@
 // Aggregation (JointAggregate), per token t over the rows r in order:
 //   max   J(t) = max_r z_r(t), NaN rows skipped (all NaN -> NaN): a token survives if some head
 //         of some layer ranks it high. The default: it keeps the most attention mass of the
-//         three on SmolLM2 (docs/joint.md has the measurement).
+//         three on SmolLM2 (docs/reference/joint.md has the measurement).
 //   mean  J(t) = float(sum_r z_r(t) / count), double sum over the non-NaN rows (none -> NaN;
 //         +inf and -inf both present -> NaN).
 //   vote  every row runs select() with the same budget and protection; J(t) = the number of
@@ -35,7 +35,7 @@
 // Deterministic for any thread count (num_threads parallelises the rows' statistics and votes;
 // every token's aggregate is summed over the rows in row order). Cost: O(R * N) for R rows and N
 // tokens, plus R select() calls for vote. Errors: std::invalid_argument naming the value.
-// See docs/joint.md.
+// See docs/reference/joint.md.
 #pragma once
 
 #include <algorithm>
@@ -62,6 +62,7 @@ enum class JointAggregate {
   vote,  ///< rows whose own select() keeps the token; ties by the mean
 };
 
+/// "max", "mean" or "vote".
 inline constexpr std::string_view joint_aggregate_name(JointAggregate a) noexcept {
   switch (a) {
     case JointAggregate::max: return "max";
@@ -82,7 +83,7 @@ inline JointAggregate parse_joint_aggregate(std::string_view s) {
 struct JointOptions {
   std::int64_t sinks = 0;   ///< first positions always kept, >= 0
   std::int64_t recent = 0;  ///< last positions always kept, >= 0
-  JointAggregate aggregate = JointAggregate::max;
+  JointAggregate aggregate = JointAggregate::max;  ///< over the rows per token: max (default), mean or vote
   int num_threads = 0;      ///< threads over rows: 0 = OpenMP default, 1 = serial; same result for any value
   SelectKernels kernels = SelectKernels::best;  ///< select()'s kernels (same result)
 };
@@ -256,6 +257,7 @@ inline std::vector<std::int64_t> select_joint(std::span<const ConstScoresView> l
                                               const JointOptions& opt = {}) {
   return detail::joint::select_joint_impl(layers, budget, opt);
 }
+/// The same from owning scores, one per layer.
 inline std::vector<std::int64_t> select_joint(std::span<const Scores> layers, std::int64_t budget,
                                               const JointOptions& opt = {}) {
   std::vector<ConstScoresView> views;
@@ -300,6 +302,7 @@ enum class BlockAggregate {
   max,   ///< max of J over the block's positions
 };
 
+/// "mean" or "max".
 inline constexpr std::string_view block_aggregate_name(BlockAggregate a) noexcept {
   return a == BlockAggregate::max ? "max" : a == BlockAggregate::mean ? "mean" : "?";
 }
@@ -323,11 +326,11 @@ struct BlockJointOptions {
 /// One rank's share of the joint token scores: over its rows, per position, the max of the
 /// z-scores (NaN where every row is NaN), their double sum and the count of non-NaN rows.
 struct JointPartial {
-  std::int64_t tokens = 0;
-  std::int64_t rows = 0;
-  std::vector<float> max;
-  std::vector<double> sum;
-  std::vector<std::int64_t> count;
+  std::int64_t tokens = 0;  ///< positions of the sequence
+  std::int64_t rows = 0;  ///< rows (layer, head) the partial covers
+  std::vector<float> max;  ///< per position: the max of the rows' z-scores (NaN where every row is NaN)
+  std::vector<double> sum;  ///< per position: the sum of the rows' z-scores, in double
+  std::vector<std::int64_t> count;  ///< per position: the rows whose z-score is a number
 };
 
 namespace detail::joint {
@@ -385,6 +388,7 @@ inline JointPartial joint_partial(std::span<const ConstScoresView> layers, const
   });
   return out;
 }
+/// The same from owning scores, one per layer.
 inline JointPartial joint_partial(std::span<const Scores> layers, const BlockJointOptions& opt = {}) {
   std::vector<ConstScoresView> views;
   views.reserve(layers.size());
@@ -517,6 +521,7 @@ inline std::vector<std::int64_t> select_joint_blocks(std::span<const ConstScores
   const std::vector<float> B = block_scores(J, block_size, opt);
   return select_blocks(B, p.tokens, block_size, budget, opt);
 }
+/// The same from owning scores, one per layer.
 inline std::vector<std::int64_t> select_joint_blocks(std::span<const Scores> layers, std::int64_t block_size,
                                                      std::int64_t budget, const BlockJointOptions& opt = {}) {
   std::vector<ConstScoresView> views;

@@ -39,6 +39,7 @@ namespace detail {
 
 // ------------------------------------------------------------------ selection rules
 
+/// The arguments of make_selection_rule().
 struct SelectionRuleArgs {
   std::int64_t sinks = kDefaultSinks;  ///< streaming_llm: attention sinks
 };
@@ -47,6 +48,8 @@ struct SelectionRuleArgs {
 /// static_assert at the bottom).
 constexpr bool builds_selection_rule(std::string_view name) noexcept { return name == "streaming_llm"; }
 
+/// The selection rule a registry spelling names (streaming_llm); std::invalid_argument for another kind or an
+/// unknown name.
 inline StreamingLLM make_selection_rule(std::string_view spelling, const SelectionRuleArgs& a = {}) {
   const MethodInfo& m = method_info(spelling);
   if (!builds_selection_rule(m.name))
@@ -60,8 +63,10 @@ inline StreamingLLM make_selection_rule(std::string_view spelling, const Selecti
 /// sinks, a local window of L = min(256, (n − S)/2), and n − S − L retrieved (kDefaultSinks,
 /// kDefaultParisKVLocal).
 struct ParisKVZones {
-  std::int64_t sinks = 0, local = 0;
+  std::int64_t sinks = 0;  ///< sinks kept per query
+  std::int64_t local = 0;  ///< local window per query
 };
+/// The zones for a budget of n positions per query (see ParisKVZones).
 inline ParisKVZones pariskv_zones(std::int64_t n) noexcept {
   ParisKVZones z;
   z.sinks = std::min(kDefaultSinks, n);
@@ -69,6 +74,7 @@ inline ParisKVZones pariskv_zones(std::int64_t n) noexcept {
   return z;
 }
 
+/// The arguments of make_retriever().
 struct RetrieverArgs {
   /// Positions each query attends. 0: the decode-time defaults (ParisKVCacheConfig{}: S = 4,
   /// L = 256, U = 128, k = 100, dense while short). n > 0: exactly min(n, cache) positions per
@@ -116,15 +122,17 @@ ParisKVCache<T> make_retriever(std::string_view spelling, std::int64_t head_dim,
 
 // ------------------------------------------------------------------ hybrid stores
 
+/// The arguments of make_hybrid().
 struct HybridArgs {
   std::int64_t budget = 0;  ///< full-rank tokens per head (n), >= 0
   std::int64_t rank = 0;    ///< key and value basis rank; 0 = max(1, head_dim / 4)
   std::uint64_t seed = 0;   ///< head h's projector starts from seed + h (OjaProjector::random)
   /// The residual rule's window: [q_heads][n_queries][head_dim] fp32 (GQA groups contiguous).
   const float* queries = nullptr;
-  std::int64_t q_heads = 0, n_queries = 0;
-  QueryPlacement placement = QueryPlacement::in_cache;
-  int threads = 0;
+  std::int64_t q_heads = 0;    ///< query heads of `queries`
+  std::int64_t n_queries = 0;  ///< queries per head of `queries`
+  QueryPlacement placement = QueryPlacement::in_cache;  ///< where the window queries sit relative to the cache
+  int threads = 0;  ///< threads (0 = OpenMP's default); the result is the same for any value
   /// Protection and allocation of the full-rank selection. The in-cache window is not added
   /// to `recent` here: set it when the window's tokens must stay full rank.
   SelectOptions select{};
@@ -133,11 +141,12 @@ struct HybridArgs {
 /// A hybrid method built on one layer: the store, the projectors its decode-time append
 /// adapts, and the tokens kept at full rank.
 struct HybridBuild {
-  std::vector<OjaProjector> projectors;
-  Selection full_rank;
-  OjaHybridCache cache;
+  std::vector<OjaProjector> projectors;  ///< one per KV head, for OjaHybridCache::append
+  Selection full_rank;  ///< the tokens each head keeps at full rank
+  OjaHybridCache cache;  ///< the store: full-rank tokens and codes
 };
 
+/// True when the hybrid constructor knows registry name `name`.
 constexpr bool builds_hybrid(std::string_view name) noexcept { return name == "ojakv"; }
 
 /// OjaKV on a layer: per KV head a projector (seeded random start, prefill on the keys and

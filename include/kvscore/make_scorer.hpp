@@ -54,12 +54,14 @@ struct ScorerArgs {
   std::int64_t kv_heads = 0;                ///< qfilter: filter rows
   /// snapkv, protokv, kvzip (and qfilter's calibration): [q_heads][n_queries][head_dim] fp32, row-major.
   const float* queries = nullptr;
-  std::int64_t q_heads = 0, n_queries = 0, head_dim = 0;
+  std::int64_t q_heads = 0;    ///< snapkv, protokv, kvzip: query heads of `queries`
+  std::int64_t n_queries = 0;  ///< queries per head
+  std::int64_t head_dim = 0;   ///< dimensions of a query
   std::int64_t group = 0;                   ///< snapkv, protokv, kvzip: q_heads / kv_heads, 0 = from the keys
   QueryPlacement placement = QueryPlacement::in_cache;  ///< snapkv, protokv, kvzip
   QueryAggregate aggregate = QueryAggregate::max;       ///< kvzip: max (KVzip) or mean over the queries
   std::int64_t kernel_size = kDefaultSnapKVKernel;      ///< snapkv: pooling kernel, odd >= 1
-  // protokv (docs/protokv.md)
+  // protokv (docs/methods/protokv.md)
   std::uint64_t seed = 0;                                   ///< RFF seed
   std::int64_t kappa = kDefaultProtoKVKappa;                ///< neighbourhood radius κ >= 1
   std::int64_t sat_candidates = kDefaultProtoKVSatCandidates;  ///< SAT candidates p in [0, tokens]
@@ -126,15 +128,19 @@ inline KVzip build(std::type_identity<KVzip>, const ScorerArgs& a) {
 /// One scorer of the registry, whichever it is: the Scorer contract behind one type.
 class AnyScorer {
  public:
+  /// A std::variant of every scorer type (ScorerTypes).
   using Variant = typename detail::variant_of<ScorerTypes>::type;
 
+  /// Holds scorer `s`.
   template <Scorer S>
   explicit AnyScorer(S s) : s_(std::move(s)) {}
 
+  /// The scorer's score(keys): fp32 [heads][tokens].
   template <KeyCacheView View>
   Scores score(const View& keys) const {
     return std::visit([&](const auto& s) { return s.score(keys); }, s_);
   }
+  /// The scorer's score(keys, out), into the caller's scores.
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     std::visit([&](const auto& s) { s.score(keys, out); }, s_);
@@ -150,6 +156,7 @@ class AnyScorer {
   /// The scorer itself when it is an S, else nullptr.
   template <class S>
   const S* get() const noexcept { return std::get_if<S>(&s_); }
+  /// \overload
   template <class S>
   S* get() noexcept { return std::get_if<S>(&s_); }
   /// Execution options common to every scorer.

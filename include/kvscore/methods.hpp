@@ -52,6 +52,7 @@ inline constexpr std::int64_t kDefaultKVzipRepeat = 8;
 /// KVzip's reconstruction prompts (the paper's, kvpress KVzipPress's): the first pass, and the
 /// later ones, which continue with the last kDefaultKVzipRepeat tokens of the previous chunk.
 inline constexpr std::string_view kKVzipPromptFirst = "\n\nRepeat the previous context exactly.";
+/// The later passes' prompt, followed by the previous chunk's last kDefaultKVzipRepeat tokens.
 inline constexpr std::string_view kKVzipPromptNext = "\n\nRepeat the part of the previous context exactly, starting with";
 
 /// What shape of method an entry is (the concepts of contract.hpp where one exists); each kind
@@ -65,6 +66,7 @@ enum class MethodKind {
   reference,       ///< not a compression method: the evaluator's ceiling (oracle)
 };
 
+/// The kind's name in the registry (`kvscore.REGISTRY`'s "kind"): "scorer", "query_scorer", ...
 inline constexpr std::string_view kind_name(MethodKind k) noexcept {
   switch (k) {
     case MethodKind::scorer: return "scorer";
@@ -77,14 +79,15 @@ inline constexpr std::string_view kind_name(MethodKind k) noexcept {
   return "?";
 }
 
+/// One entry of the registry: a method's names, kind, type, header and documentation page.
 struct MethodInfo {
   std::string_view name;     ///< canonical: code, Python, docs
   std::string_view cli;      ///< the CLI / report / benchmark spelling
   std::string_view aliases;  ///< other accepted spellings, comma-separated ("" = none)
-  MethodKind kind;
+  MethodKind kind;  ///< which constructor of make_method.hpp builds it
   std::string_view cls;      ///< the C++ type (kvscore::cls)
-  std::string_view header;   ///< include/<header>
-  std::string_view doc;      ///< docs/<doc>
+  std::string_view header;   ///< its header, under `include/`
+  std::string_view doc;      ///< its documentation page, under `docs/`
   std::string_view summary;  ///< one line for --help, the evaluator and the docs
   /// The options beyond the keys a front end passes to its constructor, comma-separated ("" =
   /// none): the fields of its kind's arguments (kvscore/make_method.hpp: ScorerArgs, ...) it
@@ -94,36 +97,36 @@ struct MethodInfo {
 
 /// Every method, in the evaluator's report order (`--methods all`).
 inline constexpr std::array<MethodInfo, 13> kMethods = {{
-    {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "knorm.md",
+    {"knorm", "knorm", "k-norm", MethodKind::scorer, "KNorm", "kvscore/scorers/knorm.hpp", "methods/knorm.md",
      "K-norm: keep low-norm keys"},
-    {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "keydiff.md",
+    {"keydiff", "keydiff", "", MethodKind::scorer, "KeyDiff", "kvscore/scorers/keydiff.hpp", "methods/keydiff.md",
      "KeyDiff: keep keys least similar (cosine) to the mean direction"},
     {"manifold_l2", "l2", "manifoldkv,manifold-l2", MethodKind::scorer, "ManifoldL2",
-     "kvscore/scorers/manifold_l2.hpp", "manifoldkv.md", "ManifoldKV: keep keys far (L2) from the centroid"},
+     "kvscore/scorers/manifold_l2.hpp", "methods/manifoldkv.md", "ManifoldKV: keep keys far (L2) from the centroid"},
     {"windowed_manifold_l2", "windowed-l2", "windowed_l2,windowed-manifoldkv", MethodKind::scorer,
-     "WindowedManifoldL2", "kvscore/scorers/windowed_manifold_l2.hpp", "windowed-manifoldkv.md",
+     "WindowedManifoldL2", "kvscore/scorers/windowed_manifold_l2.hpp", "methods/windowed-manifoldkv.md",
      "windowed ManifoldKV: L2 to the centroid of the key's window (--window)", "window,window_tail"},
     {"qfilter", "qfilter", "q-filters,qfilters", MethodKind::scorer, "QFilter", "kvscore/scorers/qfilter.hpp",
-     "qfilters.md", "Q-Filters: <k, f_h>, filters calibrated on the queries", "filters"},
-    {"snapkv", "snapkv", "", MethodKind::query_scorer, "SnapKV", "kvscore/scorers/snapkv.hpp", "snapkv.md",
+     "methods/qfilters.md", "Q-Filters: <k, f_h>, filters calibrated on the queries", "filters"},
+    {"snapkv", "snapkv", "", MethodKind::query_scorer, "SnapKV", "kvscore/scorers/snapkv.hpp", "methods/snapkv.md",
      "SnapKV: pooled attention of the window queries (in-cache: window kept)",
      "queries,group,placement,kernel_size"},
     {"streaming_llm", "streaming_llm", "streamingllm,streaming-llm", MethodKind::selection_rule, "StreamingLLM",
-     "kvscore/streaming_llm.hpp", "select.md", "StreamingLLM: sinks + most recent tokens (per head)", "sinks"},
-    {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "protokv.md",
+     "kvscore/streaming_llm.hpp", "reference/select.md", "StreamingLLM: sinks + most recent tokens (per head)", "sinks"},
+    {"protokv", "protokv", "", MethodKind::query_scorer, "ProtoKV", "kvscore/scorers/protokv.hpp", "methods/protokv.md",
      "ProtoKV: prototype clusters scored by the window queries (in-cache: window kept)",
      "queries,group,placement,seed,kappa,sat_candidates,lsh_bits,chunks,bandwidth,psi"},
-    {"kvzip", "kvzip", "", MethodKind::query_scorer, "KVzip", "kvscore/scorers/kvzip.hpp", "kvzip.md",
+    {"kvzip", "kvzip", "", MethodKind::query_scorer, "KVzip", "kvscore/scorers/kvzip.hpp", "methods/kvzip.md",
      "KVzip: attention received from a set of queries (a context-reconstruction pass), max over queries",
      "queries,group,placement,aggregate"},
-    {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp", "pariskv.md",
+    {"pariskv", "pariskv", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp", "methods/pariskv.md",
      "ParisKV with zones: 4 sinks + a local window of min(256, (n-4)/2) + per-query retrieval"},
     {"pariskv_flat", "pariskv-flat", "", MethodKind::retriever, "ParisKVCache", "kvscore/pariskv/cache.hpp",
-     "pariskv.md", "ParisKV without zones: per-query top-n retrieval over the whole cache"},
-    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv/ojakv.hpp", "ojakv.md",
+     "methods/pariskv.md", "ParisKV without zones: per-query top-n retrieval over the whole cache"},
+    {"ojakv", "ojakv", "", MethodKind::hybrid, "OjaHybridCache", "kvscore/ojakv/ojakv.hpp", "methods/ojakv.md",
      "OjaKV: n full-rank tokens by query-weighted residual, the rest at rank head_dim/4 (hybrid)",
      "queries,placement"},
-    {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "evaluate.md",
+    {"oracle", "oracle", "", MethodKind::reference, "", "kvscore/eval/methods.hpp", "reference/evaluate.md",
      "oracle: top mean full attention of the evaluation queries (ceiling)"},
 }};
 

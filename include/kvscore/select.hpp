@@ -39,7 +39,7 @@
 // key window, no sort; kvscore/select/radix.hpp), 4*N bytes of scratch per thread (AdaKV:
 // 8*H*N bytes). Kernels: AVX-512, AVX2 or portable C++, chosen at run time (SelectKernels).
 // select_into() writes into caller memory and does not allocate: query
-// select_workspace_bytes() and select_total() first. See docs/select.md.
+// select_workspace_bytes() and select_total() first. See docs/reference/select.md.
 // Errors: std::invalid_argument with a message naming the offending values.
 //
 // This header is the API; the work is below it (CUB's layering): select/options.hpp (Budget,
@@ -77,6 +77,7 @@ inline std::size_t select_workspace_bytes(std::int64_t heads, std::int64_t token
 inline Selection select(const ConstScoresView& scores, Budget budget, const SelectOptions& opt = {}) {
   return detail::sel::select_impl(scores, budget, opt);
 }
+/// \overload
 inline Selection select(const Scores& scores, Budget budget, const SelectOptions& opt = {}) {
   return select(scores.view(), budget, opt);
 }
@@ -90,6 +91,7 @@ inline std::int64_t select_into(const ConstScoresView& scores, Budget budget, co
   return detail::sel::select_into_impl(scores, budget, opt, workspace, workspace_bytes, offsets_out, positions_out,
                                        positions_capacity);
 }
+/// \overload
 inline std::int64_t select_into(const Scores& scores, Budget budget, const SelectOptions& opt, void* workspace,
                                 std::size_t workspace_bytes, std::int64_t* offsets_out, std::int64_t* positions_out,
                                 std::size_t positions_capacity) {

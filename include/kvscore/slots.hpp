@@ -9,7 +9,7 @@
 //    table of the scored cells, the ranges are given in position space.
 //  - partition_slots(): SGLang's req_to_token row split into the kept slots (the new row) and the
 //    slots to free.
-// See docs/compaction.md for what to call per engine.
+// See docs/reference/compaction.md for what to call per engine.
 #pragma once
 
 #include <algorithm>
@@ -27,9 +27,9 @@ namespace kvscore {
 
 /// Half-open range of positions [begin, end).
 struct PositionRange {
-  std::int64_t begin = 0;
-  std::int64_t end = 0;
-  constexpr std::int64_t size() const noexcept { return end - begin; }
+  std::int64_t begin = 0;  ///< first position of the range
+  std::int64_t end = 0;  ///< one past the last position
+  constexpr std::int64_t size() const noexcept { return end - begin; }  ///< positions in the range
   friend constexpr bool operator==(const PositionRange&, const PositionRange&) = default;
 };
 
@@ -168,6 +168,7 @@ inline std::vector<PositionRange> evicted_position_ranges(std::span<const std::i
                                                           std::span<const std::int32_t> cell_pos) {
   return detail::evicted_position_ranges_impl(kept_cells, cell_pos);
 }
+/// \overload
 inline std::vector<PositionRange> evicted_position_ranges(std::span<const std::int64_t> kept_cells,
                                                           std::span<const std::int64_t> cell_pos) {
   return detail::evicted_position_ranges_impl(kept_cells, cell_pos);
@@ -177,8 +178,8 @@ inline std::vector<PositionRange> evicted_position_ranges(std::span<const std::i
 /// in position order), `freed` the slots to hand back to the allocator (in position order).
 template <class I>
 struct SlotPartition {
-  std::vector<I> kept;
-  std::vector<I> freed;
+  std::vector<I> kept;  ///< the slots of the kept positions, in position order
+  std::vector<I> freed;  ///< the slots to free, in position order
 };
 
 namespace detail {
@@ -207,6 +208,7 @@ inline SlotPartition<std::int32_t> partition_slots(std::span<const std::int32_t>
                                                    std::span<const std::int64_t> kept) {
   return detail::partition_slots_impl(slot_table, kept);
 }
+/// \overload
 inline SlotPartition<std::int64_t> partition_slots(std::span<const std::int64_t> slot_table,
                                                    std::span<const std::int64_t> kept) {
   return detail::partition_slots_impl(slot_table, kept);

@@ -23,6 +23,8 @@
 
 namespace kvscore {
 
+/// StreamingLLM (Xiao et al. 2024) as a selection rule: every head keeps the first `sinks` positions and the most
+/// recent ones, no scores.
 struct StreamingLLM {
   std::int64_t sinks = kDefaultSinks;  ///< attention-sink tokens kept at the start (Xiao et al. use 4)
 

@@ -1,5 +1,5 @@
 // kvscore/synth.hpp — synthetic KV caches with the planted structure real caches show
-// and that each scorer's claim depends on (docs/synth.md).
+// and that each scorer's claim depends on (docs/reference/synth.md).
 //
 // [snippet synth-header: tests/test_snippets.cpp]
 //   kvscore::synth::Spec spec;                 // kind mixed, 1 layer, 4 KV heads, G = 2, 2048 tokens, d = 64
@@ -64,7 +64,8 @@ class SplitMix64 : public kvscore::detail::SplitMix64 {
 /// r = √(−2 ln u1), θ = 2π·u2; returns r·cos θ, then r·sin θ, then draws the next pair.
 class Normal {
  public:
-  explicit Normal(std::uint64_t seed) noexcept : rng_(seed) {}
+  explicit Normal(std::uint64_t seed) noexcept : rng_(seed) {}  ///< seeds the SplitMix64 stream
+  /// The next standard normal.
   double operator()() {
     if (has_spare_) {
       has_spare_ = false;
@@ -77,7 +78,7 @@ class Normal {
     has_spare_ = true;
     return r * std::cos(th);
   }
-  SplitMix64& rng() noexcept { return rng_; }
+  SplitMix64& rng() noexcept { return rng_; }  ///< the uniform stream underneath
 
  private:
   SplitMix64 rng_;
@@ -98,6 +99,7 @@ inline std::uint64_t stream_seed(std::uint64_t seed, std::uint64_t layer, std::u
 /// built-in benchmark data); every other kind isolates one structure at full strength.
 enum class Kind { mixed, sinks, anisotropic, lowrank, drift, radial_needles, angular_needles, multikey_needles, anchors };
 
+/// Every Kind with its name, in order.
 inline const std::vector<std::pair<Kind, const char*>>& kinds() {
   static const std::vector<std::pair<Kind, const char*>> k = {
       {Kind::mixed, "mixed"},
@@ -113,46 +115,50 @@ inline const std::vector<std::pair<Kind, const char*>>& kinds() {
   return k;
 }
 
+/// The name of kind `k` ("mixed", "radial-needles", ...).
 inline const char* kind_name(Kind k) {
   for (const auto& [kind, name] : kinds())
     if (kind == k) return name;
   throw std::invalid_argument("kvscore::synth: unknown Kind value " + std::to_string(int(k)));
 }
 
+/// Every kind's name, comma-separated.
 inline std::string kind_list() {
   std::string s;
   for (const auto& [kind, name] : kinds()) s += (s.empty() ? "" : ", ") + std::string(name);
   return s;
 }
 
+/// The Kind named `s`; std::invalid_argument naming the known kinds otherwise.
 inline Kind parse_kind(const std::string& s) {
   for (const auto& [kind, name] : kinds())
     if (s == name) return kind;
   throw std::invalid_argument("kvscore::synth: unknown kind '" + s + "' (expected one of " + kind_list() + ")");
 }
 
+/// What to generate: the kind of structure, the cache's shape and the seed.
 struct Spec {
-  Kind kind = Kind::mixed;
-  std::int64_t layers = 1;
-  std::int64_t kv_heads = 4;
+  Kind kind = Kind::mixed;  ///< the structure planted
+  std::int64_t layers = 1;  ///< layers
+  std::int64_t kv_heads = 4;  ///< KV heads per layer
   std::int64_t group = 2;       ///< query heads per KV head (GQA); q_heads = kv_heads * group
-  std::int64_t tokens = 2048;
-  std::int64_t head_dim = 64;
+  std::int64_t tokens = 2048;  ///< tokens per head
+  std::int64_t head_dim = 64;  ///< dimensions of a key, a value and a query
   std::int64_t queries = 16;    ///< queries per query head
   std::int64_t segment = 256;   ///< drift / mixed: tokens per topic segment
-  std::uint64_t seed = 0;
+  std::uint64_t seed = 0;  ///< the seed (the same seed gives the same data, on every machine)
 };
 
 /// A generated cache. Planted positions ascend per (layer, head).
 struct Data {
-  Spec spec;
+  Spec spec;  ///< what it was generated from
   std::vector<float> keys;     ///< [layers][kv_heads][tokens][head_dim]
   std::vector<float> values;   ///< [layers][kv_heads][tokens][head_dim]
   std::vector<float> queries;  ///< [layers][kv_heads*group][queries][head_dim]
   /// (name, positions[layer * kv_heads + head]) for every planted structure of the kind.
   std::vector<std::pair<std::string, std::vector<std::vector<std::int64_t>>>> planted;
 
-  std::int64_t q_heads() const noexcept { return spec.kv_heads * spec.group; }
+  std::int64_t q_heads() const noexcept { return spec.kv_heads * spec.group; }  ///< query heads: kv_heads × group
   /// Positions planted as `name` in (layer, head); empty when the kind plants none.
   const std::vector<std::int64_t>& planted_at(const std::string& name, std::int64_t layer, std::int64_t head) const {
     static const std::vector<std::int64_t> none;

@@ -1,4 +1,4 @@
-"""The cost of sparse decode's block choice (docs/block_sparse.md#the-block-scores): kvscore's
+"""The cost of sparse decode's block choice (docs/reference/block_sparse.md#the-block-scores): kvscore's
 PagedBlockSelector (kvscore.vllm's, through the binding) on a vLLM-CPU-layout pool with SmolLM2's
 shapes (30 layers, 9 query and 3 KV heads, head_dim 64, blocks of 32 tokens), B requests of
 ~7.6K tokens, 10 % of the blocks attended; per decode step, against the dense attention it

@@ -1,4 +1,4 @@
-"""Which block score (docs/block_sparse.md#measured-which-score): on a model's own keys and
+"""Which block score (docs/results/block-sparse.md#which-score): on a model's own keys and
 queries dumped by tools/dump_kv.py (leak-free: a context, then its following tokens), for every
 layer and query head, the share of the full attention's mass that the blocks a decode step
 attends hold, and the share of the attention on chosen `--needle` tokens (e.g. the number a

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode-step speed of kvscore.generation's RetrievalCache (docs/generation.md): a benchmark, not a test.
+"""Decode-step speed of kvscore.generation's RetrievalCache (docs/guides/generation.md): a benchmark, not a test.
 
 Every figure is the best of --reps steps, interleaved with the steps it is compared with in the
 same run (the machine is shared: read the ratios, not the absolute times), --threads for torch

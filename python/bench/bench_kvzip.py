@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What KVzip's scoring costs against its reconstruction pass (docs/kvzip.md#what-it-costs): a
+"""What KVzip's scoring costs against its reconstruction pass (docs/results/kvzip.md#what-it-costs): a
 benchmark, not a test. A licence text cut to --tokens tokens in SmolLM2's chat template is
 prefilled; then, interleaved --reps times on copies of that cache:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Python-side benchmark (docs/python.md): one run, ratios measured in the same run.
+"""Python-side benchmark (docs/reference/python.md): one run, ratios measured in the same run.
 
 1. Call overhead: ManifoldL2 score + select of a 32-head x 4K fp16 cache from Python vs the same
    work timed inside C++ (kvscore._kvscore._bench_score_select), best of R, one thread.

@@ -1,4 +1,4 @@
-"""kvscore: KV-cache token scorers and selectors for numpy and PyTorch (docs/python.md).
+"""kvscore: KV-cache token scorers and selectors for numpy and PyTorch (docs/reference/python.md).
 
     import kvscore
     scores = kvscore.ManifoldL2().score(keys)          # keys [kv_heads, tokens, head_dim] or [1, ...]
@@ -12,7 +12,7 @@ silent copy. Results come back as the kind of array that went in (numpy in, nump
 in, torch out; a CUDA tensor in, a tensor on its device out), scores always float32. Bad values
 raise ValueError carrying the C++ message, wrong kinds of argument TypeError. Heavy calls
 release the GIL. CUDA tensors run on kvscore::cuda when the package was built with it
-(KVSCORE_CUDA=1 pip install .; cuda_available(), cuda_status(); docs/python.md "CUDA tensors").
+(KVSCORE_CUDA=1 pip install .; cuda_available(), cuda_status(); docs/reference/python.md "CUDA tensors").
 
 Every method name and every default comes from the C++ registry (include/kvscore/methods.hpp,
 make_scorer.hpp, make_method.hpp) through the module kvscore._kvscore: REGISTRY is its list,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json as _json
 import operator as _operator
+from typing import Literal
 
 import numpy as _np
 
@@ -37,6 +38,37 @@ __all__ = [
     "ParisKVCache", "OjaProjector", "METHODS", "ALIASES", "REGISTRY", "make_scorer", "method_name", "isa", "isas", "set_isa",
     "StreamingLLM", "make_selection_rule", "cuda_available", "cuda_status",
 ]
+
+# The values of the string options, for type checkers (docs/reference/api.md#python). Each is the
+# C++ option enum's spelling (kvscore/core/names.hpp: to_string); python/tests/test_tree.py holds
+# every list equal to the one the C++ parser accepts. The CLI's spellings ("per-head") are accepted too.
+Alloc = Literal["per_head", "adakv"]
+"""`select(alloc=)`, the presses' `alloc=`, `evaluate(alloc=)`: per-head budgets or AdaKV's."""
+Tail = Literal["keep", "zero"]
+"""`compact(tail=)`: the rows past each head's kept count are kept as they were or zero-filled."""
+Rounding = Literal["nearest", "floor"]
+"""`budget_from_ratio(rounding=)`, `evaluate(budget_rounding=)`."""
+Placement = Literal["in_cache", "after_cache"]
+"""Where a query-aware scorer's queries sit: the cache's last rows, or after the cache."""
+Aggregate = Literal["max", "mean"]
+"""`KVzip(aggregate=)`: a key's score over the queries and the group's heads."""
+WindowTail = Literal["own", "merge"]
+"""`WindowedManifoldL2(tail=)`, `evaluate(window_tail=)`: the final partial window."""
+JointAggregate = Literal["max", "mean", "vote"]
+"""`select_joint(aggregate=)`, `select_joint_blocks(aggregate=)` (not "vote")."""
+BlockAggregate = Literal["mean", "max"]
+"""`select_joint_blocks(block_aggregate=)`: a block's score over its positions."""
+Psi = Literal["sum", "mean", "attention"]
+"""`ProtoKV(psi=)`: the cluster score."""
+Protocol = Literal["leak_free", "shared"]
+"""`evaluate(protocol=)`: which queries the methods see."""
+MixMetric = Literal["recall", "error", "overlap"]
+"""`evaluate(mix_metric=)`: what per_layer_best maximises."""
+SynthKind = Literal["mixed", "sinks", "anisotropic", "lowrank", "drift", "radial-needles", "angular-needles",
+                    "multikey-needles", "anchors"]
+"""`synth(kind=)`: the planted structure."""
+DType = Literal["float32", "float16", "bfloat16"]
+"""`ParisKVCache(dtype=)`: the element type of the stored rows."""
 
 isa = _k.isa
 isas = _k.isas
@@ -244,7 +276,7 @@ class ManifoldL2(_Scorer):
 
 class WindowedManifoldL2(_Scorer):
     """Windowed ManifoldKV: L2 distance to the centroid of the key's window of ``window`` tokens
-    (docs/windowed-manifoldkv.md).
+    (docs/methods/windowed-manifoldkv.md).
 
     Parameters
     ----------
@@ -257,14 +289,14 @@ class WindowedManifoldL2(_Scorer):
         Threads over heads (0 = OpenMP's default).
     """
 
-    def __init__(self, window: int = _ARGS.window, tail: str = _ARGS.window_tail, *, threads: int = 0):
+    def __init__(self, window: int = _ARGS.window, tail: WindowTail = _ARGS.window_tail, *, threads: int = 0):
         super().__init__(threads=threads, window=window, window_tail=tail)
         self.window = window
         self.tail = tail
 
 
 class QFilter(_Scorer):
-    """Q-Filters: score = <k, f_h> (docs/qfilters.md).
+    """Q-Filters: score = <k, f_h> (docs/methods/qfilters.md).
 
     Parameters
     ----------
@@ -395,7 +427,7 @@ class SnapKV(_QueryScorer):
     """
 
     def __init__(self, queries, window: int = _k.kDefaultSnapKVWindow, kernel: int = _ARGS.kernel_size, *,
-                 placement: str = _ARGS.placement, threads: int = 0):
+                 placement: Placement = _ARGS.placement, threads: int = 0):
         if _index(window, "window") < 1:
             raise ValueError(f"SnapKV: window {window} must be >= 1")
         self._options = {"window": window, "kernel": kernel, "placement": placement, "threads": threads}
@@ -406,7 +438,7 @@ class SnapKV(_QueryScorer):
 
 
 class ProtoKV(_QueryScorer):
-    """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/protokv.md).
+    """ProtoKV: prototype clusters (SAT + PDT) scored by the window queries (docs/methods/protokv.md).
 
     Parameters
     ----------
@@ -431,7 +463,7 @@ class ProtoKV(_QueryScorer):
 
     def __init__(self, queries, window: int = 0, *, kappa: int = _ARGS.kappa, sat_candidates: int = _ARGS.sat_candidates,
                  lsh_bits: int = _ARGS.lsh_bits, chunks: int = _ARGS.chunks, bandwidth: float = _ARGS.bandwidth,
-                 seed: int = _ARGS.seed, psi: str = _ARGS.psi, placement: str = _ARGS.placement, threads: int = 0):
+                 seed: int = _ARGS.seed, psi: Psi = _ARGS.psi, placement: Placement = _ARGS.placement, threads: int = 0):
         if _cuda.is_cuda(queries):
             # ProtoKV's GPU path computes q̄ and the RFF directions on the host (kvscore/cuda/protokv.hpp):
             # the window's queries are copied to the host once, here (they score CPU or CUDA keys)
@@ -447,7 +479,7 @@ class ProtoKV(_QueryScorer):
 
 class KVzip(_QueryScorer):
     """KVzip (Kim et al. 2025): the attention each key receives from a set of queries, max over the
-    queries and the query heads of its group (docs/kvzip.md). KVzip's queries are those of a
+    queries and the query heads of its group (docs/methods/kvzip.md). KVzip's queries are those of a
     context-reconstruction pass; kvscore.presses.KvscorePress("kvzip") runs that pass inside
     kvpress's pipeline, and score_span() scores one pass of it.
 
@@ -464,14 +496,14 @@ class KVzip(_QueryScorer):
         Threads over heads (0 = OpenMP's default).
     """
 
-    def __init__(self, queries, *, aggregate: str = _ARGS.aggregate, placement: str = _ARGS.placement,
+    def __init__(self, queries, *, aggregate: Aggregate = _ARGS.aggregate, placement: Placement = _ARGS.placement,
                  threads: int = 0):
         super().__init__(threads=threads, queries=queries, aggregate=aggregate, placement=placement)
         self._options = {"aggregate": aggregate, "placement": placement, "threads": threads}
 
     @staticmethod
     def score_span(cache, own, queries, out, begin: int, end: int = -1, *, sinks: int = 0,
-                   aggregate: str = _ARGS.aggregate, query_weights=None, key_weights=None, threads: int = 0,
+                   aggregate: Aggregate = _ARGS.aggregate, query_weights=None, key_weights=None, threads: int = 0,
                    query_block: int = 0):
         """One reconstruction pass (kvscore::KVzip::score_span): the attention the cache rows
         ``[begin, end)`` receive from ``queries`` ``[q_heads, m, head_dim]``, whose own keys are
@@ -490,10 +522,10 @@ class KVzip(_QueryScorer):
 
     @staticmethod
     def attend_span(cache, own, values, own_values, queries, out, attn_out, begin: int, end: int = -1, *,
-                    sinks: int = 0, aggregate: str = _ARGS.aggregate, query_weights=None, key_weights=None,
+                    sinks: int = 0, aggregate: Aggregate = _ARGS.aggregate, query_weights=None, key_weights=None,
                     threads: int = 0, query_block: int = 0):
         """One reconstruction pass with its attention computed from the same logits
-        (kvscore::KVzip::attend_span, docs/kvzip.md#the-fused-pass): score_span's scores into
+        (kvscore::KVzip::attend_span, docs/methods/kvzip.md#the-fused-pass): score_span's scores into
         ``out`` (to ~1e-6 relative), and into ``attn_out`` (float32 ``[m, q_heads, head_dim]``,
         C-contiguous) each query's causal attention output: the softmax over every cache row and
         its own rows up to itself, times ``values`` / ``own_values`` (``[kv_heads, rows,
@@ -622,7 +654,7 @@ _SEL = _DEF["SelectOptions"]
 
 
 def select(scores, budget: int, *, sinks: int = _SEL["sinks"], recent: int = _SEL["recent"],
-           alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"], normalize: bool = _SEL["normalize"],
+           alloc: Alloc = _SEL["alloc"], alpha: float = _SEL["alpha"], normalize: bool = _SEL["normalize"],
            threads: int = _SEL["threads"]):
     """Tokens to keep from scores, per head (kvscore::select).
 
@@ -681,10 +713,10 @@ def _score_layers(scores, who: str):
             back = b
     return arrays, back
 
-def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: str | None = None,
+def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggregate: JointAggregate | None = None,
                  threads: int = 0):
     """ONE set of kept positions for every head of every layer, for caches that drop a token
-    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/joint.md).
+    everywhere at once (llama.cpp's cells, paged blocks holding all heads; docs/reference/joint.md).
     `scores`: float32 [layers, kv_heads, tokens], [rows, tokens] (one layer, or all rows
     stacked), or a list of [kv_heads, tokens] arrays, one per layer. Each row is z-normalised,
     then aggregated per token: 'max' (the default), 'mean' or 'vote'; then select()'s rules
@@ -697,9 +729,10 @@ def select_joint(scores, budget: int, *, sinks: int = 0, recent: int = 0, aggreg
 
 
 def select_joint_blocks(scores, block_size: int, budget: int, *, sinks: int = 0, recent: int = 0,
-                        aggregate: str | None = None, block_aggregate: str | None = None, threads: int = 0):
+                        aggregate: JointAggregate | None = None, block_aggregate: BlockAggregate | None = None,
+                        threads: int = 0):
     """ONE set of kept BLOCKS of `block_size` positions for every head of every layer, for paged
-    caches that free whole blocks (vLLM; docs/joint.md, "Whole blocks"). `scores` as select_joint's
+    caches that free whole blocks (vLLM; docs/reference/joint.md, "Whole blocks"). `scores` as select_joint's
     (max or mean aggregate over rows; vote is refused). A block's score is the mean (default) or
     max of its positions' joint scores; the blocks holding the first `sinks` or last `recent`
     positions and a partial last block are always kept, inside `budget` (blocks). Returns int64
@@ -742,7 +775,7 @@ def _share_memory(a, b) -> bool:
 _COMPACT = _DEF["CompactOptions"]
 
 
-def compact(keys, values, selection, *, tail: str = _COMPACT["tail"], require_equal_lengths: bool = True) -> int:
+def compact(keys, values, selection, *, tail: Tail = _COMPACT["tail"], require_equal_lengths: bool = True) -> int:
     """Moves the kept rows of keys and values to the front of each head, in place (kvscore::compact).
 
     Parameters
@@ -804,11 +837,11 @@ _EVAL, _METHOD_OPTS = _DEF["EvalOptions"], _DEF["MethodOptions"]
 
 
 def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = _SEL["sinks"],
-             recent: int = _SEL["recent"], alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
-             window: int = _METHOD_OPTS["window"], window_tail: str = _METHOD_OPTS["window_tail"],
-             budget_rounding: str = _EVAL["rounding"], query_placement: str = _METHOD_OPTS["placement"],
-             threads: int = 1, window_queries=None, calib_queries=None, protocol: str | None = None,
-             mix_metric: str = _EVAL["mix_metric"]) -> dict:
+             recent: int = _SEL["recent"], alloc: Alloc = _SEL["alloc"], alpha: float = _SEL["alpha"],
+             window: int = _METHOD_OPTS["window"], window_tail: WindowTail = _METHOD_OPTS["window_tail"],
+             budget_rounding: Rounding = _EVAL["rounding"], query_placement: Placement = _METHOD_OPTS["placement"],
+             threads: int = 1, window_queries=None, calib_queries=None, protocol: Protocol | None = None,
+             mix_metric: MixMetric = _EVAL["mix_metric"]) -> dict:
     """``kvscore eval`` as a function: the same report, as a dict.
 
     Parameters
@@ -843,7 +876,7 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
         ``[layers, q_heads, n_c, d]``: queries of other text, Q-Filters' calibration under the
         leak-free protocol (qfilter is skipped without them).
     protocol : {'leak_free', 'shared'}, optional
-        Which queries the methods see (docs/evaluate.md "Protocols"): 'leak_free' (as in an
+        Which queries the methods see (docs/reference/evaluate.md "Protocols"): 'leak_free' (as in an
         engine; needs window_queries) or 'shared' (every method sees Q: an upper bound). Default:
         'leak_free' when window_queries is given, else 'shared'.
     mix_metric : {'recall', 'error', 'overlap'}, optional
@@ -874,10 +907,10 @@ def evaluate(K, V, Q, *, methods="all", keep=tuple(_EVAL["keep"]), sinks: int = 
 _SYNTH = _DEF["synth.Spec"]
 
 
-def synth(kind: str = _SYNTH["kind"], *, layers: int = _SYNTH["layers"], kv_heads: int = _SYNTH["kv_heads"],
+def synth(kind: SynthKind = _SYNTH["kind"], *, layers: int = _SYNTH["layers"], kv_heads: int = _SYNTH["kv_heads"],
           group: int = _SYNTH["group"], tokens: int = _SYNTH["tokens"], head_dim: int = _SYNTH["head_dim"],
           queries: int = _SYNTH["queries"], segment: int = _SYNTH["segment"], seed: int = _SYNTH["seed"]) -> dict:
-    """``kvscore synth`` as a function (docs/synth.md).
+    """``kvscore synth`` as a function (docs/reference/synth.md).
 
     Returns
     -------
@@ -894,7 +927,7 @@ _PARIS, _PARIS_SEARCH, _PARIS_CACHE = _DEF["ParisKVConfig"], _DEF["ParisKVSearch
 
 
 class ParisKV:
-    """ParisKV retrieval index of one KV head (docs/pariskv.md).
+    """ParisKV retrieval index of one KV head (docs/methods/pariskv.md).
 
     Parameters
     ----------
@@ -956,7 +989,7 @@ class ParisKV:
 
 
 class ParisKVCache:
-    """ParisKV's decode-time cache of one KV head (docs/pariskv.md "Decode-time cache").
+    """ParisKV's decode-time cache of one KV head (docs/methods/pariskv.md "Decode-time cache").
 
     The first ``sinks`` tokens, a ParisKV index over the middle and the last ``local`` tokens;
     dense attention below max(dense_min, sinks + local + 2k) tokens. ``append(keys, values)``
@@ -974,7 +1007,7 @@ class ParisKVCache:
 
     _impls = {"float32": "ParisKVCacheF32", "float16": "ParisKVCacheF16", "bfloat16": "ParisKVCacheBF16"}
 
-    def __init__(self, head_dim: int, *, dtype: str = "float16", sinks: int = _PARIS_CACHE["sinks"],
+    def __init__(self, head_dim: int, *, dtype: DType = "float16", sinks: int = _PARIS_CACHE["sinks"],
                  local: int = _PARIS_CACHE["local"], update_interval: int = _PARIS_CACHE["update_interval"],
                  dense_min: int = _PARIS_CACHE["dense_min"], k: int = _PARIS_CACHE["k"],
                  rerank_exact: int = _PARIS_CACHE["rerank_exact"]):

@@ -1,4 +1,4 @@
-"""CUDA tensors in kvscore's functions: the dispatch to kvscore._kvscore_cuda (docs/python.md,
+"""CUDA tensors in kvscore's functions: the dispatch to kvscore._kvscore_cuda (docs/reference/python.md,
 "CUDA tensors").
 
 The module is built only by ``KVSCORE_CUDA=1 pip install .``; without it a CUDA tensor given to
@@ -30,7 +30,7 @@ _STATUS = None
 
 
 def status() -> dict:
-    """kvscore.cuda_status(): never raises, never imports torch (docs/python.md)."""
+    """kvscore.cuda_status(): never raises, never imports torch (docs/reference/python.md)."""
     global _STATUS
     if _STATUS is None:
         if _kc is None:

@@ -1,4 +1,4 @@
-"""kvpress-compatible presses backed by kvscore (docs/python.md).
+"""kvpress-compatible presses backed by kvscore (docs/reference/python.md).
 
     from kvscore.presses import KvscorePress
     press = KvscorePress(method="manifold_l2", compression_ratio=0.5)
@@ -24,7 +24,7 @@ method per layer (PerLayerPress.from_report: a leak-free `kvscore eval` report's
 KVzip (method "kvzip", or KVzipPress with kvpress's KVzipPress defaults) scores in a pass of its
 own after the prefill: the model reconstructs the context from the cache and each context token is
 scored by the attention it receives (kvscore::KVzip::score_span); see KvscorePress's kvzip options
-and docs/kvzip.md.
+and docs/methods/kvzip.md.
 Every default is the registry's (include/kvscore/methods.hpp) or the option structs'.
 kvpress is optional for kvscore; this module needs it.
 
@@ -107,7 +107,7 @@ class KvscorePress(ScorerPress):
     alpha : float, optional
         AdaKV's safeguard share in [0, 1] (SelectOptions' default).
     **method_options
-        The method's options (see the module doc). KVzip ("kvzip"; docs/kvzip.md): ``chunk_size``
+        The method's options (see the module doc). KVzip ("kvzip"; docs/methods/kvzip.md): ``chunk_size``
         (context tokens per reconstruction pass, the registry's kDefaultKVzipChunk), ``kvzip_plus``
         (KVzip+'s normalization), ``layerwise`` (alloc='adakv' per layer instead of one top-k over
         every layer and head), ``tokenizer`` (the model's; default: AutoTokenizer of the model's name,
@@ -128,7 +128,7 @@ class KvscorePress(ScorerPress):
     """
 
     def __init__(self, method: str = _kv.ManifoldL2.name, compression_ratio: float = 0.0, *, sinks: int = 0,
-                 recent: int = 0, threads: int = 0, alloc: str = _SEL["alloc"], alpha: float = _SEL["alpha"],
+                 recent: int = 0, threads: int = 0, alloc: _kv.Alloc = _SEL["alloc"], alpha: float = _SEL["alpha"],
                  **method_options):
         self.method = _kv.method_name(method)
         self.compression_ratio = compression_ratio
@@ -807,7 +807,7 @@ class KVzipPress(KvscorePress):
     kvzip_plus=True is KVzip+'s normalization; any KvscorePress option changes the rest."""
 
     def __init__(self, compression_ratio: float = 0.0, *, kvzip_plus: bool = False, layerwise: bool = False,
-                 chunk_size: int = KVZIP_CHUNK_SIZE, sinks: int = _k.kDefaultSinks, alloc: str = "adakv",
+                 chunk_size: int = KVZIP_CHUNK_SIZE, sinks: int = _k.kDefaultSinks, alloc: _kv.Alloc = "adakv",
                  alpha: float = 0.0, **options):
         super().__init__(_KVZIP, compression_ratio, kvzip_plus=kvzip_plus, layerwise=layerwise, chunk_size=chunk_size,
                          sinks=sinks, alloc=alloc, alpha=alpha, **options)

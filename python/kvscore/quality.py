@@ -1,7 +1,7 @@
-"""Generation-level quality benchmark of KV-cache presses on a real decoder (docs/quality.md).
+"""Generation-level quality benchmark of KV-cache presses on a real decoder (docs/results/quality.md).
 
     bash scripts/fetch_smollm2.sh                       # SmolLM2-135M-Instruct (GGUF) into .models/
-    python -m kvscore.quality --out quality-out         # the full run (docs/quality.md: ~2 h on 2 cores)
+    python -m kvscore.quality --out quality-out         # the full run (docs/results/quality.md: ~2 h on 2 cores)
     python -m kvscore.quality --quick --out /tmp/q      # the CI smoke run (1 context, 2 ratios, <= 3 min)
 
 SmolLM2-135M-Instruct runs through kvpress's own text-generation pipeline, as kvpress's
@@ -119,7 +119,7 @@ KVZIP_SCORING_RATIO = 0.5  # any ratio > 0 makes KVzipPress compute its scores, 
 # kvscore's KVzip with AdaKV's safeguard: every head keeps at least this share of the average head's budget
 KVZIP_SAFEGUARD = 0.2
 
-# --- full / quick designs (docs/quality.md explains the choice: ~2 h on this 2-core machine)
+# --- full / quick designs (docs/results/quality.md explains the choice: ~2 h on this 2-core machine)
 FULL = {"lengths": (1024, 2048, 4096, 8192), "contexts": {1024: 3, 2048: 3, 4096: 3, 8192: 3}, "ratios": RATIOS,
         "calib_tokens": QFILTER_CALIB_TOKENS}
 QUICK = {"lengths": (1024,), "contexts": {1024: 1}, "ratios": (0.5, 0.9), "calib_tokens": 512}
@@ -310,7 +310,7 @@ def method_table(filters=None, mix=None):
     from kvscore import _kvscore
     from kvscore import presses as ks
 
-    # labels are the registry's CLI spellings (kvscore eval's report names), as docs/quality.md prints them
+    # labels are the registry's CLI spellings (kvscore eval's report names), as docs/results/quality.md prints them
     cli = {m["name"]: m["cli"] for m in kv.REGISTRY}
     knorm, keydiff, l2, wl2 = kv.KNorm.name, kv.KeyDiff.name, kv.ManifoldL2.name, kv.WindowedManifoldL2.name
     snap, proto, stream, qf = kv.SnapKV.name, kv.ProtoKV.name, kv.StreamingLLM.name, kv.QFilter.name
@@ -329,7 +329,7 @@ def method_table(filters=None, mix=None):
         ours(stream): ("kvscore", lambda r: ks.KvscorePress(stream, r, sinks=s)),
         ours(keydiff, "-adakv"): ("kvscore", lambda r: ks.KvscorePress(keydiff, r, sinks=s, alloc="adakv")),
         ours(l2, "-adakv"): ("kvscore", lambda r: ks.ManifoldKVPress(r, sinks=s, alloc="adakv")),
-        # KVzip (docs/kvzip.md): kvpress's KVzipPress's kept rows (tested), KVzip+, and what kvscore's
+        # KVzip (docs/methods/kvzip.md): kvpress's KVzipPress's kept rows (tested), KVzip+, and what kvscore's
         # version adds: AdaKV's safeguard, the chat template's prefix scored, one set of positions for
         # every head and layer (llama.cpp's cells; the rows are removed: memory 1 - ratio)
         ours(zip_): ("kvscore", lambda r: ks.KVzipPress(r)),
@@ -446,7 +446,7 @@ class CacheRow:
 
 def ojakv_anchors(n: int, memory: float, head_dim: int, rank: int, bytes_per_scalar: int, protected: int):
     """Full-rank anchors per KV head that bring an OjaKV store of n tokens at key and value rank
-    `rank` to at most `memory` of the full cache (docs/ojakv.md, Definitions 11: (n - a)·2r·b +
+    `rank` to at most `memory` of the full cache (docs/methods/ojakv.md, Definitions 11: (n - a)·2r·b +
     a·(2d·b + 4) + d·2r·b <= memory·n·2d·b), the largest such count; None when even the
     protected tokens (sinks and the residual rule's window) exceed it."""
     d, r, b = head_dim, rank, bytes_per_scalar
@@ -1034,7 +1034,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", help="comma list (default: all; see --list)")
     ap.add_argument("--ratios", help="compression ratios (default 0.25,0.5,0.75,0.9; quick 0.5,0.9)")
     ap.add_argument("--lengths", help="context lengths in tokens (default 1024,2048,4096,8192; quick 1024)")
-    ap.add_argument("--contexts", type=int, help="contexts per length (default: the design's, see docs/quality.md)")
+    ap.add_argument("--contexts", type=int, help="contexts per length (default: the design's, see docs/results/quality.md)")
     ap.add_argument("--mix", help="leak-free `kvscore eval` reports (JSON), comma list of [NAME=]PATH: adds "
                     "kvscore:NAME (default mix), the report's per-layer choice (per_layer_best) as a press")
     ap.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS}; 0: torch's "

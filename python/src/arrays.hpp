@@ -102,7 +102,7 @@ void check_strides_nonneg(const A& a, const std::string& what) {
 
 /// A [heads, tokens, head_dim] view's shape and element strides, read from a 3-D or [1, ...] 4-D
 /// array. An empty array (no heads or no tokens) has no rows to read, and numpy 2 reports zero
-/// strides for it: its strides are then C order's, so empty caches are valid (docs/robustness.md).
+/// strides for it: its strides are then C order's, so empty caches are valid (docs/contributing/robustness.md).
 struct HND {
   std::int64_t H = 0, N = 0, D = 0, hs = 0, ts = 0;
 };

@@ -1,5 +1,5 @@
 // python/src/bind_generation.cpp — the layer-level decode caches of kvscore.generation
-// (docs/generation.md): ParisKVLayerCache<T> (ParisKV or exact top-k retrieval with zones) and
+// (docs/guides/generation.md): ParisKVLayerCache<T> (ParisKV or exact top-k retrieval with zones) and
 // OjaLayerCache (OjaKV's hybrid store), one object per attention layer, one call per layer per
 // forward. Tensors arrive as 4-D [batch, heads, tokens, head_dim] arrays with any strides whose
 // head_dim stride is 1 (a model's key_states / query_states are transposed views: read in
@@ -215,7 +215,7 @@ void bind_ojakv_layer(nb::module_& m) {
             d["ratio"] = x.ratio;
             return d;
           },
-          "bytes_per_scalar"_a, "{'full_bytes', 'hybrid_bytes', 'ratio'}: the paper's formula (docs/ojakv.md).")
+          "bytes_per_scalar"_a, "{'full_bytes', 'hybrid_bytes', 'ratio'}: the paper's formula (docs/methods/ojakv.md).")
       .def(
           "full_rank_positions",
           [](const C& c, std::int64_t b, std::int64_t h) {
@@ -282,7 +282,7 @@ void bind_generation(nb::module_& m) {
   d["OjaLayerConfig"] = oja;
   m.attr("generation_defaults") = d;
   m.def("retrieval_dense_below", &kvscore::retrieval_dense_below, "head_dim"_a,
-        "Cache length below which RetrievalCache attends densely by default (docs/generation.md).");
+        "Cache length below which RetrievalCache attends densely by default (docs/guides/generation.md).");
   bind_pariskv_layer<float>(m, "ParisKVLayerCacheF32");
   bind_pariskv_layer<kvscore::half>(m, "ParisKVLayerCacheF16");
   bind_pariskv_layer<kvscore::bfloat16>(m, "ParisKVLayerCacheBF16");

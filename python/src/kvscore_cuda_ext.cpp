@@ -1,4 +1,4 @@
-// python/src/kvscore_cuda_ext.cpp — the nanobind module kvscore._kvscore_cuda (docs/python.md,
+// python/src/kvscore_cuda_ext.cpp — the nanobind module kvscore._kvscore_cuda (docs/reference/python.md,
 // "CUDA tensors"): kvscore::cuda behind kvscore's Python functions for tensors in GPU memory.
 //
 // Built only when asked (KVSCORE_CUDA=1 pip install .), in its own nanobind domain, over the
@@ -465,7 +465,7 @@ nb::dict status() {
 }  // namespace
 
 NB_MODULE(_kvscore_cuda, m) {
-  m.doc() = "kvscore::cuda for CUDA tensors (use the kvscore package; docs/python.md \"CUDA tensors\")";
+  m.doc() = "kvscore::cuda for CUDA tensors (use the kvscore package; docs/reference/python.md \"CUDA tensors\")";
   m.attr("__version__") = kvscore::version_string;
   nb::register_exception_translator(translate_errors);  // arrays.hpp: the same Python exceptions as _kvscore
   m.def("status", &status,

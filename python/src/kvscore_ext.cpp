@@ -1,4 +1,4 @@
-// python/src/kvscore_ext.cpp — the nanobind module kvscore._kvscore (docs/python.md).
+// python/src/kvscore_ext.cpp — the nanobind module kvscore._kvscore (docs/reference/python.md).
 //
 // Arrays arrive as nb::ndarray (numpy through the buffer protocol, torch through DLPack) and
 // are read in place: a KeysView is built from the array's own strides, so any layout the
@@ -768,7 +768,7 @@ struct KVzipPassArgs {
   KVzipPassArgs& operator=(const KVzipPassArgs&) = delete;
 };
 
-/// kvscore::KVzip::score_span (docs/kvzip.md): one reconstruction pass scored into `out`.
+/// kvscore::KVzip::score_span (docs/methods/kvzip.md): one reconstruction pass scored into `out`.
 void bind_kvzip(nb::module_& m) {
   m.def(
       "kvzip_score_span",
@@ -858,7 +858,7 @@ void bind_generation(nb::module_& m);  // python/src/bind_generation.cpp
 void bind_vllm(nb::module_& m);  // python/src/bind_vllm.cpp
 
 NB_MODULE(_kvscore, m) {
-  m.doc() = "kvscore C++ core (use the kvscore package; docs/python.md)";
+  m.doc() = "kvscore C++ core (use the kvscore package; docs/reference/python.md)";
   m.attr("__version__") = kvscore::version_string;
   nb::register_exception_translator(translate_errors);  // arrays.hpp
   bind_isa(m);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU check of kvscore's CUDA tensors (issue 48; docs/python.md "CUDA tensors").
+"""The GPU check of kvscore's CUDA tensors (issue 48; docs/reference/python.md "CUDA tensors").
 
 Run on a machine with an NVIDIA GPU after ``KVSCORE_CUDA=1 pip install .`` (scripts/gpu-python-kit.sh
 builds kvscore there and runs this). Prints one table, one row per check:
@@ -8,7 +8,7 @@ builds kvscore there and runs this). Prints one table, one row per check:
   INFO          reported, not asserted (speed: the press overhead against kvpress's own press,
                 kvscore.select against torch.topk)
 
-Checks (tolerances of docs/cuda.md):
+Checks (tolerances of docs/reference/cuda.md):
   status          cuda_available() and cuda_status() on this machine
   scores:<m>      GPU vs CPU scores of every scorer x fp32/fp16/bf16 x HF / token-major layouts
                   (-inf where the CPU has -inf; 1e-5 relative, + 1e-5 x the head's max for the
@@ -461,7 +461,7 @@ def press_check(kind, quick):
                     a, b = kept(fk, ours[layer][0]), kept(fk, theirs[layer][0])
                     c = kept(full_cpu[layer][0], on_cpu[layer][0])
                     norms = neg_norms(fk)
-                    if method == "knorm":  # fp32 norms a few ulp apart (docs/python.md): boundary near-ties
+                    if method == "knorm":  # fp32 norms a few ulp apart (docs/reference/python.md): boundary near-ties
                         ties += near_tie_diffs(a, b, norms, 1e-6) + near_tie_diffs(a, c, norms, 1e-6)
                     elif method == "keydiff":
                         mean = [[fk[bi, h] / fk[bi, h].norm(dim=-1, keepdim=True) for h in range(fk.shape[1])]

@@ -1,5 +1,5 @@
 """kvscore._kvscore.PagedBlockSelector, the binding kvscore.vllm's sparse decode drives
-(docs/block_sparse.md): the planned calls (register_caches + plan once, select_planned per layer)
+(docs/reference/block_sparse.md): the planned calls (register_caches + plan once, select_planned per layer)
 choose what select does, every row's choice is the stateless reference's when scored, and misuse
 is a ValueError naming the value. No vLLM needed: a pool in vLLM CPU's layout."""
 import numpy as np

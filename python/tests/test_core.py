@@ -490,7 +490,7 @@ def test_knorm_is_within_ulps_of_torch_and_the_doc_says_how_close():
     assert float(((ours - exact).abs() / ulp).max()) <= 8  # every ISA (scalar: 7 ulp from torch, measured)
     assert float(((theirs - exact).abs() / ulp).max()) <= 8
     differ = float((ours != theirs).double().mean())
-    row = next(line for line in (pathlib.Path(__file__).parents[2] / "docs/python.md").read_text().splitlines()
+    row = next(line for line in (pathlib.Path(__file__).parents[2] / "docs/results/python.md").read_text().splitlines()
                if line.startswith("| K-norm |"))
     if differ > 0:
         assert "the same fp32 values" not in row and "ulp" in row, row
@@ -511,7 +511,7 @@ def test_select_budget_must_be_an_integer():
 
 @pytest.mark.parametrize("shape", [(4, 0, 64), (0, 5, 64), (1, 4, 0, 64)])
 def test_empty_numpy_caches_are_valid(shape):
-    # D3: numpy 2 reports zero strides for empty arrays; empty caches are valid (docs/robustness.md)
+    # D3: numpy 2 reports zero strides for empty arrays; empty caches are valid (docs/contributing/robustness.md)
     K = np.zeros(shape, np.float32)
     H, N = shape[-3], shape[-2]
     for scorer in (kvscore.KNorm(), kvscore.ManifoldL2(), kvscore.KeyDiff(), kvscore.WindowedManifoldL2(8)):

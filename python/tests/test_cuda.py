@@ -1,4 +1,4 @@
-"""CUDA tensors in kvscore without a GPU (issue 48; docs/python.md "CUDA tensors").
+"""CUDA tensors in kvscore without a GPU (issue 48; docs/reference/python.md "CUDA tensors").
 
 What can be checked on a machine with no GPU, and is, in every build:
   * kvscore.cuda_available() / cuda_status() never raise and never import torch; the reason is

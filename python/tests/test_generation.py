@@ -1,4 +1,4 @@
-"""kvscore.generation inside transformers' generate (docs/generation.md), on small GQA + RoPE
+"""kvscore.generation inside transformers' generate (docs/guides/generation.md), on small GQA + RoPE
 Llama / Qwen2 models built from a config (random weights):
 
 - attend=1.0 gives a DynamicCache's greedy tokens exactly (and the kvscore attention wrapper
@@ -7,7 +7,7 @@ Llama / Qwen2 models built from a config (random weights):
   model's own keys and queries (read back through a hook), and for method="exact" the
   brute-force top k of q·k over the retrieval zone (ties: lower position) plus sinks and local;
 - OjaKVCache at full rank generates a DynamicCache's tokens; its memory_bytes is the formula of
-  docs/ojakv.md; crop of the open block;
+  docs/methods/ojakv.md; crop of the open block;
 - every bad argument and every model the caches cannot serve raise with the reason.
 SmolLM2 (the real model) is in test_smollm2.py."""
 

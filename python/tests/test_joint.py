@@ -1,4 +1,4 @@
-"""kvscore.select_joint (docs/joint.md) against a numpy reference, its input forms and its errors."""
+"""kvscore.select_joint (docs/reference/joint.md) against a numpy reference, its input forms and its errors."""
 
 import numpy as np
 import pytest

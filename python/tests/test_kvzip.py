@@ -1,4 +1,4 @@
-"""KVzip in kvscore (docs/kvzip.md): the C++ scorer of attention received against torch (kvpress's
+"""KVzip in kvscore (docs/methods/kvzip.md): the C++ scorer of attention received against torch (kvpress's
 own arithmetic: the softmax over sinks + chunk + the pass's own tokens, max over the group and the
 queries), and the press inside kvpress's pipeline against kvpress's KVzipPress on a tiny random Llama
 (fp32, sdpa): the same masked (layer, head, position) triples, for KVzip and KVzip+, global and

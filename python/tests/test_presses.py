@@ -55,7 +55,7 @@ def test_same_kept_positions_as_kvpress_at_fp32(method, opts, peer, ratio):
         assert ours[layer][0].shape[2] == theirs[layer][0].shape[2] == n
         a = kept_positions(full[layer][0], ours[layer][0])
         b = kept_positions(full[layer][0], theirs[layer][0])
-        if method == "knorm":  # fp32 norms 1-2 ulp apart from torch's (docs/python.md): near-ties may swap
+        if method == "knorm":  # fp32 norms 1-2 ulp apart from torch's (docs/reference/python.md): near-ties may swap
             assert_boundary_ties_only(full[layer][0], a, b)
         else:
             assert a == b, f"layer {layer}: kvscore and kvpress keep different positions"

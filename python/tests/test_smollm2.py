@@ -194,7 +194,7 @@ def test_shared_prefill_gives_the_pipelines_answers_and_caches(smol, ctx):
 
 
 def test_generation_example_runs(smol):
-    """examples/python/generation.py (docs/generation.md) on the loaded model: ParisKV at 10 %
+    """examples/python/generation.py (docs/guides/generation.md) on the loaded model: ParisKV at 10 %
     attended answers the planted fact as the full cache does, in generate and in kvpress's pipeline."""
     import runpy
 

@@ -24,7 +24,7 @@ def _name_pattern():
     for m in kvscore.REGISTRY:
         spellings += [m["name"], m["cli"], *m["aliases"]]
     alternatives = "|".join(re.escape(s) for s in sorted(set(spellings), key=len, reverse=True))
-    # a spelling as a word: not part of an identifier, a path ("docs/ojakv.md") or a flag
+    # a spelling as a word: not part of an identifier, a path ("docs/methods/ojakv.md") or a flag
     return re.compile(r"(^|[^A-Za-z0-9_./-])(" + alternatives + r")(?![A-Za-z0-9_/-]|\.[a-z])")
 
 
@@ -149,7 +149,7 @@ def f(window=4096, *, sinks=4, threads=0, tail="merge", keep=(0.1, 1)):
     return opts.get("window", 64), opts.get("n", 1), g(kernel=5), f"use {x} or windowed-l2"
 class P:
     window: int = 64
-    name = "docs/ojakv.md"
+    name = "docs/methods/ojakv.md"
 '''
     names, defaults = scan_python(py)
     assert names == ["2: knorm in 'knorm'", "2: l2 in 'l2'", "5: windowed-l2 in ' or windowed-l2'"]
@@ -184,3 +184,58 @@ def test_python_defaults_are_the_registrys():
                  "kDefaultParisKVLocal"):
         m = re.search(rf"constexpr (?:std::int64_t|int) {name} = (\d+);", hdr)
         assert m and int(m.group(1)) == getattr(_kvscore, name), name
+
+
+# ------------------------------------------------------------------ one version
+
+def test_the_package_version_is_the_cpp_version():
+    """kvscore.__version__ (the C++ string), the installed distribution's version (pyproject.toml's
+    regex over the same header) and include/kvscore/version.hpp agree."""
+    import importlib.metadata
+
+    header = (ROOT / "include" / "kvscore" / "version.hpp").read_text()
+    want = re.search(r'#define KVSCORE_VERSION_STRING "([^"]+)"', header).group(1)
+    assert kvscore.__version__ == want
+    assert importlib.metadata.version("kvscore") == want
+
+
+# ------------------------------------------------------------------ the string options' Literal types
+
+def _accepted(call) -> set:
+    """The values the C++ parser lists in its error for a bad value ('a', 'b' or 'c'; or the
+    synth kinds' comma list)."""
+    with pytest.raises(ValueError) as e:
+        call()
+    msg = str(e.value)
+    if "expected one of" in msg:
+        return set(msg.split("expected one of ")[1].rstrip(")").split(", "))
+    tail = msg.split(" must be ")[1]
+    quoted = re.findall(r"'([^']+)'", tail)
+    return set(quoted) if quoted else set(re.split(r", | or ", tail))
+
+
+def test_the_literal_types_are_the_values_the_cpp_parsers_accept():
+    import typing
+
+    import numpy as np
+
+    s = np.random.default_rng(0).random((2, 10), dtype=np.float32)
+    k = np.random.default_rng(1).random((2, 10, 8), dtype=np.float32)
+    q = np.random.default_rng(2).random((2, 4, 8), dtype=np.float32)
+    calls = {
+        "Alloc": lambda: kvscore.select(s, 2, alloc="x"),
+        "Tail": lambda: kvscore.compact(k.copy(), k.copy(), kvscore.select(s, 2), tail="x"),
+        "Rounding": lambda: kvscore.budget_from_ratio(10, 0.5, rounding="x"),
+        "Placement": lambda: kvscore.SnapKV(q, placement="x"),
+        "Aggregate": lambda: kvscore.KVzip(q, aggregate="x"),
+        "WindowTail": lambda: kvscore.WindowedManifoldL2(tail="x"),
+        "JointAggregate": lambda: kvscore.select_joint(s, 2, aggregate="x"),
+        "BlockAggregate": lambda: kvscore.select_joint_blocks(s, 2, 2, block_aggregate="x"),
+        "Psi": lambda: kvscore.ProtoKV(q, psi="x"),
+        "Protocol": lambda: kvscore.evaluate(k[None], k[None], q[None], protocol="x"),
+        "MixMetric": lambda: kvscore.evaluate(k[None], k[None], q[None], mix_metric="x"),
+        "SynthKind": lambda: kvscore.synth(kind="x"),
+        "DType": lambda: kvscore.ParisKVCache(8, dtype="x"),
+    }
+    for name, call in calls.items():
+        assert set(typing.get_args(getattr(kvscore, name))) == _accepted(call), name

@@ -23,22 +23,29 @@ namespace kvscore {
 
 /// IEEE 754 binary16 storage (1 sign, 5 exponent, 10 mantissa bits).
 struct half {
-  std::uint16_t bits = 0;
+  std::uint16_t bits = 0;  ///< the binary16 bit pattern
   friend constexpr bool operator==(half a, half b) { return a.bits == b.bits; }
 };
 /// bfloat16 storage: the upper 16 bits of an fp32.
 struct bfloat16 {
-  std::uint16_t bits = 0;
+  std::uint16_t bits = 0;  ///< the upper 16 bits of the fp32 value
   friend constexpr bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
 };
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2);
 
-enum class dtype { f32, f16, bf16 };
+/// The element type of a cache at run time (visit_dtype turns it into the C++ type).
+enum class dtype {
+  f32,   ///< float
+  f16,   ///< kvscore::half
+  bf16,  ///< kvscore::bfloat16
+};
 
+/// True for the element types a cache may hold: float, kvscore::half, kvscore::bfloat16.
 template <class T>
 inline constexpr bool is_element_type_v =
     std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
+/// The dtype of element type T (a compile-time error for any other type).
 template <class T>
 constexpr dtype dtype_of() {
   static_assert(is_element_type_v<T>, "kvscore element types are float, half, bfloat16");
@@ -49,7 +56,7 @@ constexpr dtype dtype_of() {
 
 /// f(std::type_identity<T>{}) for the element type T of `t` (float, half, bfloat16): the one
 /// switch from a run-time dtype to a compile-time type, for every front end.
-///   visit_dtype(dt, [&]<class T>(std::type_identity<T>) { return run<T>(...); });
+/// `visit_dtype(dt, [&]<class T>(std::type_identity<T>) { return run<T>(...); });`
 template <class F>
 constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
   switch (t) {
@@ -60,6 +67,7 @@ constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
   return std::forward<F>(f)(std::type_identity<float>{});
 }
 
+/// "float32", "float16" or "bfloat16" (numpy's and torch's names).
 constexpr const char* dtype_name(dtype t) {
   switch (t) {
     case dtype::f32: return "float32";
@@ -73,6 +81,7 @@ constexpr const char* dtype_name(dtype t) {
 
 // always_inline: the SIMD translation units of kvscore::dispatch include this header with
 // wider -m flags; an out-of-line copy from one of them must never be the one the linker keeps.
+/// The fp32 value of a binary16 bit pattern (exact: every half is an fp32).
 [[gnu::always_inline]] constexpr float half_bits_to_float(std::uint16_t h) noexcept {
   const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1fu;
@@ -92,6 +101,7 @@ constexpr const char* dtype_name(dtype t) {
   return std::bit_cast<float>(out);
 }
 
+/// The binary16 bit pattern nearest to `f` (round to nearest even; overflow to Inf, NaN kept quiet).
 constexpr std::uint16_t float_to_half_bits(float f) noexcept {
   const std::uint32_t x0 = std::bit_cast<std::uint32_t>(f);
   const std::uint16_t sign = std::uint16_t((x0 >> 16) & 0x8000u);
@@ -119,20 +129,25 @@ constexpr std::uint16_t float_to_half_bits(float f) noexcept {
   return std::uint16_t(sign | k);
 }
 
+/// The fp32 value of a bfloat16 bit pattern (exact).
 [[gnu::always_inline]] constexpr float bf16_bits_to_float(std::uint16_t b) noexcept {
   return std::bit_cast<float>(std::uint32_t(b) << 16);
 }
 
+/// The bfloat16 bit pattern nearest to `f` (round to nearest even; NaN kept quiet).
 constexpr std::uint16_t float_to_bf16_bits(float f) noexcept {
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return std::uint16_t((x >> 16) | 0x0040u);  // quiet NaN
   return std::uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-[[gnu::always_inline]] constexpr float to_float(float v) noexcept { return v; }
+[[gnu::always_inline]] constexpr float to_float(float v) noexcept { return v; }  ///< the value itself
+/// The exact fp32 value of a half.
 [[gnu::always_inline]] constexpr float to_float(half v) noexcept { return half_bits_to_float(v.bits); }
+/// The exact fp32 value of a bfloat16.
 [[gnu::always_inline]] constexpr float to_float(bfloat16 v) noexcept { return bf16_bits_to_float(v.bits); }
 
+/// `f` as element type T, rounded to nearest even (the identity for float).
 template <class T>
 constexpr T from_float(float f) noexcept {
   static_assert(is_element_type_v<T>);
@@ -205,6 +220,8 @@ inline void convert_scalar(const S* src, D* dst, std::size_t n) noexcept {
   for (std::size_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
 }
 
+/// dst[i] = src[i] converted to D (rounded to nearest even), i < n; F16C for half <-> float where the ISA pin
+/// allows it, otherwise the scalar path (the same bits).
 template <class S, class D>
 inline void convert(const S* src, D* dst, std::size_t n) noexcept {
   static_assert(is_element_type_v<S> && is_element_type_v<D>);

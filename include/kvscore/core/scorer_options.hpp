@@ -17,7 +17,7 @@ struct KernelTable;  // kvscore/simd/table.hpp
 }
 
 /// Where the window queries of a query-aware scorer (SnapKV, ProtoKV, OjaResidual) sit
-/// relative to the keys they score (docs/scorers.md):
+/// relative to the keys they score (docs/reference/scorers.md):
 ///   in_cache     the queries are those of the cache's last `window` positions (prefill
 ///                compression, kvpress's convention): query i of w sits at position N - w + i and
 ///                sees t <= N - w + i (causal); the window is protected (`protected_recent()` = w).
@@ -26,8 +26,10 @@ struct KernelTable;  // kvscore/simd/table.hpp
 ///                beyond the caller's own `recent`, and the window may exceed the cache.
 enum class QueryPlacement { in_cache, after_cache };
 
+/// Every QueryPlacement, in order (parse_query_placement reads these).
 inline constexpr QueryPlacement kQueryPlacements[] = {QueryPlacement::in_cache, QueryPlacement::after_cache};
 
+/// "in_cache" or "after_cache".
 inline const char* to_string(QueryPlacement p) noexcept {
   return p == QueryPlacement::in_cache ? "in_cache" : "after_cache";
 }
@@ -44,8 +46,10 @@ inline QueryPlacement parse_query_placement(std::string_view s) {
 ///   mean  the mean over every query and head of the group (SnapKV's reduction, unpooled).
 enum class QueryAggregate { max, mean };
 
+/// Every QueryAggregate, in order (parse_query_aggregate reads these).
 inline constexpr QueryAggregate kQueryAggregates[] = {QueryAggregate::max, QueryAggregate::mean};
 
+/// "max" or "mean".
 inline const char* to_string(QueryAggregate a) noexcept { return a == QueryAggregate::max ? "max" : "mean"; }
 
 /// "max" or "mean"; anything else is std::invalid_argument naming it.

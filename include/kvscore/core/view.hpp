@@ -78,7 +78,7 @@ class KeysView {
   static_assert(is_element_type_v<T>, "KeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
 
  public:
-  using value_type = T;
+  using value_type = T;  ///< the element type: float, kvscore::half or kvscore::bfloat16
 
   KeysView() = default;
 
@@ -130,15 +130,16 @@ class KeysView {
     return KeysView(data, kv_heads, tokens, head_dim, head_dim, ts);
   }
 
-  const T* data() const noexcept { return data_; }
-  std::int64_t heads() const noexcept { return heads_; }
-  std::int64_t tokens() const noexcept { return tokens_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
-  std::int64_t head_stride() const noexcept { return hs_; }
-  std::int64_t token_stride() const noexcept { return ts_; }
-  bool empty() const noexcept { return heads_ == 0 || tokens_ == 0; }
+  const T* data() const noexcept { return data_; }  ///< the first element (head 0, token 0, dimension 0)
+  std::int64_t heads() const noexcept { return heads_; }  ///< heads of the view
+  std::int64_t tokens() const noexcept { return tokens_; }  ///< tokens of each head
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< elements per key row (contiguous)
+  std::int64_t head_stride() const noexcept { return hs_; }  ///< elements between two heads
+  std::int64_t token_stride() const noexcept { return ts_; }  ///< elements between two tokens of a head
+  bool empty() const noexcept { return heads_ == 0 || tokens_ == 0; }  ///< true when there is no key to read
 
-  const T* head(std::int64_t h) const noexcept { return data_ + h * hs_; }
+  const T* head(std::int64_t h) const noexcept { return data_ + h * hs_; }  ///< head h's first key row
+  /// The key row of head h, token t.
   const T* row(std::int64_t h, std::int64_t t) const noexcept { return data_ + h * hs_ + t * ts_; }
 
   /// Calls f(first_row, t0, n, token_stride) for the runs of evenly strided rows of head h,
@@ -175,6 +176,9 @@ class BasicScoresView {
 
  public:
   BasicScoresView() = default;
+  /// A view of `heads` rows of `tokens` fp32 scores each, `head_stride` elements apart (-1: `tokens`, contiguous
+  /// rows); throws std::invalid_argument for a negative shape, a null pointer with a non-empty shape or overlapping
+  /// rows.
   BasicScoresView(F* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_stride = -1)
       : data_(data), heads_(heads), tokens_(tokens), hs_(head_stride < 0 ? tokens : head_stride) {
     constexpr const char* ctx = std::is_const_v<F> ? "kvscore::ConstScoresView" : "kvscore::ScoresView";
@@ -194,11 +198,12 @@ class BasicScoresView {
   BasicScoresView(const BasicScoresView<G>& v) noexcept  // NOLINT(google-explicit-constructor)
       : data_(v.data()), heads_(v.heads()), tokens_(v.tokens()), hs_(v.head_stride()) {}
 
-  F* data() const noexcept { return data_; }
-  std::int64_t heads() const noexcept { return heads_; }
-  std::int64_t tokens() const noexcept { return tokens_; }
-  std::int64_t head_stride() const noexcept { return hs_; }
-  F* head(std::int64_t h) const noexcept { return data_ + h * hs_; }
+  F* data() const noexcept { return data_; }  ///< the first score
+  std::int64_t heads() const noexcept { return heads_; }  ///< rows (heads)
+  std::int64_t tokens() const noexcept { return tokens_; }  ///< scores per row (tokens)
+  std::int64_t head_stride() const noexcept { return hs_; }  ///< elements between two rows
+  F* head(std::int64_t h) const noexcept { return data_ + h * hs_; }  ///< head h's row of scores
+  /// The score of head h, token t.
   F& operator()(std::int64_t h, std::int64_t t) const noexcept { return data_[h * hs_ + t]; }
 
  private:
@@ -215,6 +220,7 @@ using ConstScoresView = BasicScoresView<const float>;
 class Scores {
  public:
   Scores() = default;
+  /// `heads` × `tokens` zero scores (std::invalid_argument for a negative shape).
   Scores(std::int64_t heads, std::int64_t tokens)
       : data_(std::size_t(detail::checked_mul(heads < 0 ? 0 : heads, tokens < 0 ? 0 : tokens, "kvscore::Scores"))),
         heads_(heads),
@@ -223,15 +229,18 @@ class Scores {
       detail::throw_invalid("kvscore::Scores: negative shape (" + std::to_string(heads) + ", " +
                             std::to_string(tokens) + ")");
   }
-  std::int64_t heads() const noexcept { return heads_; }
-  std::int64_t tokens() const noexcept { return tokens_; }
-  float* data() noexcept { return data_.data(); }
-  const float* data() const noexcept { return data_.data(); }
-  const float* head(std::int64_t h) const noexcept { return data_.data() + h * tokens_; }
+  std::int64_t heads() const noexcept { return heads_; }  ///< rows (heads)
+  std::int64_t tokens() const noexcept { return tokens_; }  ///< scores per row (tokens)
+  float* data() noexcept { return data_.data(); }  ///< the scores, row-major
+  const float* data() const noexcept { return data_.data(); }  ///< the scores, row-major
+  const float* head(std::int64_t h) const noexcept { return data_.data() + h * tokens_; }  ///< head h's row of scores
+  /// The score of head h, token t.
   float operator()(std::int64_t h, std::int64_t t) const noexcept { return data_[std::size_t(h * tokens_ + t)]; }
+  /// A writable view of all the scores (what a scorer writes into).
   ScoresView view() noexcept { return ScoresView(data_.data(), heads_, tokens_, tokens_); }
+  /// A read-only view of all the scores (what the selectors read).
   ConstScoresView view() const noexcept { return ConstScoresView(data_.data(), heads_, tokens_, tokens_); }
-  const std::vector<float>& values() const noexcept { return data_; }
+  const std::vector<float>& values() const noexcept { return data_; }  ///< the scores, row-major [heads × tokens]
 
  private:
   std::vector<float> data_;
@@ -299,7 +308,8 @@ class MutKeysView : public detail::WritableShell<KeysView<T>> {
     return MutKeysView(KeysView<T>::token_major(data, tokens, kv_heads, head_dim));
   }
 
-  bool empty() const noexcept { return this->view_.empty(); }
+  bool empty() const noexcept { return this->view_.empty(); }  ///< true when there is no row to write
+  /// The writable key row of head h, token t.
   T* row(std::int64_t h, std::int64_t t) const noexcept {
     return this->data_ + h * this->view_.head_stride() + t * this->view_.token_stride();
   }
@@ -313,7 +323,9 @@ class MutKeysView : public detail::WritableShell<KeysView<T>> {
 /// a torch tensor's strides): what the layer-level decode caches (ParisKVLayerCache,
 /// OjaLayerCache) read their rows and queries with, and write their outputs with.
 struct LayerStrides {
-  std::int64_t batch = 0, head = 0, token = 0;
+  std::int64_t batch = 0;  ///< elements between two batch rows
+  std::int64_t head = 0;   ///< elements between two heads
+  std::int64_t token = 0;  ///< elements between two tokens
 };
 
 }  // namespace kvscore

@@ -8,7 +8,7 @@
 //    they are not read back. require_equal_lengths reads the offsets back (synchronises).
 //  * a host kvscore::Selection — validated like the CPU compact(), then copied into the
 //    caller's workspace (compact_workspace_bytes) on `stream`.
-// No allocation; asynchronous on `stream`. One CTA per head (see docs/cuda.md).
+// No allocation; asynchronous on `stream`. One CTA per head (see docs/reference/cuda.md).
 #pragma once
 
 #include <cstddef>
@@ -26,7 +26,8 @@ namespace kvscore::cuda {
 
 /// A selection in device memory: head h keeps positions[offsets[h] .. offsets[h+1]).
 struct DeviceSelection {
-  std::int64_t heads = 0, tokens = 0;
+  std::int64_t heads = 0;   ///< heads of the scored cache
+  std::int64_t tokens = 0;  ///< tokens of the scored cache
   const std::int64_t* offsets = nullptr;    ///< heads + 1 entries (device)
   const std::int64_t* positions = nullptr;  ///< offsets[heads] entries (device)
 };
@@ -89,12 +90,13 @@ void compact(const DeviceMutKeysView<T>& keys, const DeviceMutKeysView<U>& value
   detail::compact_raw(values, sel, opts, stream);
 }
 
+/// Bytes of check_selection()'s device workspace.
+inline std::size_t selection_check_workspace_bytes() noexcept { return detail::selection_check_workspace_bytes(); }
 /// Checks a DeviceSelection from outside kvscore (a caller's tensors, not select_into's output)
 /// with the CPU compact()'s rules and messages before it is trusted: offsets read back, positions
 /// checked on the device; synchronises `stream`. `positions_size`: the entries the positions
 /// buffer holds (offsets[heads] must equal it). Workspace: selection_check_workspace_bytes().
 /// Returns the offsets (read back to the host).
-inline std::size_t selection_check_workspace_bytes() noexcept { return detail::selection_check_workspace_bytes(); }
 inline std::vector<std::int64_t> check_selection(const DeviceSelection& sel, std::int64_t positions_size, Workspace ws,
                                                  stream_t stream = nullptr, const char* who = "kvscore::cuda::compact") {
   return detail::check_selection(sel.heads, sel.tokens, sel.offsets, sel.positions, positions_size, ws, stream, who);

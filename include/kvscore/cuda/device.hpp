@@ -31,11 +31,16 @@ namespace kvscore::cuda {
 /// A CUDA stream (cudaStream_t is CUstream_st*). nullptr = the legacy default stream.
 using stream_t = CUstream_st*;
 
-enum class MemorySpace { host, device };
+/// Where a view's memory lives (a view type's `space`).
+enum class MemorySpace {
+  host,    ///< host memory
+  device,  ///< CUDA device (or managed) memory
+};
 
 /// A CUDA runtime failure; what() = "<call>: <cudaGetErrorName>: <cudaGetErrorString>".
 class Error : public std::runtime_error {
  public:
+  /// An error carrying the CUDA call's message and its cudaError_t `code`.
   Error(const std::string& what, int code) : std::runtime_error(what), code_(code) {}
   /// The cudaError_t value.
   int code() const noexcept { return code_; }
@@ -61,6 +66,7 @@ void synchronize(stream_t stream = nullptr);
 /// device (torch's cuda:1 while cuda:0 is current) takes a guard first. Throws Error.
 class DeviceGuard {
  public:
+  /// Makes `device` current (throws Error for a bad device).
   explicit DeviceGuard(int device);
   ~DeviceGuard();
   DeviceGuard(const DeviceGuard&) = delete;
@@ -79,12 +85,14 @@ struct RuntimeStatus {
   int driver_version = 0;           ///< cudaDriverGetVersion (0: no driver)
   int runtime_version = 0;          ///< cudaRuntimeGetVersion of the runtime linked in
   std::string built_architectures;  ///< CMAKE_CUDA_ARCHITECTURES of the build, comma-separated
+  /// One CUDA device as the driver reports it.
   struct Device {
-    std::string name;
-    int major = 0, minor = 0;
+    std::string name;  ///< the device's name
+    int major = 0;  ///< compute capability, major
+    int minor = 0;  ///< compute capability, minor
     bool supported = false;  ///< the library holds machine code or PTX this device runs
   };
-  std::vector<Device> devices;
+  std::vector<Device> devices;  ///< every device the driver reports
 };
 /// Asks the driver without creating a context (device properties only); never throws CUDA errors.
 RuntimeStatus runtime_status();
@@ -99,9 +107,12 @@ bool architecture_supported(const std::string& architectures, int major, int min
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
+  /// `bytes` of device memory (throws Error when cudaMalloc fails).
   explicit DeviceBuffer(std::size_t bytes);
   ~DeviceBuffer();
+  /// Takes `o`'s allocation; `o` is left empty.
   DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  /// Frees this allocation and takes `o`'s.
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     if (this != &o) {
       DeviceBuffer tmp(std::move(*this));
@@ -113,10 +124,11 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
-  void* get() const noexcept { return p_; }
+  void* get() const noexcept { return p_; }  ///< the device pointer (nullptr when empty)
+  /// The device pointer as a T*.
   template <class T>
   T* as() const noexcept { return static_cast<T*>(p_); }
-  std::size_t bytes() const noexcept { return n_; }
+  std::size_t bytes() const noexcept { return n_; }  ///< bytes allocated
 
  private:
   void* p_ = nullptr;
@@ -125,6 +137,7 @@ class DeviceBuffer {
 
 /// Synchronous copies (cudaMemcpy), errors as Error.
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
+/// Synchronous copy of `bytes` from device `src` to host `dst` (cudaMemcpy), errors as Error.
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
 /// cudaMemcpyAsync host -> device on `stream`. From pageable memory the call returns once `src` has
 /// been staged, so `src` may be freed right after (CUDA's documented behaviour).
@@ -142,8 +155,8 @@ class DeviceKeysView {
   static_assert(is_element_type_v<T>, "DeviceKeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
 
  public:
-  using value_type = T;
-  static constexpr MemorySpace space = MemorySpace::device;
+  using value_type = T;  ///< the element type: float, kvscore::half or kvscore::bfloat16
+  static constexpr MemorySpace space = MemorySpace::device;  ///< the memory this view's data lives in
 
   DeviceKeysView() = default;
   /// Element (h, t, j) at data[h*head_stride + t*token_stride + j]; `data` is device memory.
@@ -161,13 +174,13 @@ class DeviceKeysView {
     return DeviceKeysView(KeysView<T>::token_major(data, tokens, kv_heads, head_dim));
   }
 
-  const T* data() const noexcept { return v_.data(); }
-  std::int64_t heads() const noexcept { return v_.heads(); }
-  std::int64_t tokens() const noexcept { return v_.tokens(); }
-  std::int64_t head_dim() const noexcept { return v_.head_dim(); }
-  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
-  std::int64_t token_stride() const noexcept { return v_.token_stride(); }
-  bool empty() const noexcept { return v_.empty(); }
+  const T* data() const noexcept { return v_.data(); }  ///< the first element (device memory)
+  std::int64_t heads() const noexcept { return v_.heads(); }  ///< heads of the view
+  std::int64_t tokens() const noexcept { return v_.tokens(); }  ///< tokens of each head
+  std::int64_t head_dim() const noexcept { return v_.head_dim(); }  ///< elements per key row (contiguous)
+  std::int64_t head_stride() const noexcept { return v_.head_stride(); }  ///< elements between two heads
+  std::int64_t token_stride() const noexcept { return v_.token_stride(); }  ///< elements between two tokens of a head
+  bool empty() const noexcept { return v_.empty(); }  ///< true when there is nothing to read
 
  private:
   explicit DeviceKeysView(const KeysView<T>& v) : v_(v) {}
@@ -180,18 +193,21 @@ class DeviceMutKeysView : public kvscore::detail::WritableShell<DeviceKeysView<T
   using Shell = kvscore::detail::WritableShell<DeviceKeysView<T>>;
 
  public:
-  static constexpr MemorySpace space = MemorySpace::device;
+  static constexpr MemorySpace space = MemorySpace::device;  ///< the memory this view's data lives in
 
   DeviceMutKeysView() = default;
+  /// Element (h, t, j) at data[h*head_stride + t*token_stride + j], device memory (DeviceKeysView's checks).
   DeviceMutKeysView(T* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_dim,
                     std::int64_t head_stride, std::int64_t token_stride)
       : Shell(DeviceKeysView<T>(data, heads, tokens, head_dim, head_stride, token_stride), data) {}
+  /// One batch row of an HF cache [batch, kv_heads, seq, head_dim] in device memory, writable.
   static DeviceMutKeysView hf(T* layer, std::int64_t batch_index, std::int64_t batch, std::int64_t kv_heads,
                               std::int64_t seq, std::int64_t head_dim, std::int64_t capacity = -1) {
     const DeviceKeysView<T> v = DeviceKeysView<T>::hf(layer, batch_index, batch, kv_heads, seq, head_dim, capacity);
     return DeviceMutKeysView(const_cast<T*>(v.data()), v.heads(), v.tokens(), v.head_dim(), v.head_stride(),
                              v.token_stride());
   }
+  /// Token-major cache [tokens, kv_heads, head_dim] in device memory, writable.
   static DeviceMutKeysView token_major(T* data, std::int64_t tokens, std::int64_t kv_heads, std::int64_t head_dim) {
     const DeviceKeysView<T> v = DeviceKeysView<T>::token_major(data, tokens, kv_heads, head_dim);
     return DeviceMutKeysView(data, v.heads(), v.tokens(), v.head_dim(), v.head_stride(), v.token_stride());
@@ -201,14 +217,16 @@ class DeviceMutKeysView : public kvscore::detail::WritableShell<DeviceKeysView<T
 /// Device fp32 scores [heads][tokens], token stride 1 (ScoresView's rules).
 class DeviceScoresView {
  public:
-  static constexpr MemorySpace space = MemorySpace::device;
+  static constexpr MemorySpace space = MemorySpace::device;  ///< the memory this view's data lives in
   DeviceScoresView() = default;
+  /// `heads` rows of `tokens` fp32 scores in device memory, `head_stride` apart (-1: `tokens`); ScoresView's
+  /// checks.
   DeviceScoresView(float* data, std::int64_t heads, std::int64_t tokens, std::int64_t head_stride = -1)
       : v_(data, heads, tokens, head_stride) {}
-  float* data() const noexcept { return v_.data(); }
-  std::int64_t heads() const noexcept { return v_.heads(); }
-  std::int64_t tokens() const noexcept { return v_.tokens(); }
-  std::int64_t head_stride() const noexcept { return v_.head_stride(); }
+  float* data() const noexcept { return v_.data(); }  ///< the first score (device memory)
+  std::int64_t heads() const noexcept { return v_.heads(); }  ///< rows (heads)
+  std::int64_t tokens() const noexcept { return v_.tokens(); }  ///< scores per row (tokens)
+  std::int64_t head_stride() const noexcept { return v_.head_stride(); }  ///< elements between two rows
 
  private:
   ScoresView v_;  // validation only: never dereferenced on the host
@@ -216,8 +234,8 @@ class DeviceScoresView {
 
 /// Caller-owned device scratch memory (any alignment; the kernels align it to 256 bytes).
 struct Workspace {
-  void* data = nullptr;
-  std::size_t bytes = 0;
+  void* data = nullptr;  ///< the device memory (nullptr with 0 bytes)
+  std::size_t bytes = 0;  ///< its size in bytes
 };
 
 }  // namespace kvscore::cuda

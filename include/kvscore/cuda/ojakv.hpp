@@ -20,12 +20,12 @@
 // (fp64 squared norm of the widened row finite and <= FLT_MAX: −inf otherwise) and its window
 // rule. The pooled covariance C = XᵀX/m is fp64 on the device (pooled rows bit-identical to the
 // CPU's, the sum in a fixed order); the Oja steps and the Householder QR run on the host with
-// the CPU's own oja::oja_steps (U is d × r: tiny; docs/cuda_ojakv.md says why). Every result is
+// the CPU's own oja::oja_steps (U is d × r: tiny; docs/reference/cuda_ojakv.md says why). Every result is
 // bit-identical across runs (no floating atomics).
 // Errors: std::invalid_argument naming the value, before any launch; CUDA failures throw
 // kvscore::cuda::Error. Asynchronous on `stream` except pooled_covariances / prefill /
 // decode_update, which copy C back to the host (they synchronise the stream).
-// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/cuda_ojakv.md.
+// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/reference/cuda_ojakv.md.
 #pragma once
 
 #include <cstddef>
@@ -108,8 +108,9 @@ inline void check_pool(std::int64_t pool, const char* who) {
 /// data[(h*head_dim + j)*rank + i]); pack_bases() writes that layout on the host.
 class DeviceBasesView {
  public:
-  static constexpr MemorySpace space = MemorySpace::device;
+  static constexpr MemorySpace space = MemorySpace::device;  ///< the memory the bases live in
   DeviceBasesView() = default;
+  /// `heads` bases of head_dim x rank at `data` (device memory); std::invalid_argument for a bad shape.
   DeviceBasesView(const float* data, std::int64_t heads, std::int64_t head_dim, std::int64_t rank)
       : data_(data), heads_(heads), d_(head_dim), r_(rank) {
     const char* who = "kvscore::cuda::DeviceBasesView";
@@ -117,10 +118,10 @@ class DeviceBasesView {
     oja::check_rank(who, head_dim, rank);
     if (data == nullptr && heads > 0) kvscore::detail::throw_invalid(std::string(who) + ": data is null");
   }
-  const float* data() const noexcept { return data_; }
-  std::int64_t heads() const noexcept { return heads_; }
-  std::int64_t head_dim() const noexcept { return d_; }
-  std::int64_t rank() const noexcept { return r_; }
+  const float* data() const noexcept { return data_; }  ///< the first element (device memory)
+  std::int64_t heads() const noexcept { return heads_; }  ///< heads (one basis each)
+  std::int64_t head_dim() const noexcept { return d_; }  ///< d, rows of each basis
+  std::int64_t rank() const noexcept { return r_; }  ///< r, columns of each basis
 
  private:
   const float* data_ = nullptr;
@@ -145,11 +146,13 @@ inline std::vector<float> pack_bases(const std::vector<Eigen::MatrixXd>& bases) 
   }
   return out;
 }
+/// The key bases of `p` (one projector per head) in DeviceBasesView's layout, on the host.
 inline std::vector<float> pack_key_bases(const std::vector<OjaProjector>& p) {
   std::vector<Eigen::MatrixXd> b;
   for (const auto& x : p) b.push_back(x.key().basis());
   return pack_bases(b);
 }
+/// The value bases of `p` in DeviceBasesView's layout, on the host.
 inline std::vector<float> pack_value_bases(const std::vector<OjaProjector>& p) {
   std::vector<Eigen::MatrixXd> b;
   for (const auto& x : p) b.push_back(x.value().basis());
@@ -186,6 +189,7 @@ inline void reconstruct(const DeviceKeysView<float>& codes, const DeviceBasesVie
 /// [q, Uᵀq] per query, copied into the workspace at every call.
 class OjaResidual : public kvscore::OjaResidual {
  public:
+  /// kvscore::OjaResidual's constructor (the same checks), plus the device copies.
   OjaResidual(const float* queries, std::int64_t q_heads, std::int64_t window, std::int64_t head_dim,
               std::vector<Eigen::MatrixXd> bases)
       : kvscore::OjaResidual(queries, q_heads, window, head_dim, bases) {  // validates first (copy of bases)
@@ -232,9 +236,12 @@ class OjaResidual : public kvscore::OjaResidual {
   }
   using kvscore::OjaResidual::check;
 
+  /// The largest rank of the bases (the others zero-padded to it).
   std::int64_t max_rank() const noexcept { return rank_; }
-  std::int64_t q_heads() const noexcept { return q_heads_; }
+  std::int64_t q_heads() const noexcept { return q_heads_; }  ///< query heads of the window queries
+  /// The bases in fp64, zero-padded to max_rank(), as the kernels read them.
   const std::vector<double>& device_bases() const noexcept { return u_; }
+  /// [q, Uᵀq] per query, fp64, as the kernels read them.
   const std::vector<double>& augmented_queries() const noexcept { return aug_; }
 
  private:
@@ -242,6 +249,7 @@ class OjaResidual : public kvscore::OjaResidual {
   std::int64_t rank_ = 0, q_heads_ = 0, heads_ = 0, dim_ = 0;
 };
 
+/// Bytes of score()'s device workspace for `s` on `keys` (OjaResidual's checks first).
 template <class T>
 std::size_t score_workspace_bytes(const OjaResidual& s, const DeviceKeysView<T>& keys) {
   s.check(keys);
@@ -285,10 +293,13 @@ void pooled_covariance_into(const DeviceKeysView<T>& rows, std::int64_t pool, Wo
 
 /// Host copies of the covariances of every head (synchronises `stream`).
 struct PooledCovariances {
-  std::vector<Eigen::MatrixXd> cov;
-  std::vector<std::int64_t> valid, pooled;
+  std::vector<Eigen::MatrixXd> cov;  ///< one d x d covariance per head
+  std::vector<std::int64_t> valid;   ///< valid rows per head
+  std::vector<std::int64_t> pooled;  ///< pooled rows per head
 };
 
+/// The pooled covariances of every head of `rows` (pool rows per window), copied to the host; synchronises
+/// `stream`.
 template <class T>
 PooledCovariances pooled_covariances(const DeviceKeysView<T>& rows, std::int64_t pool, Workspace ws,
                                      stream_t stream = nullptr) {
@@ -315,8 +326,8 @@ PooledCovariances pooled_covariances(const DeviceKeysView<T>& rows, std::int64_t
 
 /// What one head's update did: valid rows used, Oja steps taken.
 struct OjaUpdate {
-  std::int64_t valid = 0;
-  int steps = 0;
+  std::int64_t valid = 0;  ///< valid rows the update used
+  int steps = 0;  ///< Oja steps taken
 };
 
 namespace detail {

@@ -8,7 +8,7 @@
 //   kvscore::cuda::DeviceBuffer ws(index.search_workspace_bytes(q_heads, 1, opt, max_tokens));  // once
 //   index.search(d_queries, q_heads, 1, opt, d_positions, d_scores, {ws.get(), ws.bytes()}, stream);
 //
-// Same encoding and search as the CPU index, kernel by kernel (docs/cuda_pariskv.md):
+// Same encoding and search as the CPU index, kernel by kernel (docs/reference/cuda_pariskv.md):
 //   append   validate (NaN/Inf/fp32 norm overflow: std::invalid_argument naming head, key and
 //            element; the batch is rejected whole), the frozen key mean μ of the first append
 //            (fp64, token order), then one thread per key: centring, rotation (fp32 butterflies),
@@ -50,6 +50,9 @@
 namespace kvscore::cuda {
 
 
+/// ParisKV's index of every KV head of a layer on the GPU (see the top of this file): append() encodes keys on the
+/// device, search() returns each query's top k; the same positions as the CPU index (kvscore::ParisKV) on the same
+/// keys.
 class ParisKV {
  public:
   /// kv_heads indexes of head_dim; the configuration (m, seed, codebook, centring) of the CPU
@@ -92,14 +95,16 @@ class ParisKV {
     synchronize();
   }
 
-  std::int64_t kv_heads() const noexcept { return s_.heads; }
-  std::int64_t head_dim() const noexcept { return s_.d; }
-  std::int64_t padded_dim() const noexcept { return s_.P; }
-  std::int64_t m() const noexcept { return s_.m; }
-  std::int64_t subspaces() const noexcept { return s_.B; }
+  std::int64_t kv_heads() const noexcept { return s_.heads; }  ///< KV heads indexed
+  std::int64_t head_dim() const noexcept { return s_.d; }  ///< dimensions of a key
+  std::int64_t padded_dim() const noexcept { return s_.P; }  ///< P, head_dim padded to a power of two
+  std::int64_t m() const noexcept { return s_.m; }  ///< m, dimensions per subspace (at most 8 here)
+  std::int64_t subspaces() const noexcept { return s_.B; }  ///< B, subspaces (P / m)
   /// Keys per head.
   std::int64_t size() const noexcept { return s_.n; }
+  /// Keys per head the device buffers hold before they grow.
   std::int64_t capacity() const noexcept { return s_.cap; }
+  /// The CPU index's configuration it was built with.
   const ParisKVConfig& config() const noexcept { return cpu_.config(); }
   /// Device bytes held by the index (ids, codes, weights at capacity; populations, μ, signs).
   std::size_t memory_bytes() const noexcept {
@@ -191,12 +196,13 @@ class ParisKV {
   /// The encoding of head h copied to the host (tests): ids [N][B], codes [N][P] (4 bits each),
   /// weights [N][B], populations [B][2^m], μ [head_dim] (empty if none).
   struct Encoding {
-    std::vector<std::uint32_t> ids;
-    std::vector<std::uint8_t> codes;
-    std::vector<float> w;
-    std::vector<std::int64_t> pop;
-    std::vector<float> mu;
+    std::vector<std::uint32_t> ids;  ///< Stage I centroid ids, [N][B]
+    std::vector<std::uint8_t> codes;  ///< 4-bit codes, [N][P] (two per byte)
+    std::vector<float> w;  ///< Stage II weights, [N][B]
+    std::vector<std::int64_t> pop;  ///< populations, [B][2^m]
+    std::vector<float> mu;  ///< μ, [head_dim] (empty when not centring)
   };
+  /// Head h's encoding, copied to the host (tests); std::invalid_argument for a bad h.
   Encoding encoding(std::int64_t h) const {
     if (h < 0 || h >= s_.heads)
       kvscore::detail::throw_invalid("kvscore::cuda::ParisKV::encoding: head " + std::to_string(h) +

@@ -12,11 +12,11 @@
 // their pairwise distances and RFF projections, the prototype sums, the nearest-prototype
 // assignment (tiled fp32 GEMM + argmax, ties to the lower prototype index), ψ per cluster and the
 // final ranks. On the host: σ (median), the RFF bits, the PDT chunk boundaries and the member
-// lists of the prototypes — one stream synchronisation per call (docs/cuda_protokv.md gives the
+// lists of the prototypes — one stream synchronisation per call (docs/reference/cuda_protokv.md gives the
 // bytes copied). Numerics: fp32 dots (other summation order than the CPU's SIMD, so positions
 // equal the CPU's except at near-exact ties), fp64 sums where the CPU sums in fp64, in the
 // CPU's order; bit-identical across runs. Errors: kvscore::cuda::Error for CUDA failures.
-// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/cuda_protokv.md.
+// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/reference/cuda_protokv.md.
 #pragma once
 
 #include <cstddef>

@@ -11,7 +11,7 @@
 // argument checks as the CPU path (the policy's own check() runs first; std::invalid_argument).
 // fp32 scores, fp32 row accumulation, fp64 centroids / softmax sums; bit-identical across runs.
 // Asynchronous on `stream`; no allocation: query the workspace once (0 bytes for KNorm).
-// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/cuda.md.
+// Needs the compiled library kvscore::cuda (CMake -DKVSCORE_CUDA=ON). See docs/reference/cuda.md.
 #pragma once
 
 #include <cmath>
@@ -80,6 +80,7 @@ void score(const S& s, const DeviceKeysView<T>& keys, const DeviceScoresView& ou
                           detail::merge_tail_of(s), detail::filters_of(s), ws, stream);
 }
 
+/// Bytes of score()'s device workspace for SnapKV `s` on `keys` (SnapKV's checks first).
 template <class T>
 std::size_t score_workspace_bytes(const SnapKV& s, const DeviceKeysView<T>& keys) {
   s.check(keys);
@@ -117,10 +118,10 @@ void score(const SnapKV& s, const DeviceKeysView<T>& keys, const DeviceScoresVie
 /// constructor, the queries' values are not checked (that would read them back): a non-finite
 /// query gives logits the kernels drop (NaN) or clamp (+inf), so check them first if they may be.
 struct DeviceSnapKV {
-  detail::QueriesArg queries;
-  std::int64_t window = kDefaultSnapKVWindow;
-  std::int64_t kernel_size = kDefaultSnapKVKernel;
-  QueryPlacement placement = QueryPlacement::in_cache;
+  detail::QueriesArg queries;  ///< [batch][q_heads][n][head_dim] device queries, any dtype and element strides
+  std::int64_t window = kDefaultSnapKVWindow;  ///< queries used: the last min(window, n)
+  std::int64_t kernel_size = kDefaultSnapKVKernel;  ///< SnapKV's pooling kernel, odd
+  QueryPlacement placement = QueryPlacement::in_cache;  ///< in the cache (the causal window, protected) or after it
   std::int64_t group = 0;  ///< q_heads / kv_heads if given (0: from the keys), as SnapKV's
 
   /// Queries used: the last min(window, n).
@@ -128,6 +129,7 @@ struct DeviceSnapKV {
   /// SnapKV::protected_recent(): the window in the cache, 0 after it.
   std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? used() : 0; }
 
+  /// SnapKV's argument checks and messages, before any CUDA call; std::invalid_argument.
   template <class T>
   void check(const DeviceKeysView<T>& keys) const {
     const std::string who = "kvscore::SnapKV: ";
@@ -156,6 +158,7 @@ struct DeviceSnapKV {
 
 };
 
+/// Bytes of score()'s device workspace for DeviceSnapKV `s` on `keys` (its checks first).
 template <class T>
 std::size_t score_workspace_bytes(const DeviceSnapKV& s, const DeviceKeysView<T>& keys) {
   s.check(keys);
@@ -163,6 +166,7 @@ std::size_t score_workspace_bytes(const DeviceSnapKV& s, const DeviceKeysView<T>
                                         s.queries.batch * s.queries.heads, s.used());
 }
 
+/// SnapKV on device keys with device queries: the scores the host SnapKV gives for the same queries.
 template <class T>
 void score(const DeviceSnapKV& s, const DeviceKeysView<T>& keys, const DeviceScoresView& out, Workspace ws = {},
            stream_t stream = nullptr) {

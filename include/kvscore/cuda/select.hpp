@@ -90,6 +90,7 @@ inline std::int64_t select_batch_total(const DeviceScoresView& scores, std::int6
   return batch * detail::plan_of(scores, budget, opt, TopkPath::automatic, batch).layer;
 }
 
+/// Bytes of select_batch_into()'s device workspace.
 inline std::size_t select_batch_workspace_bytes(const DeviceScoresView& scores, std::int64_t batch, Budget budget,
                                                 const SelectOptions& opt = {}, TopkPath path = TopkPath::automatic) {
   return detail::select_workspace_bytes(detail::plan_of(scores, budget, opt, path, batch));
@@ -142,6 +143,8 @@ inline std::size_t topk_workspace_bytes(const DeviceScoresView& rows, std::int64
                                         TopkPath path = TopkPath::automatic) {
   return select_workspace_bytes(rows, Budget::per_head(k), {}, path);
 }
+/// The k best positions of every row of `rows`, ascending, into positions[rows][k] (device); workspace:
+/// topk_workspace_bytes().
 inline void topk_into(const DeviceScoresView& rows, std::int64_t k, Workspace ws, std::int64_t* positions,
                       stream_t stream = nullptr, TopkPath path = TopkPath::automatic) {
   const detail::SelectPlan p = detail::plan_of(rows, Budget::per_head(k), {}, path);

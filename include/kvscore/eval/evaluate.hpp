@@ -1,5 +1,5 @@
 // kvscore/eval/evaluate.hpp — run methods × budgets over dumped layers and measure quality
-// against full attention (metrics.hpp), the engine of `kvscore eval` (docs/evaluate.md).
+// against full attention (metrics.hpp), the engine of `kvscore eval` (docs/reference/evaluate.md).
 //
 //   std::vector<kvscore::eval::LayerInput> layers = {...};   // fp32 K, V, Q per layer
 //   kvscore::eval::EvalOptions opt;
@@ -33,12 +33,14 @@ namespace kvscore::eval {
 /// The metric a per-layer choice maximises (output error: minimises).
 enum class MixMetric { recall, output_error, overlap };
 
+/// Every MixMetric (parse_mix_metric reads these).
 inline constexpr MixMetric kMixMetrics[] = {MixMetric::recall, MixMetric::output_error, MixMetric::overlap};
 
 /// "recall", "error" or "overlap": the option's spelling (--mix-metric, mix_metric=).
 inline const char* to_string(MixMetric m) noexcept {
   return m == MixMetric::recall ? "recall" : m == MixMetric::output_error ? "error" : "overlap";
 }
+/// "recall", "error" or "overlap"; anything else is std::invalid_argument naming it.
 inline MixMetric parse_mix_metric(std::string_view s) {
   return kvscore::detail::parse_enum(s, kMixMetrics, "mix_metric");
 }
@@ -47,6 +49,7 @@ inline const char* metric_name(MixMetric m) noexcept {
   return m == MixMetric::recall ? "attention_mass_recall" : m == MixMetric::output_error ? "output_rel_error" : "topk_overlap";
 }
 
+/// Options of evaluate(): the methods, the keep fractions, the methods' shared options.
 struct EvalOptions {
   std::vector<std::string> methods;      ///< registry names (resolve_methods)
   std::vector<double> keep = {0.1, 0.25, 0.5};  ///< fractions of the tokens kept, each in (0, 1]
@@ -56,33 +59,49 @@ struct EvalOptions {
   MixMetric mix_metric = MixMetric::recall;  ///< what the report's per_layer_best maximises
 };
 
+/// One KV head's figures for one (method, keep).
 struct HeadResult {
-  std::int64_t layer = 0, head = 0;
+  std::int64_t layer = 0;  ///< the layer
+  std::int64_t head = 0;   ///< the KV head
   std::int64_t kept = 0;  ///< tokens kept by this KV head (retrieval: by its first query)
-  double attention_mass_recall = 0, output_rel_error = 0, topk_overlap = 0;
+  double attention_mass_recall = 0;  ///< softmax mass of the evaluation queries on the kept tokens
+  double output_rel_error = 0;       ///< ‖o_kept − o_full‖ / ‖o_full‖
+  double topk_overlap = 0;           ///< |S ∩ T_k| / k, k = |S|: the share of the k most attended keys kept
 };
 
+/// One (method, keep) over every layer: the metrics averaged over layers, KV heads and queries.
 struct Result {
-  std::string method;
+  std::string method;  ///< the method's report name
   double keep = 0;                ///< as given
   std::int64_t budget = 0;        ///< per-head budget n = budget_from_ratio(tokens, keep)
-  double attention_mass_recall = 0, output_rel_error = 0, topk_overlap = 0;
+  double attention_mass_recall = 0;  ///< mean over the heads
+  double output_rel_error = 0;       ///< mean over the heads
+  double topk_overlap = 0;           ///< mean over the heads
   double time_ms = 0;             ///< scoring + selection, mean per layer
-  std::vector<HeadResult> per_head;
+  std::vector<HeadResult> per_head;  ///< every (layer, KV head)'s own figures
 };
 
+/// A (method, keep) the evaluator could not run, and why (e.g. Q-Filters without calibration queries).
 struct Skipped {
-  std::string method;
-  double keep = 0;
-  std::string reason;
+  std::string method;  ///< the method's report name
+  double keep = 0;  ///< the keep fraction
+  std::string reason;  ///< why it was skipped
 };
 
+/// What evaluate() returns (to_json writes it): the inputs' shapes, the options and every result.
 struct Report {
-  std::int64_t layers = 0, kv_heads = 0, q_heads = 0, tokens = 0, head_dim = 0, value_dim = 0, n_queries = 0;
-  EvalOptions options;
-  std::vector<Result> results;
-  std::vector<Skipped> skipped;
-  std::int64_t n_window = 0, n_calib = 0;  ///< leak-free inputs: window and calibration queries per head
+  std::int64_t layers = 0;     ///< layers of the inputs
+  std::int64_t kv_heads = 0;   ///< KV heads per layer
+  std::int64_t q_heads = 0;    ///< query heads per layer
+  std::int64_t tokens = 0;     ///< tokens of the cache
+  std::int64_t head_dim = 0;   ///< dimensions of a key
+  std::int64_t value_dim = 0;  ///< dimensions of a value
+  std::int64_t n_queries = 0;  ///< evaluation queries per query head
+  EvalOptions options;  ///< the options it ran with
+  std::vector<Result> results;  ///< one per (method, keep), in the methods' order
+  std::vector<Skipped> skipped;  ///< what could not run
+  std::int64_t n_window = 0;  ///< leak-free inputs: window queries per head
+  std::int64_t n_calib = 0;   ///< leak-free inputs: calibration queries per head
 };
 
 namespace detail {
@@ -164,12 +183,14 @@ inline void check_compressed(const Compressed& c, const LayerInput& in, const st
 
 }  // namespace detail
 
+/// Every method of `opt` at every keep fraction on `layers`, against full attention (see the top of this file);
+/// std::invalid_argument for inconsistent inputs or options.
 Report evaluate(const std::vector<LayerInput>& layers, const EvalOptions& opt);
 
 /// Best method per layer at one keep fraction (per_layer_best).
 struct LayerChoice {
-  double keep = 0;
-  MixMetric metric = MixMetric::recall;
+  double keep = 0;  ///< the keep fraction chosen at
+  MixMetric metric = MixMetric::recall;  ///< the metric maximised (output error: minimised)
   std::vector<std::string> methods;  ///< [layer]: the chosen method's report name
   std::vector<double> values;        ///< [layer]: its metric, mean over the layer's KV heads
 };

@@ -16,14 +16,18 @@ namespace kvscore::eval {
 /// One input tensor: fp32, C order, [heads, n, dim] (one layer) or [layers, heads, n, dim].
 struct EvalTensor {
   const float* data = nullptr;      ///< null: absent (the window and calibration queries only)
-  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> shape;  ///< [heads, n, dim] or [layers, heads, n, dim]
   std::string name;                 ///< what errors call it: a path, or the argument's name
 };
 
 /// K [.., kv_heads, tokens, d], V [.., kv_heads, tokens, dv], Q [.., q_heads, n_q, d]; the
 /// optional window queries W and calibration queries C are shaped like Q (n_w, n_c >= 1).
 struct EvalInputs {
-  EvalTensor keys, values, queries, window, calib;
+  EvalTensor keys;     ///< K
+  EvalTensor values;   ///< V
+  EvalTensor queries;  ///< Q, the evaluation queries
+  EvalTensor window;   ///< W, the cache's last-window queries (leak-free; optional)
+  EvalTensor calib;    ///< C, calibration queries from other text (optional)
 };
 
 namespace detail {

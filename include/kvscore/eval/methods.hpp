@@ -42,23 +42,31 @@ namespace kvscore::eval {
 /// positions, and calib_queries [q_heads][n_calib][head_dim] from other text (Q-Filters'
 /// calibration; optional). `queries` then only measure (they follow the cache).
 struct LayerInput {
-  const float* keys = nullptr;
-  const float* values = nullptr;
-  const float* queries = nullptr;
-  std::int64_t kv_heads = 0, tokens = 0, head_dim = 0, value_dim = 0, q_heads = 0, n_queries = 0;
+  const float* keys = nullptr;  ///< [kv_heads][tokens][head_dim] fp32
+  const float* values = nullptr;  ///< [kv_heads][tokens][value_dim] fp32
+  const float* queries = nullptr;  ///< [q_heads][n_queries][head_dim] fp32, the evaluation queries
+  std::int64_t kv_heads = 0;   ///< KV heads
+  std::int64_t tokens = 0;     ///< tokens of the cache
+  std::int64_t head_dim = 0;   ///< dimensions of a key and a query
+  std::int64_t value_dim = 0;  ///< dimensions of a value
+  std::int64_t q_heads = 0;    ///< query heads (a multiple of kv_heads)
+  std::int64_t n_queries = 0;  ///< evaluation queries per query head
+  /// Leak-free: [q_heads][n_window][head_dim], the cache's last-window queries (or null).
   const float* window_queries = nullptr;
-  std::int64_t n_window = 0;
-  const float* calib_queries = nullptr;
-  std::int64_t n_calib = 0;
+  std::int64_t n_window = 0;  ///< window queries per query head
+  const float* calib_queries = nullptr;  ///< leak-free: [q_heads][n_calib][head_dim] from other text (or null)
+  std::int64_t n_calib = 0;  ///< calibration queries per query head
 
-  std::int64_t group() const noexcept { return kv_heads > 0 ? q_heads / kv_heads : 0; }
+  std::int64_t group() const noexcept { return kv_heads > 0 ? q_heads / kv_heads : 0; }  ///< q_heads / kv_heads
+  /// The keys as a view.
   KeysView<float> key_view() const { return KeysView<float>(keys, kv_heads, tokens, head_dim, tokens * head_dim, head_dim); }
+  /// Query i of query head hq.
   const float* query(std::int64_t hq, std::int64_t i) const noexcept {
     return queries + (hq * n_queries + i) * head_dim;
   }
 };
 
-/// Which queries a method may see (docs/evaluate.md "Protocols").
+/// Which queries a method may see (docs/reference/evaluate.md "Protocols").
 ///  * shared: every method sees the evaluation queries (query-aware methods are scored on the
 ///    very queries that measure them; Q-Filters are calibrated on them): an upper bound.
 ///  * leak_free: as in an engine. snapkv, protokv and ojakv see only the cache's last-window
@@ -68,10 +76,12 @@ struct LayerInput {
 ///    it answers, as at decode time); the oracle stays the ceiling on the evaluation queries.
 enum class Protocol { shared, leak_free };
 
+/// Every Protocol (parse_protocol reads these).
 inline constexpr Protocol kProtocols[] = {Protocol::leak_free, Protocol::shared};
 
 /// "leak_free" (the CLI and the report: "leak-free") or "shared".
 inline const char* to_string(Protocol p) noexcept { return p == Protocol::leak_free ? "leak_free" : "shared"; }
+/// "leak_free" (or "leak-free") or "shared"; anything else is std::invalid_argument naming it.
 inline Protocol parse_protocol(std::string_view s) { return kvscore::detail::parse_enum(s, kProtocols, "protocol"); }
 
 /// Options shared by every method (from the command line).
@@ -90,17 +100,19 @@ struct MethodOptions {
 
 /// What a method keeps for one layer (see the top of this file).
 struct Compressed {
-  Selection kept;
+  Selection kept;  ///< retention, scoring and rules: the kept positions per KV head
   std::vector<std::vector<std::int64_t>> per_query;  ///< retrieval: [hq * n_queries + i], ascending
   std::function<void(std::int64_t hq, std::int64_t i, double* out)> output;  ///< hybrid: value_dim outputs
 };
 
+/// A method as the evaluator runs it: one layer and a per-head budget in, what it keeps out.
 using MethodFn = std::function<Compressed(const LayerInput&, std::int64_t per_head_budget, const MethodOptions&)>;
 
+/// A registered method: its name, summary and function.
 struct Method {
   std::string name;     ///< as given to --methods
   std::string summary;  ///< one line for --help and docs
-  MethodFn run;
+  MethodFn run;  ///< what it keeps for one layer
 };
 
 /// Selection from scores with the command line's protection and allocation.
@@ -118,7 +130,7 @@ inline Compressed select_scores(const Scores& s, std::int64_t n, const MethodOpt
 Compressed oracle_method(const LayerInput& in, std::int64_t n, const MethodOptions& o);
 
 /// Ranks of OjaKV's bases in the evaluator: r = max(1, head_dim / 4) for keys and values
-/// (32 of 128), seeded random start + prefill (docs/ojakv.md defaults), so the low-rank part
+/// (32 of 128), seeded random start + prefill (docs/methods/ojakv.md defaults), so the low-rank part
 /// costs a quarter of the full cache and the budget n is the number of full-rank tokens.
 inline std::int64_t ojakv_eval_rank(std::int64_t head_dim) noexcept { return std::max<std::int64_t>(1, head_dim / 4); }
 
@@ -132,7 +144,7 @@ Compressed hybrid_method(std::string_view spelling, const LayerInput& in, std::i
 /// index per KV head (built inside the timed call), one search per (query head, query) with
 /// the paper's length-adaptive (beta, rho); no protection. `pariskv` keeps its zones
 /// (pariskv_zones(n): sinks min(4, n), local window min(256, ⌊(n − sinks)/2⌋), the rest
-/// retrieved per query; docs/evaluate.md), `pariskv_flat` retrieves all n.
+/// retrieved per query; docs/reference/evaluate.md), `pariskv_flat` retrieves all n.
 Compressed retriever_method(std::string_view spelling, const LayerInput& in, std::int64_t n);
 using kvscore::ParisKVZones;
 using kvscore::pariskv_zones;
@@ -172,12 +184,14 @@ inline void register_method(Method m) {
   registry().push_back(std::move(m));
 }
 
+/// The registered methods' names, comma-separated (for --help and errors).
 inline std::string method_names() {
   std::string s;
   for (const Method& m : registry()) s += (s.empty() ? "" : ", ") + m.name;
   return s;
 }
 
+/// The registered method called `name`; std::invalid_argument naming the known ones otherwise.
 inline const Method& find_method(const std::string& name) {
   if (const Method* m = lookup_method(name)) return *m;
   throw std::invalid_argument("kvscore::eval: unknown method '" + name + "' (expected all or a comma list of " +

@@ -15,7 +15,7 @@
 //                              (ties: lower position first), i.e. the share of the oracle's
 //                              choice at the same budget that S recovers, in [0, 1]
 //
-// Decisions (docs/evaluate.md):
+// Decisions (docs/reference/evaluate.md):
 //   * no causal mask: the queries are those that attend after compression, so they see
 //     every cached token;
 //   * ‖o_full‖ = 0 (all-zero values): the error is the absolute ‖o_kept − o_full‖;
@@ -115,7 +115,9 @@ inline double topk_overlap(const std::int32_t* rank, std::span<const std::int64_
 
 /// The three metrics of one query row and one kept set.
 struct RowMetrics {
-  double recall = 0, rel_error = 0, overlap = 0;
+  double recall = 0;     ///< attention-mass recall
+  double rel_error = 0;  ///< relative output error
+  double overlap = 0;    ///< top-k overlap
 };
 
 /// Full-attention reference of one KV head for `rows` queries (e.g. the G query heads of a
@@ -131,12 +133,15 @@ class HeadReference {
                 const float* queries, std::int64_t query_stride, std::int64_t rows, std::int64_t n, std::int64_t d,
                 std::int64_t dv);
 
-  std::int64_t rows() const noexcept { return rows_; }
-  std::int64_t tokens() const noexcept { return n_; }
-  std::int64_t value_dim() const noexcept { return dv_; }
+  std::int64_t rows() const noexcept { return rows_; }  ///< query rows
+  std::int64_t tokens() const noexcept { return n_; }  ///< keys (N)
+  std::int64_t value_dim() const noexcept { return dv_; }  ///< dimensions of a value
+  /// Row r's logits q·k/√d, [N], fp64.
   const double* logit_row(std::int64_t r) const noexcept { return logits_.data() + r * n_; }
-  double lse(std::int64_t r) const noexcept { return lse_[std::size_t(r)]; }
+  double lse(std::int64_t r) const noexcept { return lse_[std::size_t(r)]; }  ///< row r's log-sum-exp of the logits
+  /// Row r's full-attention output, [value_dim], fp64.
   const double* full_output(std::int64_t r) const noexcept { return out_.data() + r * dv_; }
+  /// Row r's rank of each key by logit (0 = the highest).
   const std::int32_t* ranks(std::int64_t r) const noexcept { return ranks_.data() + r * n_; }
   /// p_t of row r.
   double prob(std::int64_t r, std::int64_t t) const noexcept { return std::exp(logit_row(r)[t] - lse(r)); }

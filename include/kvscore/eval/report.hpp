@@ -1,5 +1,5 @@
 // kvscore/eval/report.hpp — an evaluation Report as JSON, a text table and an SVG plot
-// (the outputs of `kvscore eval`; layout in docs/evaluate.md).
+// (the outputs of `kvscore eval`; layout in docs/reference/evaluate.md).
 //
 // JSON: {"kvscore_eval": 1, "input": {...}, "options": {...},
 //        "results": [{"method", "keep", "budget", "attention_mass_recall", "output_rel_error",
@@ -63,6 +63,7 @@ inline std::string fmt(const char* f, double v) {
 
 }  // namespace detail
 
+/// The report as JSON (what `kvscore eval --out` writes and `kvscore.evaluate` returns as a dict).
 inline std::string to_json(const Report& r) {
   using detail::json_num;
   using detail::json_str;

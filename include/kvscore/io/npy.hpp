@@ -275,9 +275,9 @@ inline std::string prefixed(const std::string& what, const std::string& msg) {
 
 /// A loaded array: dtype descr (canonical: "<f4", "|u1", ...), shape and raw C-order bytes.
 struct Array {
-  std::string descr;
-  std::vector<std::int64_t> shape;
-  std::vector<unsigned char> bytes;
+  std::string descr;  ///< the dtype descr, canonical ("<f4", "<f2", "<u2", ...)
+  std::vector<std::int64_t> shape;  ///< the shape, C order
+  std::vector<unsigned char> bytes;  ///< the data, raw little-endian C-order bytes
 
   /// Number of elements: product of shape (1 for a 0-d array).
   std::int64_t size() const {

@@ -18,7 +18,7 @@ namespace kvscore::safetensors {
 /// One tensor widened to fp32, C order.
 struct Tensor {
   std::string dtype;                ///< as stored: "F32", "F16" or "BF16"
-  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> shape;  ///< the tensor's shape
   std::vector<float> values;        ///< product(shape) values
 };
 

@@ -3,7 +3,7 @@
 // reconstruction K^ = K~ U_k^T, reference attention, memory accounting, and append() during
 // generation (blocks of T tokens: basis update, rebase, the residual rule on the block, codes
 // in the new basis). The projectors and the residual scorer are in kvscore/ojakv/ojakv.hpp; the
-// decisions are in docs/ojakv.md.
+// decisions are in docs/methods/ojakv.md.
 #pragma once
 
 #include <cmath>
@@ -32,6 +32,8 @@ struct OjaMemory {
   double ratio = 0;               ///< hybrid / full (0 when the cache is empty)
 };
 
+/// The bytes of one KV head of `tokens` tokens, `full_rank_tokens` of them at full rank, with bases of ranks rank_k
+/// and rank_v, at `bytes_per_scalar` bytes per element (std::invalid_argument for a bad value).
 inline OjaMemory ojakv_memory(std::int64_t tokens, std::int64_t full_rank_tokens, std::int64_t head_dim,
                               std::int64_t rank_k, std::int64_t rank_v, std::int64_t bytes_per_scalar) {
   const char* who = "kvscore::ojakv_memory";
@@ -52,7 +54,7 @@ inline OjaMemory ojakv_memory(std::int64_t tokens, std::int64_t full_rank_tokens
   return m;
 }
 
-/// Decode-time policy of OjaHybridCache::append (docs/ojakv.md "Decode").
+/// Decode-time policy of OjaHybridCache::append (docs/methods/ojakv.md "Decode").
 struct OjaDecodeOptions {
   /// Share of every closed block kept at full rank: budget_from_ratio(block, fraction) tokens
   /// (nearest integer, at least 1 when > 0), the top of the block's residual scores.
@@ -61,6 +63,7 @@ struct OjaDecodeOptions {
   /// rebase (OjaKV); false: the bases stay as built (the frozen / StaticPCA baseline).
   bool adapt = true;
 
+  /// Throws std::invalid_argument (naming `who`) for a fraction outside [0, 1].
   void validate(const char* who) const {
     if (!(full_rank_fraction >= 0 && full_rank_fraction <= 1))
       detail::throw_invalid(std::string(who) + ": full_rank_fraction must be in [0, 1] (got " +
@@ -82,15 +85,21 @@ struct OjaDecodeOptions {
 /// reconstruct_*() and attention().
 class OjaHybridCache {
  public:
+  /// One KV head's store: the bases, the codes of the low-rank tokens, the full rows of the others.
   struct Head {
-    Eigen::MatrixXf uk, uv;                 ///< d x r_k, d x r_v
-    oja::RowMajorF codes_k, codes_v;        ///< [low-rank tokens][r]
-    oja::RowMajorF full_k, full_v;          ///< [full-rank tokens][d]
+    Eigen::MatrixXf uk;  ///< U_k, d x r_k
+    Eigen::MatrixXf uv;  ///< U_v, d x r_v
+    oja::RowMajorF codes_k;  ///< K~ of the low-rank tokens, [tokens][r_k]
+    oja::RowMajorF codes_v;  ///< V~ of the low-rank tokens, [tokens][r_v]
+    oja::RowMajorF full_k;  ///< keys of the full-rank tokens, [tokens][d]
+    oja::RowMajorF full_v;  ///< values of the full-rank tokens, [tokens][d]
     std::vector<std::int64_t> full_pos;     ///< ascending positions stored at full rank
     std::vector<unsigned char> is_full;     ///< per token
     std::vector<unsigned char> valid;       ///< per token: key and value rows valid
   };
 
+  /// The store of one layer from its projectors (one per KV head), keys and values ([heads][tokens][d]) and the
+  /// tokens kept at full rank; std::invalid_argument for shapes that do not agree.
   template <KeyCacheView KView, KeyCacheView VView>
   static OjaHybridCache build(const std::vector<OjaProjector>& proj, const KView& keys, const VView& values,
                               const Selection& full_rank) {
@@ -160,18 +169,20 @@ class OjaHybridCache {
     return c;
   }
 
-  std::int64_t heads() const noexcept { return std::int64_t(heads_.size()); }
+  std::int64_t heads() const noexcept { return std::int64_t(heads_.size()); }  ///< KV heads
   /// Every token held: committed + pending.
   std::int64_t tokens() const noexcept { return tokens_ + pending_; }
   /// Tokens described by Head's arrays (prefill + closed blocks).
   std::int64_t committed() const noexcept { return tokens_; }
   /// Tokens of the open decode block (held at full rank until it closes).
   std::int64_t pending() const noexcept { return pending_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a key and a value
+  /// Head h's committed store (std::out_of_range for a bad h).
   const Head& head(std::int64_t h) const { return heads_.at(std::size_t(h)); }
 
   /// K^ of head h [tokens][d]: full rows for full-rank tokens, K~ U_k^T for the others.
   oja::RowMajorF reconstruct_keys(std::int64_t h) const { return reconstruct(h, true); }
+  /// V^ of head h [tokens][d], as reconstruct_keys.
   oja::RowMajorF reconstruct_values(std::int64_t h) const { return reconstruct(h, false); }
 
   /// Reference attention of one query over head h: softmax(q K^^T / √d) V^ (d outputs),
@@ -180,8 +191,11 @@ class OjaHybridCache {
 
   /// Scratch of attend(); one per thread (or per head), reused: no allocation once warm.
   struct AttendWorkspace {
-    std::vector<float> qt, logit, row;
-    std::vector<double> acc_r, acc_d;
+    std::vector<float> qt;     ///< U_kᵀq
+    std::vector<float> logit;  ///< one logit per token
+    std::vector<float> row;    ///< a decoded row
+    std::vector<double> acc_r;  ///< Σ p ṽ, [r_v]
+    std::vector<double> acc_d;  ///< Σ p v, [d]
   };
 
   /// The low-rank attention of one query over head h (ojakv.txt A.4), what a decode step runs:

@@ -34,6 +34,7 @@
 
 namespace kvscore {
 
+/// Options of OjaLayerCache (the Python OjaKVCache's keywords).
 struct OjaLayerConfig {
   std::int64_t rank_k = 0;        ///< key basis rank r_k in [1, head_dim]; 0 = max(1, head_dim / 4)
   std::int64_t rank_v = 0;        ///< value basis rank r_v; 0 = rank_k
@@ -46,8 +47,13 @@ struct OjaLayerConfig {
   OjaDecodeOptions decode{};      ///< full-rank share of each closed block, adapt (false: frozen bases)
 };
 
+/// OjaKV's hybrid store for a whole layer during generation: per batch row, one OjaProjector per KV head and one
+/// OjaHybridCache; prefill() builds it from the prompt, forward() appends tokens and attends every query head (see
+/// the top of this file).
 class OjaLayerCache {
  public:
+  /// An empty layer cache for `batch` rows of `kv_heads` heads of `head_dim`; std::invalid_argument for a bad shape
+  /// or option.
   OjaLayerCache(std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim, const OjaLayerConfig& cfg = {})
       : cfg_(cfg), batch_(batch), heads_(kv_heads), d_(head_dim) {
     const std::string who = "kvscore::OjaLayerCache: ";
@@ -72,16 +78,17 @@ class OjaLayerCache {
     rows_.resize(std::size_t(batch));
   }
 
-  const OjaLayerConfig& config() const noexcept { return cfg_; }
-  std::int64_t batch() const noexcept { return batch_; }
-  std::int64_t kv_heads() const noexcept { return heads_; }
-  std::int64_t head_dim() const noexcept { return d_; }
-  bool prefilled() const noexcept { return rows_.front().store.heads() > 0; }
+  const OjaLayerConfig& config() const noexcept { return cfg_; }  ///< the options it was built with
+  std::int64_t batch() const noexcept { return batch_; }  ///< batch rows
+  std::int64_t kv_heads() const noexcept { return heads_; }  ///< KV heads per row
+  std::int64_t head_dim() const noexcept { return d_; }  ///< dimensions of a key and a value
+  bool prefilled() const noexcept { return rows_.front().store.heads() > 0; }  ///< true once prefill() ran
   /// Tokens held (every row and head alike): committed + the open block.
   std::int64_t size() const noexcept { return prefilled() ? rows_.front().store.tokens() : 0; }
-  const OjaHybridCache& store(std::int64_t b) const { return row(b, "store").store; }
+  const OjaHybridCache& store(std::int64_t b) const { return row(b, "store").store; }  ///< row b's store
+  /// Row b's projectors, one per KV head.
   const std::vector<OjaProjector>& projectors(std::int64_t b) const { return row(b, "projectors").proj; }
-  /// The hybrid store's memory by the paper's formula (docs/ojakv.md, Definitions 11) at
+  /// The hybrid store's memory by the paper's formula (docs/methods/ojakv.md, Definitions 11) at
   /// bytes_per_scalar bytes per element, summed over rows and heads; .ratio against full rank.
   OjaMemory memory(std::int64_t bytes_per_scalar) const {
     OjaMemory m;

@@ -13,7 +13,7 @@
 //                 memory accounting; append() during generation.
 //   residual_energy_ratio / subspace_overlap: RER and SO of ojakv.txt §4.
 //
-// Decisions (docs/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
+// Decisions (docs/methods/ojakv.md): eta is relative to lambda1(C) (power iteration), so the same
 // value works for keys of any magnitude; the prefill runs up to 32 steps at eta 1.5 and stops
 // early when the step is below 1e-7; decode runs one step at eta 0.1 every T = 128 tokens on
 // the pooled buffer. Invalid rows (fp32 squared norm not finite, the project-wide rule) are
@@ -74,19 +74,23 @@ struct SplitMix64 : kvscore::detail::SplitMix64 {
   bool has_spare_ = false;
 };
 
-using Mat = Eigen::MatrixXd;
+using Mat = Eigen::MatrixXd;  ///< fp64 matrix of the numerics (bases, covariances)
+/// An fp32 row-major matrix (codes and rows of the store).
 using RowMajorF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+/// \cond INTERNAL
 inline std::string num(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.9g", v);
   return buf;
 }
+/// \endcond
 
 /// Thin Q of A (d x r, r <= d) by Householder QR, each column's sign chosen so that
 /// diag(R) >= 0: the factorisation is then unique, and an orthonormal A comes back as itself.
 Mat orthonormalize(const Mat& a);
 
+/// \cond INTERNAL
 inline void check_rank(const char* who, std::int64_t d, std::int64_t r) {
   if (d <= 0 || d > kMaxHeadDim)
     detail::throw_invalid(std::string(who) + ": head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "] (got " +
@@ -95,6 +99,7 @@ inline void check_rank(const char* who, std::int64_t d, std::int64_t r) {
     detail::throw_invalid(std::string(who) + ": rank must be in [1, head_dim = " + std::to_string(d) + "] (got " +
                           std::to_string(r) + ")");
 }
+/// \endcond
 
 /// A seeded random orthonormal d x r matrix: QR of an i.i.d. N(0, 1) matrix (filled column
 /// by column from splitmix64 + Box–Muller), signs as in orthonormalize().
@@ -107,7 +112,7 @@ double orthonormality_error(const Mat& u);
 /// iterations from a seeded random start, never below max diag(C) nor, when a basis U is
 /// given, max_j u_j^T C u_j (every one a lower bound of lambda1). 0 for C = 0. (A start on a
 /// coordinate axis — e.g. the column of the largest diagonal — is an eigenvector of a small
-/// eigenvalue when that channel is isolated, and the estimate then stays there: docs/ojakv.md.)
+/// eigenvalue when that channel is isolated, and the estimate then stays there: docs/methods/ojakv.md.)
 double top_eigenvalue(const Mat& c, const Mat* u = nullptr);
 
 /// Oja's batch rule, `iterations` times: U <- orth(U + (eta/lambda1(C)) (C U - U U^T C U)).
@@ -119,7 +124,8 @@ int oja_steps(Mat& u, const Mat& c, double eta, int iterations, double tol);
 struct RankRule {
   std::int64_t rank = 0;  ///< > 0: fixed rank
   double energy = 0;      ///< used when rank == 0: threshold in (0, 1]
-  static RankRule fixed(std::int64_t r) noexcept { return {r, 0.0}; }
+  static RankRule fixed(std::int64_t r) noexcept { return {r, 0.0}; }  ///< a fixed rank r
+  /// The smallest rank holding `eps` of the energy.
   static RankRule energy_fraction(double eps) noexcept { return {0, eps}; }
 };
 
@@ -148,6 +154,7 @@ inline bool widen_row(const T* row, std::int64_t d, double* out) noexcept {
   return row_ok(s);
 }
 
+/// \cond INTERNAL
 /// Accumulates rows into the pooled covariance: rows of the same window of p consecutive
 /// tokens are averaged (invalid rows left out), then C += X_b^T X_b per block of 128 pooled
 /// rows (a rank-128 update is a GEMM; rank-1 updates would be memory-bound).
@@ -168,6 +175,7 @@ struct PooledCovariance {
   /// C = X^T X / m over the pooled rows (full symmetric); zero when no row was valid.
   Mat finish();
 };
+/// \endcond
 
 }  // namespace oja
 
@@ -181,7 +189,7 @@ double subspace_overlap(const Eigen::MatrixXd& u1, const Eigen::MatrixXd& u2);
 
 // ------------------------------------------------------------------ one basis
 
-/// Parameters of the online updates (docs/ojakv.md lists the source of every default).
+/// Parameters of the online updates (docs/methods/ojakv.md lists the source of every default).
 struct OjaOptions {
   double eta_prefill = 1.5;     ///< prefill step, relative to lambda1 of the pooled covariance
   int prefill_iterations = 32;  ///< most prefill steps (each followed by QR)
@@ -194,7 +202,7 @@ struct OjaOptions {
   /// The paper's prefill (ojakv.txt Alg. 1, lines 3-4; η = 0.10 in its Table of settings): one
   /// step at η = 0.10 from a calibrated start, instead of converging to the prompt's principal
   /// subspace (the default: up to 32 steps at 1.5). η stays relative to λ̂1, kvscore's
-  /// normalisation, so the step does not depend on the keys' scale. docs/ojakv.md compares them.
+  /// normalisation, so the step does not depend on the keys' scale. docs/methods/ojakv.md compares them.
   static OjaOptions paper() noexcept {
     OjaOptions o;
     o.eta_prefill = 0.10;
@@ -202,6 +210,7 @@ struct OjaOptions {
     return o;
   }
 
+  /// Throws std::invalid_argument (naming `who`) for an option out of range.
   void validate(const char* who) const {
     auto bad = [&](const std::string& what) { detail::throw_invalid(std::string(who) + ": " + what); };
     if (!(eta_prefill > 0 && std::isfinite(eta_prefill))) bad("eta_prefill must be > 0 and finite (got " + oja::num(eta_prefill) + ")");
@@ -241,11 +250,11 @@ class OjaBasis {
     return OjaBasis(oja::calibrate(blocks, d, rule, "kvscore::OjaBasis::calibrate"), opt);
   }
 
-  std::int64_t head_dim() const noexcept { return std::int64_t(u_.rows()); }
-  std::int64_t rank() const noexcept { return std::int64_t(u_.cols()); }
-  const Eigen::MatrixXd& basis() const noexcept { return u_; }
-  Eigen::MatrixXf basis_f32() const { return u_.cast<float>(); }
-  const OjaOptions& options() const noexcept { return opt_; }
+  std::int64_t head_dim() const noexcept { return std::int64_t(u_.rows()); }  ///< d, rows of U
+  std::int64_t rank() const noexcept { return std::int64_t(u_.cols()); }  ///< r, columns of U
+  const Eigen::MatrixXd& basis() const noexcept { return u_; }  ///< U, d x r, orthonormal
+  Eigen::MatrixXf basis_f32() const { return u_.cast<float>(); }  ///< U in fp32
+  const OjaOptions& options() const noexcept { return opt_; }  ///< the basis's options
   /// Decode tokens waiting in the buffer (< period).
   std::int64_t buffered() const noexcept { return buffered_; }
   /// Decode updates done so far.
@@ -345,6 +354,7 @@ class OjaBasis {
 /// U_k and U_v of one KV head.
 class OjaProjector {
  public:
+  /// The projector of a key basis and a value basis of the same head_dim (std::invalid_argument otherwise).
   OjaProjector(OjaBasis key, OjaBasis value) : k_(std::move(key)), v_(std::move(value)) {
     if (k_.head_dim() != v_.head_dim())
       detail::throw_invalid("kvscore::OjaProjector: key basis has head_dim " + std::to_string(k_.head_dim()) +
@@ -362,11 +372,11 @@ class OjaProjector {
                         OjaBasis::calibrate({{values, nv}}, d, value_rank, opt));
   }
 
-  OjaBasis& key() noexcept { return k_; }
-  OjaBasis& value() noexcept { return v_; }
-  const OjaBasis& key() const noexcept { return k_; }
-  const OjaBasis& value() const noexcept { return v_; }
-  std::int64_t head_dim() const noexcept { return k_.head_dim(); }
+  OjaBasis& key() noexcept { return k_; }  ///< the key basis U_k
+  OjaBasis& value() noexcept { return v_; }  ///< the value basis U_v
+  const OjaBasis& key() const noexcept { return k_; }  ///< the key basis U_k
+  const OjaBasis& value() const noexcept { return v_; }  ///< the value basis U_v
+  std::int64_t head_dim() const noexcept { return k_.head_dim(); }  ///< dimensions of a key and a value
 
   /// Prefill update of both bases from head h of the keys and values.
   template <KeyCacheView KView, KeyCacheView VView>
@@ -399,7 +409,7 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
  public:
   using detail::AllocatingScore<OjaResidual>::score;
 
-  static constexpr const char* name = "ojakv-residual";
+  static constexpr const char* name = "ojakv-residual";  ///< the name benchmarks and errors use
 
   /// queries: [q_heads][window][head_dim] row-major fp32 (copied); bases: U_k per KV head
   /// (d x r, orthonormal). GQA group = q_heads / kv_heads (contiguous, HF repeat_kv order).
@@ -437,7 +447,7 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
     }
   }
 
-  std::int64_t window() const noexcept { return window_; }
+  std::int64_t window() const noexcept { return window_; }  ///< queries per head
   /// The window to protect in the selector (`SelectOptions::recent`), as SnapKV and ProtoKV: the
   /// in-cache window's tokens are scored only by the queries after them; 0 after the cache.
   std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }
@@ -446,6 +456,7 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
   /// t <= N - w + i) or follow the cache (every query sees every key; any window size).
   QueryPlacement placement = QueryPlacement::in_cache;
 
+  /// Throws std::invalid_argument unless score(keys) can run on these keys.
   template <KeyCacheView View>
   void check(const View& keys) const {
     const std::string who = "kvscore::OjaResidual: ";
@@ -461,6 +472,8 @@ class OjaResidual : public ScorerOptions, public detail::AllocatingScore<OjaResi
                             "QueryPlacement::after_cache for queries that follow the cache)");
   }
 
+  /// Scores `keys` into `out` ([kv_heads][tokens]): e_t, the query-weighted residual of each key off its head's
+  /// basis.
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     detail::check_scores_shape(keys, out, name);

@@ -17,7 +17,7 @@
 // dense_fallback is off) it returns every position. attend(q) is softmax(q·k/√d)·v over the
 // selected positions in fp32 (pariskv/attention.hpp: the same bits on every kernel set).
 //
-// Defaults (docs/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
+// Defaults (docs/methods/pariskv.md, "Decode-time cache"): S = 4, L = 256, U = 128, k = 100, dense below
 // 2000 tokens; the authors' code uses sink 4, local 64…512, updates every 128 or 512 tokens,
 // top-k 100 (2048 for Qwen3-8B). Inputs are post-RoPE keys and queries, as an engine holds them.
 // ParisKVRetrieval::exact keeps the zones but retrieves the exact top k of the retrieval zone
@@ -50,6 +50,7 @@ enum class ParisKVRetrieval {
   exact,  ///< the exact top k by q·k over every key of the zone (the SIMD dot kernel; no index)
 };
 
+/// Options of ParisKVCache: the zones, the index and its search, the dense fallback.
 struct ParisKVCacheConfig {
   std::int64_t sinks = kDefaultSinks;         ///< S: first tokens always attended
   std::int64_t local = kDefaultParisKVLocal;  ///< L: last tokens always attended
@@ -64,13 +65,18 @@ struct ParisKVCacheConfig {
   double scale = 0;                    ///< attend()'s softmax scale on q·k; 0 = 1/√head_dim
 };
 
+/// ParisKV's decode-time cache of one KV head (see the top of this file): sinks, a retrieval zone (the index, or
+/// exact top k) and a local window; append() keys and values, select(q) the positions a query attends, attend(q)
+/// its attention output.
 template <class T>
 class ParisKVCache {
   static_assert(is_element_type_v<T>, "ParisKVCache: T must be float, half or bfloat16");
 
  public:
   using value_type = T;  ///< element type of the stored keys and values
+  /// Scratch of select() and attend(); one per thread, reused (no allocation once warm).
   struct Workspace {
+    /// \cond INTERNAL
     ParisKV::Workspace search;
     ParisKVResult result;
     std::vector<std::int64_t> positions;
@@ -80,8 +86,10 @@ class ParisKVCache {
     pariskv::detail::AttendScratch attend;  ///< attend()'s logits and accumulators
     std::vector<const float*> qptr;         ///< ParisKVLayerCache: a KV head's queries (dense)
     std::vector<float*> optr;               ///< ... and their outputs
+  /// \endcond
   };
 
+  /// An empty cache for rows of `head_dim` elements; std::invalid_argument for a bad head_dim or option.
   explicit ParisKVCache(std::int64_t head_dim, const ParisKVCacheConfig& cfg = {})
       : cfg_(cfg), d_(head_dim) {
     const std::string who = "kvscore::ParisKVCache";
@@ -112,14 +120,15 @@ class ParisKVCache {
                                   " must be 0 (off) or >= search.k " + std::to_string(cfg.search.k));
   }
 
-  std::int64_t head_dim() const noexcept { return d_; }
-  const ParisKVCacheConfig& config() const noexcept { return cfg_; }
-  std::int64_t size() const noexcept { return n_; }
+  std::int64_t head_dim() const noexcept { return d_; }  ///< dimensions of a key and a value
+  const ParisKVCacheConfig& config() const noexcept { return cfg_; }  ///< the options it was built with
+  std::int64_t size() const noexcept { return n_; }  ///< tokens held
   /// First position of the retrieval zone (min(S, N)) and of the local zone (E).
   std::int64_t retrieval_begin() const noexcept { return std::min(cfg_.sinks, n_); }
-  std::int64_t local_begin() const noexcept { return e_; }
+  std::int64_t local_begin() const noexcept { return e_; }  ///< E, the first position of the local window
   /// Tokens in the retrieval zone (E − S): in the index, or searched exactly.
   std::int64_t indexed() const noexcept { return exact() ? zone_ : index_->size(); }
+  /// True when the retrieval zone is searched exactly (no index).
   bool exact() const noexcept { return cfg_.retrieval == ParisKVRetrieval::exact; }
   /// The softmax scale attend() applies to q·k.
   double scale() const noexcept { return cfg_.scale > 0 ? cfg_.scale : 1.0 / std::sqrt(double(d_)); }
@@ -128,14 +137,14 @@ class ParisKVCache {
     if (!cfg_.dense_fallback) return 0;
     return std::max(cfg_.dense_min, cfg_.sinks + cfg_.local + 2 * cfg_.search.k);
   }
-  bool dense() const noexcept { return n_ < dense_threshold(); }
+  bool dense() const noexcept { return n_ < dense_threshold(); }  ///< true while select() returns every position
   /// The retrieval index (std::invalid_argument with exact retrieval, which has none).
   const ParisKV& index() const {
     if (!index_) throw std::invalid_argument("kvscore::ParisKVCache::index: exact retrieval keeps no index");
     return *index_;
   }
-  const T* keys() const noexcept { return k_.data(); }
-  const T* values() const noexcept { return v_.data(); }
+  const T* keys() const noexcept { return k_.data(); }  ///< the held keys, [size][head_dim] row-major
+  const T* values() const noexcept { return v_.data(); }  ///< the held values, [size][head_dim] row-major
   /// Bytes held: full-precision keys and values (2·N·head_dim·sizeof(T)) plus the index (none
   /// when the zone is searched exactly).
   std::size_t memory_bytes() const noexcept {
@@ -220,6 +229,7 @@ class ParisKVCache {
     }
     for (std::int64_t t = e_; t < n_; ++t) ws.positions.push_back(t);
   }
+  /// \overload
   std::vector<std::int64_t> select(const float* q) const {
     Workspace ws;
     select(q, ws);

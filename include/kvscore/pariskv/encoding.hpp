@@ -32,7 +32,7 @@ using SplitMix64 = kvscore::detail::SplitMix64;
 
 /// The 3-bit magnitude quantiser of |u_j|, u uniform on S^{m-1}.
 struct Codebook {
-  int m = 0;
+  int m = 0;  ///< m, dimensions per subspace
   int iterations = 0;                     ///< Lloyd steps taken
   std::array<double, 7> thresholds{};     ///< τ_1 < … < τ_7; bin t = #{τ ≤ |u_j|}
   std::array<double, 8> centres{};        ///< a[0] < … < a[7]
@@ -131,6 +131,7 @@ inline Codebook lloyd_max(int m, int iterations = 0) {
 class Rotation {
  public:
   Rotation() = default;
+  /// The rotation of `head_dim`-dimensional vectors drawn from `seed`; std::invalid_argument for a bad head_dim.
   Rotation(std::int64_t head_dim, std::uint64_t seed) : d_(head_dim) {
     if (head_dim < 1 || head_dim > kMaxHeadDim)
       throw std::invalid_argument("kvscore::pariskv::Rotation: head_dim must be in [1, " + std::to_string(kMaxHeadDim) +
@@ -142,8 +143,8 @@ class Rotation {
     const float scale = float(1.0 / std::sqrt(double(p_)));
     for (auto& s : signs_) s = (rng.next() >> 63) ? -scale : scale;
   }
-  std::int64_t dim() const noexcept { return d_; }
-  std::int64_t padded_dim() const noexcept { return p_; }
+  std::int64_t dim() const noexcept { return d_; }  ///< d, dimensions of the input
+  std::int64_t padded_dim() const noexcept { return p_; }  ///< P, d padded to a power of two
   /// Signs times 1/√P, one per padded coordinate.
   const std::vector<float>& scaled_signs() const noexcept { return signs_; }
 
@@ -153,6 +154,7 @@ class Rotation {
     fwht(y, p_);
   }
 
+  /// In-place unnormalised Walsh–Hadamard transform of y[0, p), p a power of two.
   static void fwht(float* y, std::int64_t p) noexcept {
     for (std::int64_t h = 1; h < p; h *= 2)
       for (std::int64_t i = 0; i < p; i += 2 * h)
@@ -171,8 +173,10 @@ class Rotation {
 /// Length-adaptive (β, ρ) from the public code: N<5K (0.50, 0.50); <10K (0.25, 0.30);
 /// <30K (0.20, 0.25); ≥30K (0.10, 0.20). (K = 1000 tokens.)
 struct Ratios {
-  double beta, rho;
+  double beta;  ///< Stage I candidate ratio β
+  double rho;   ///< collision ratio ρ
 };
+/// The length-adaptive (β, ρ) for an index of n keys.
 inline Ratios default_ratios(std::int64_t n) noexcept {
   if (n < 5000) return {0.50, 0.50};
   if (n < 10000) return {0.25, 0.30};
@@ -191,13 +195,15 @@ inline std::int64_t ratio_count(double x, std::int64_t n) noexcept {
 /// Stage I candidate count C for `results` = max(k, k') <= N results. An explicit β (> 0):
 /// max(⌈βN⌉, results). The length-adaptive default: at least min(N, 2·results) as well, so the
 /// RSQ-IP rerank always has candidates beyond the results it returns (below 5K tokens the default
-/// β = 0.5 would give C = k at keep 0.5: no rerank at all; docs/pariskv.md).
+/// β = 0.5 would give C = k at keep 0.5: no rerank at all; docs/methods/pariskv.md).
 inline std::int64_t candidate_count(double beta, std::int64_t n, std::int64_t results) noexcept {
   if (beta != 0) return std::max(ratio_count(beta, n), results);
   return std::max(ratio_count(default_ratios(n).beta, n), std::min(n, 2 * results));
 }
 
+/// Score tiers of the collision votes (Stage I).
 inline constexpr int kTiers = 6;
+/// The share of candidates in each tier, in percent.
 inline constexpr int kTierPercent[kTiers] = {5, 15, 30, 50, 75, 100};
 
 namespace detail {

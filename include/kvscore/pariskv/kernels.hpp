@@ -15,7 +15,7 @@
 //
 // Every set gives bit-identical results: Stage I is integer arithmetic, and Stage II follows
 // one summation order (rsq_ip_portable_one spells it out) with fused multiply-adds throughout
-// (std::fma on the portable path). See docs/pariskv.md, "Kernels". Over 500 lines because it is
+// (std::fma on the portable path). See docs/methods/pariskv.md, "Kernels". Over 500 lines because it is
 // one family: three stages × three kernel sets, kept side by side so they can be compared.
 #pragma once
 

@@ -36,16 +36,19 @@ namespace kvscore {
 /// Measured by python/bench/bench_decode.py on this project's 2-core Intel Xeon (AVX-512), one
 /// thread, 30 (SmolLM2) or 8 (synthetic) layers: head_dim 64 (SmolLM2-135M's keys, GQA 3:1;
 /// synthetic drift keys) between 5.5K and 8K tokens across runs, head_dim 128 (synthetic, GQA
-/// 4:1) about 5.3K; docs/generation.md "The dense threshold". Around the crossover the two steps
+/// 4:1) about 5.3K; docs/guides/generation.md "The dense threshold". Around the crossover the two steps
 /// are within ~10 % of each other. Other head dims take the nearer measured value.
 inline std::int64_t retrieval_dense_below(std::int64_t head_dim) noexcept { return head_dim <= 96 ? 6144 : 5120; }
 
+/// Every batch row and KV head of one layer as ParisKVCache<T>s: one call per layer per decoded token, each query
+/// head retrieving for itself (kvscore.generation's RetrievalCache).
 template <class T>
 class ParisKVLayerCache {
  public:
-  using value_type = T;
-  using Head = ParisKVCache<T>;
+  using value_type = T;  ///< element type of the stored keys and values
+  using Head = ParisKVCache<T>;  ///< one (row, KV head)'s cache
 
+  /// Empty caches for `batch` rows of `kv_heads` heads; std::invalid_argument for a bad shape or option.
   ParisKVLayerCache(std::int64_t batch, std::int64_t kv_heads, std::int64_t head_dim, const ParisKVCacheConfig& cfg = {})
       : batch_(batch), heads_(kv_heads), d_(head_dim) {
     const std::string who = "kvscore::ParisKVLayerCache";
@@ -55,12 +58,14 @@ class ParisKVLayerCache {
     for (std::int64_t i = 0; i < batch * kv_heads; ++i) cache_.emplace_back(head_dim, cfg);  // checks head_dim, cfg
   }
 
-  std::int64_t batch() const noexcept { return batch_; }
-  std::int64_t kv_heads() const noexcept { return heads_; }
-  std::int64_t head_dim() const noexcept { return d_; }
+  std::int64_t batch() const noexcept { return batch_; }  ///< batch rows
+  std::int64_t kv_heads() const noexcept { return heads_; }  ///< KV heads per row
+  std::int64_t head_dim() const noexcept { return d_; }  ///< dimensions of a key and a value
   /// Tokens held (the same in every row and head).
   std::int64_t size() const noexcept { return cache_.front().size(); }
+  /// The options every head was built with.
   const ParisKVCacheConfig& config() const noexcept { return cache_.front().config(); }
+  /// Row b, KV head h's cache (std::out_of_range for a bad index).
   const Head& head(std::int64_t b, std::int64_t h) const { return cache_.at(std::size_t(at(b, h, "head"))); }
   /// Bytes held by every (row, KV head): keys, values and indexes.
   std::size_t memory_bytes() const noexcept {

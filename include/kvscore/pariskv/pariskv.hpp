@@ -42,7 +42,7 @@
 // in [2, 16] dividing P, k > N, β or ρ outside (0, 1], k' < k. A zero key is valid: its ids are
 // the all-ones pattern, w = 0, so its estimate is exactly its inner product, 0. A zero query
 // returns the first k positions with score 0 (every inner product ties at 0).
-// See docs/pariskv.md.
+// See docs/methods/pariskv.md.
 //
 // Why this file is long (~800 lines): the ParisKV class is one index whose append (encoding,
 // records) and search (Stage I patterns, Stage II estimates, rerank) share its private layout;
@@ -93,14 +93,14 @@ struct ParisKVSearch {
   double beta = 0;                 ///< candidate ratio in (0, 1]; 0 = length-adaptive default
   double rho = 0;                  ///< collision ratio in (0, 1]; 0 = length-adaptive default
   std::int64_t rerank_exact = 0;   ///< k' >= k: rescore the top k' exactly (needs the keys); 0 = off
-  pariskv::Kernels kernels = pariskv::Kernels::best;
+  pariskv::Kernels kernels = pariskv::Kernels::best;  ///< the kernel set (every set gives the same results)
 };
 
 /// Result of one search: positions ascending, scores[i] belongs to positions[i] (RSQ-IP
 /// estimates; exact inner products when rerank_exact is on).
 struct ParisKVResult {
-  std::vector<std::int64_t> positions;
-  std::vector<float> scores;
+  std::vector<std::int64_t> positions;  ///< the positions found, ascending
+  std::vector<float> scores;  ///< scores[i] belongs to positions[i]
   std::int64_t candidates = 0;  ///< Stage I candidate count C
 };
 
@@ -110,19 +110,24 @@ enum class ParisKVGroup {
   union_  ///< one search per query; the union of their positions (score: the largest)
 };
 
+/// ParisKV's retrieval index of one KV head (see the top of this file): append() encodes keys (streaming), search()
+/// returns the top k positions of a query by collision voting and RSQ-IP estimates.
 class ParisKV {
  public:
   /// Scratch buffers of search(); one per thread, reused (grows, never shrinks).
   struct Workspace {
+    /// \cond INTERNAL
     std::vector<float> qrot, qt, x, est, exact;
     std::vector<std::uint8_t> tbl, s8, lists;
     std::vector<std::uint16_t> s16;
     std::vector<std::int64_t> hist, cand, top, offsets, sel;
     std::vector<unsigned char> select_ws;
     std::vector<pariskv::detail::PatternNode> heap, group;
+    /// \endcond
     std::vector<std::uint64_t> keys;     ///< m <= 8: (cost, id) keys of the patterns to order
   };
 
+  /// An empty index for keys of `head_dim` dimensions; std::invalid_argument for a bad head_dim or option.
   explicit ParisKV(std::int64_t head_dim, const ParisKVConfig& cfg = {}) : cfg_(cfg) {
     const std::string who = "kvscore::ParisKV";
     if (head_dim < 1 || head_dim > kMaxHeadDim)
@@ -158,14 +163,16 @@ class ParisKV {
     rec_.assign(kRecPad, 0);
   }
 
-  std::int64_t head_dim() const noexcept { return d_; }
-  std::int64_t padded_dim() const noexcept { return p_; }
-  std::int64_t m() const noexcept { return m_; }
-  std::int64_t subspaces() const noexcept { return B_; }
-  std::int64_t size() const noexcept { return n_; }
+  std::int64_t head_dim() const noexcept { return d_; }  ///< dimensions of a key
+  std::int64_t padded_dim() const noexcept { return p_; }  ///< P, head_dim padded to a power of two
+  std::int64_t m() const noexcept { return m_; }  ///< m, dimensions per subspace
+  std::int64_t subspaces() const noexcept { return B_; }  ///< B, subspaces (P / m)
+  std::int64_t size() const noexcept { return n_; }  ///< keys indexed
+  /// The Lloyd–Max quantiser of the subspaces.
   const pariskv::Codebook& codebook() const noexcept { return codebook_; }
+  /// The random rotation applied to every key and query.
   const pariskv::Rotation& rotation() const noexcept { return rot_; }
-  const ParisKVConfig& config() const noexcept { return cfg_; }
+  const ParisKVConfig& config() const noexcept { return cfg_; }  ///< the options it was built with
 
   /// Index bytes per key: B centroid ids (1 byte each for m ≤ 8, else 2) and the Stage II
   /// record: P/2 bytes of 4-bit codes (at least 16) and B fp32 weights.
@@ -182,6 +189,7 @@ class ParisKV {
   }
 
   // ---- read access to the encoding (tests, tools)
+  /// Stage I centroid id of key i in subspace b (tests, tools).
   std::uint32_t centroid_id(std::int64_t i, std::int64_t b) const noexcept {
     const std::size_t at = std::size_t((i / 64) * B_ * 64 + b * 64 + i % 64);
     return m_ <= 8 ? ids8_[at] : ids16_[at];
@@ -191,11 +199,13 @@ class ParisKV {
     const std::uint8_t byte = rec_[std::size_t(i * stride_ + code_byte(j))];
     return (j % len_) % 2 == 0 ? byte & 15 : byte >> 4;
   }
+  /// Stage II weight of key i in subspace b (tests, tools).
   float weight(std::int64_t i, std::int64_t b) const noexcept {
     float w;
     std::memcpy(&w, rec_.data() + i * stride_ + cb_ + 4 * b, sizeof(float));
     return w;
   }
+  /// Keys whose centroid in subspace b is `id` (tests, tools).
   std::int64_t population(std::int64_t b, std::uint32_t id) const noexcept { return pop_[std::size_t(b * nc_ + id)]; }
   /// Value of a 4-bit code (±a[t]).
   float code_value(std::uint8_t c) const noexcept { return value_[c & 15]; }

@@ -13,10 +13,13 @@
 
 namespace kvscore {
 
+/// KeyDiff (Park et al. 2025): score = −cos(k, ā), ā the mean of the head's normalised keys; scores in [−1, 1]. Two
+/// passes; no parameters.
 struct KeyDiff : ScorerBase<KeyDiff> {
-  static constexpr const char* name = "keydiff";
-  static constexpr int passes = 2;
+  static constexpr const char* name = "keydiff";  ///< the registry's CLI spelling
+  static constexpr int passes = 2;  ///< reads of the keys per score() (benchmarks count bytes with it)
 
+  /// ScorerBase's step for head h (the two passes, fp64 sums).
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     using T = typename View::value_type;

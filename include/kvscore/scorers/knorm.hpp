@@ -6,10 +6,13 @@
 
 namespace kvscore {
 
+/// K-norm (Devoto et al. 2024): score = −‖k‖₂, so the low-norm keys are kept. One pass over the keys; no
+/// parameters.
 struct KNorm : ScorerBase<KNorm> {
-  static constexpr const char* name = "knorm";
+  static constexpr const char* name = "knorm";  ///< the registry's CLI spelling
   static constexpr int passes = 1;  ///< reads of the keys per score() (benchmarks count bytes with it)
 
+  /// ScorerBase's step for head h: out[t] = −‖k_t‖₂, or kInvalidScore for a non-finite key.
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     using T = typename View::value_type;

@@ -3,7 +3,7 @@
 // receives from a set of queries — in KVzip, the queries of a second forward pass in which the
 // model reconstructs the context from its cache ("Repeat the previous context exactly." + the
 // context). The scorer itself takes any set of post-RoPE queries (a reconstruction pass, a
-// SnapKV window, a question); docs/kvzip.md has the algorithm around it.
+// SnapKV window, a question); docs/methods/kvzip.md has the algorithm around it.
 //
 // Per KV head h, with the G = q_heads / kv_heads query heads of its group (contiguous, the
 // Hugging Face repeat_kv order) and m queries, query i of head g sees the key set
@@ -27,7 +27,7 @@
 // window queries (causal); protected_recent() = w. With `after_cache` every query sees every
 // key (span [0, N), no own rows) and nothing is protected.
 //
-// Decisions (docs/kvzip.md): the softmax is over S_i only, as kvpress computes it (not over the
+// Decisions (docs/methods/kvzip.md): the softmax is over S_i only, as kvpress computes it (not over the
 // whole cache the model attended to); invalid keys (fp32 squared norm not finite,
 // scorer_base.hpp) take no part in any softmax and score -inf; a +inf logit is clamped to
 // FLT_MAX and a NaN logit dropped (as SnapKV); a query that sees no valid key adds nothing.
@@ -66,11 +66,15 @@ struct KVzipSpan {
   const float* key_weights = nullptr;
 };
 
+/// KVzip (Kim et al. 2025): each key scored by the attention it receives from the queries of a
+/// context-reconstruction pass (max or mean over the queries and the group's heads). score(keys) takes the queries
+/// as the cache's last rows; score_span scores one pass's span, attend_span also computes the pass's attention
+/// output (the fused pass).
 class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
  public:
   using detail::AllocatingScore<KVzip>::score;
 
-  static constexpr const char* name = "kvzip";
+  static constexpr const char* name = "kvzip";  ///< the registry's CLI spelling
   static constexpr int passes = 1;  ///< reads of the keys per block of queries
   /// Queries per block at most (query_block = 0 picks up to this many by the buffer's size).
   static constexpr std::int64_t kMaxBlock = 64;
@@ -95,10 +99,11 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
     detail::copy_query_window("kvscore::KVzip", queries, q_heads, n_queries, head_dim, group, queries_, scaled_);
   }
 
-  std::int64_t q_heads() const noexcept { return q_heads_; }
-  std::int64_t n_queries() const noexcept { return n_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
-  std::int64_t group() const noexcept { return group_; }
+  std::int64_t q_heads() const noexcept { return q_heads_; }  ///< query heads of the queries
+  std::int64_t n_queries() const noexcept { return n_; }  ///< queries per head
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a query
+  std::int64_t group() const noexcept { return group_; }  ///< q_heads / kv_heads (0: from the keys)
+  /// The queries as given, [q_heads][n_queries][head_dim].
   const std::vector<float>& queries() const noexcept { return queries_; }
   /// Tokens at the end of the cache to protect (SelectOptions::recent): the in-cache queries'
   /// own rows; 0 when they follow the cache.
@@ -138,7 +143,7 @@ class KVzip : public ScorerOptions, public detail::AllocatingScore<KVzip> {
   }
 
   /// One reconstruction pass with the pass's attention computed here, from the same logits (the
-  /// fused pass, docs/kvzip.md#the-fused-pass): writes score_span()'s scores (the same logits;
+  /// fused pass, docs/methods/kvzip.md#the-fused-pass): writes score_span()'s scores (the same logits;
   /// the scored subset's softmax taken from the attention's exponentials, so equal to ~1e-6
   /// relative, not bit for bit) and each query's attention output, the softmax over every row it sees (the whole cache,
   /// then its own rows up to itself: the model's causal attention for the pass) times the

@@ -43,10 +43,12 @@ void centroid_distance(const simd::KernelTable& table, const View& keys, std::in
 
 }  // namespace detail
 
+/// ManifoldKV: score = ‖k − μ‖₂, μ the head's key centroid (keys far from it are kept). Two passes; no parameters.
 struct ManifoldL2 : ScorerBase<ManifoldL2> {
-  static constexpr const char* name = "l2";
-  static constexpr int passes = 2;
+  static constexpr const char* name = "l2";  ///< the registry's CLI spelling
+  static constexpr int passes = 2;  ///< reads of the keys per score() (benchmarks count bytes with it)
 
+  /// ScorerBase's step for head h: the centroid, then each key's distance to it.
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     detail::centroid_distance(table, keys, h, 0, keys.tokens(), out);

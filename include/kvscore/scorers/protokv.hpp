@@ -1,7 +1,7 @@
 // kvscore/scorers/protokv.hpp — ProtoKV (ICLR 2026, "Knowledge in Long Context is Already
 // Organized Before You Query"): prototype-guided cluster retention.
 //
-// Per KV head h (docs/protokv.md has every choice and its reason):
+// Per KV head h (docs/methods/protokv.md has every choice and its reason):
 //   1. S(i) = mean cos(k_i, k_j) over the valid j in [i-κ, i+κ], j != i (clipped at the ends);
 //      Θ(i) = (E[S] - S(i)) / sd[S]: LOW neighbourhood similarity = HIGH local deviation.
 //   2. SAT candidates: the p tokens of highest Θ (ties: lower position), zero keys excluded.
@@ -87,7 +87,8 @@ inline void rff_params(std::uint64_t seed, std::int64_t h, int r, std::int64_t d
 
 /// Everything ProtoKV computed for one KV head (ProtoKV::analyze), for tests and diagnostics.
 struct ProtoKVHead {
-  std::int64_t tokens = 0, head_dim = 0;
+  std::int64_t tokens = 0;    ///< N, tokens of the head
+  std::int64_t head_dim = 0;  ///< d, dimensions of a key
   std::vector<unsigned char> valid;           ///< [N] fp32 squared norm finite
   std::vector<double> similarity;             ///< [N] S_κ(i); NaN for invalid keys
   std::vector<double> deviation;              ///< [N] Θ(i); NaN for invalid keys
@@ -106,22 +107,31 @@ struct ProtoKVHead {
   std::vector<std::int32_t> cluster_order;    ///< non-empty clusters, best first
 };
 
+/// ProtoKV (prototype-guided cluster retention): the head's keys are grouped around semantic-anchor and
+/// position-chunk prototypes, and the clusters ranked by what the last `window` queries give them (ψ); each token's
+/// score is its cluster's rank, then q̄·k inside it.
 class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
  public:
   using detail::AllocatingScore<ProtoKV>::score;
 
-  static constexpr const char* name = "protokv";
-  static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/protokv.md)
+  static constexpr const char* name = "protokv";  ///< the registry's CLI spelling
+  static constexpr int passes = 1;  ///< reads of the keys per score() (then fp32 unit copies, docs/methods/protokv.md)
 
-  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/protokv.md).
+  /// The defaults of kvscore/methods.hpp: κ, p, r, v (docs/methods/protokv.md).
   static constexpr std::int64_t kDefaultKappa = kDefaultProtoKVKappa;
+  /// P, SAT candidates per head (kvscore/methods.hpp).
   static constexpr std::int64_t kDefaultSatCandidates = kDefaultProtoKVSatCandidates;
-  static constexpr int kDefaultLshBits = kDefaultProtoKVLshBits;
-  static constexpr std::int64_t kDefaultChunks = kDefaultProtoKVChunks;
+  static constexpr int kDefaultLshBits = kDefaultProtoKVLshBits;  ///< r, LSH hyperplanes per SAT hash
+  static constexpr std::int64_t kDefaultChunks = kDefaultProtoKVChunks;  ///< v, PDT chunks per head
   /// Largest cache: scores are exact integers in fp32.
   static constexpr std::int64_t kMaxTokens = std::int64_t(1) << 24;
 
-  enum class Psi { sum, mean, attention };
+  /// How a cluster's queries' view becomes its ψ.
+  enum class Psi {
+    sum,        ///< Σ over the cluster of q̄·k
+    mean,       ///< the sum over the cluster's size
+    attention,  ///< the cluster's softmax attention mass under the window queries (default)
+  };
 
   std::int64_t kappa = kDefaultKappa;                   ///< >= 1
   std::int64_t sat_candidates = kDefaultSatCandidates;  ///< p in [0, N]
@@ -130,7 +140,7 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   double bandwidth = 0;                                 ///< σ > 0 fixed, 0 = median heuristic
   std::uint64_t seed = 0;                               ///< RFF seed
   /// Cluster score ψ. Default attention: measured better than the sum on a real model's dump and
-  /// on synthetic data (docs/protokv.md); the GPU path has sum and mean only.
+  /// on synthetic data (docs/methods/protokv.md); the GPU path has sum and mean only.
   Psi psi = Psi::attention;
   /// The queries are the cache's last `window` positions (default: the window is protected and
   /// must fit the cache) or follow the cache (nothing protected). ψ uses no causal mask either way.
@@ -170,10 +180,10 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
     }
     return qbar;
   }
-  std::int64_t q_heads() const noexcept { return q_heads_; }
-  std::int64_t window() const noexcept { return window_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
-  std::int64_t group() const noexcept { return group_; }
+  std::int64_t q_heads() const noexcept { return q_heads_; }  ///< query heads of the window queries
+  std::int64_t window() const noexcept { return window_; }  ///< queries per head (the observation window)
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a query
+  std::int64_t group() const noexcept { return group_; }  ///< q_heads / kv_heads
   /// The observation window, to protect in the selector (`SelectOptions::recent`); 0 when the
   /// queries follow the cache.
   std::int64_t protected_recent() const noexcept { return placement == QueryPlacement::in_cache ? window_ : 0; }
@@ -207,6 +217,7 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
     detail::checked_mul(n, dim_, "kvscore::ProtoKV");
   }
 
+  /// Scores `keys` into `out` ([kv_heads][tokens]): integers M..1 by cluster rank and q̄·k (exact in fp32).
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     detail::check_scores_shape(keys, out, name);
@@ -585,6 +596,7 @@ class ProtoKV : public ScorerOptions, public detail::AllocatingScore<ProtoKV> {
   std::int64_t q_heads_, window_, dim_, group_;
 };
 
+/// Every ProtoKV::Psi (parse_psi reads these).
 inline constexpr ProtoKV::Psi kPsis[] = {ProtoKV::Psi::sum, ProtoKV::Psi::mean, ProtoKV::Psi::attention};
 
 /// "sum", "mean" or "attention".

@@ -7,7 +7,7 @@
 // of projections). GQA: the plain mean over each contiguous group of H_q/H_kv
 // query heads (not renormalised, as the paper says "average"). One pass.
 //
-// Sign conventions of filter files (docs/qfilters.md). kvscore's: score = +⟨k, f⟩, f as
+// Sign conventions of filter files (docs/methods/qfilters.md). kvscore's: score = +⟨k, f⟩, f as
 // calibrate_qfilters returns it (most queries project positively), stored as .npy. The
 // authors' published files (safetensors, tensor `q_filters` [layers, kv_heads, head_dim], the
 // ones kvpress loads) store f = −v₁⁺ and score −⟨f, k⟩: scoring them as +⟨k, f⟩ reverses the
@@ -31,10 +31,12 @@ enum class FilterConvention {
   published  ///< score = −⟨f, k⟩ (the Q-Filters authors' safetensors files, kvpress)
 };
 
+/// Q-Filters: score = ⟨k, f_h⟩ with one filter per KV head, calibrated on queries (calibrate_qfilters) or read from
+/// a filter file (kvscore/io/qfilter_file.hpp) in either sign convention.
 class QFilter : public ScorerBase<QFilter> {
  public:
-  static constexpr const char* name = "qfilter";
-  static constexpr int passes = 1;
+  static constexpr const char* name = "qfilter";  ///< the registry's CLI spelling
+  static constexpr int passes = 1;  ///< reads of the keys per score()
 
   /// filters: [kv_heads][head_dim], row-major.
   QFilter(std::vector<float> filters, std::int64_t kv_heads, std::int64_t head_dim)
@@ -78,11 +80,13 @@ class QFilter : public ScorerBase<QFilter> {
     return is_safetensors(path) ? FilterConvention::published : FilterConvention::kvscore;
   }
 
-  std::int64_t kv_heads() const noexcept { return kv_heads_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t kv_heads() const noexcept { return kv_heads_; }  ///< KV heads the filters cover
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a filter
+  /// The filters, [kv_heads][head_dim] row-major, kvscore's sign.
   const std::vector<float>& filters() const noexcept { return filters_; }
-  const float* filter(std::int64_t h) const noexcept { return filters_.data() + h * dim_; }
+  const float* filter(std::int64_t h) const noexcept { return filters_.data() + h * dim_; }  ///< head h's filter
 
+  /// ScorerBase's check: the keys have the filters' heads and head_dim (std::invalid_argument otherwise).
   template <class View>
   void check(const View& keys) const {
     if (keys.heads() != kv_heads_ || keys.head_dim() != dim_)
@@ -91,6 +95,7 @@ class QFilter : public ScorerBase<QFilter> {
                             ", head_dim " + std::to_string(keys.head_dim()) + ")");
   }
 
+  /// ScorerBase's step for head h: out[t] = ⟨k_t, f_h⟩.
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     // Squared norms come with the dots (one read of each row) for the validity rule of scorer_base.hpp.

@@ -22,6 +22,8 @@
 
 namespace kvscore {
 
+/// The score of an invalid key (a non-finite value anywhere in it): below every finite score, so it is evicted
+/// first.
 inline constexpr float kInvalidScore = -std::numeric_limits<float>::infinity();
 
 namespace detail {
@@ -141,6 +143,8 @@ template <class Derived>
 struct ScorerBase : ScorerOptions, detail::AllocatingScore<Derived> {
   using detail::AllocatingScore<Derived>::score;
 
+  /// Scores `keys` into `out` ([heads][tokens]): checks the shapes and the scorer's parameters, then runs
+  /// Derived::score_head per head in parallel (the result does not depend on the thread count).
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     const Derived& self = static_cast<const Derived&>(*this);

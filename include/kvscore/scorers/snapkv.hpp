@@ -15,7 +15,7 @@
 // step or held-out queries; scorer_base.hpp) P = N: every query sees every key, the whole
 // cache is pooled, and nothing is protected (`protected_recent()` = 0); any window size works.
 //
-// Decisions (docs/snapkv.md): pooling runs over the prefix [0, P) only (as kvpress does;
+// Decisions (docs/methods/snapkv.md): pooling runs over the prefix [0, P) only (as kvpress does;
 // window scores never leak into the prefix). The window tokens get their own mean
 // attention x(t) — finite, never a sentinel; callers protect them with the selector's
 // `recent = protected_recent()` (= w), a mask. N < w is an error. Softmax in fp32 logits
@@ -45,11 +45,14 @@
 namespace kvscore {
 
 
+/// SnapKV (Li et al. 2024): each key is scored by the attention the last `window` queries of the prompt give it,
+/// max-pooled over the prefix with an odd kernel; the window's own keys get their unpooled attention. Needs the
+/// post-RoPE queries; GQA by shape.
 class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
  public:
   using detail::AllocatingScore<SnapKV>::score;
 
-  static constexpr const char* name = "snapkv";
+  static constexpr const char* name = "snapkv";  ///< the registry's CLI spelling
   static constexpr int passes = 2;  ///< reads of the keys per score()
   /// Observation window of the paper and of kvpress (queries the caller should capture).
   static constexpr std::int64_t kDefaultWindow = kDefaultSnapKVWindow;
@@ -70,9 +73,9 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
     detail::copy_query_window("kvscore::SnapKV", queries, q_heads, window, head_dim, group, queries_, scaled_);
   }
 
-  std::int64_t q_heads() const noexcept { return q_heads_; }
-  std::int64_t window() const noexcept { return window_; }
-  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t q_heads() const noexcept { return q_heads_; }  ///< query heads of the window queries
+  std::int64_t window() const noexcept { return window_; }  ///< queries per head (the observation window)
+  std::int64_t head_dim() const noexcept { return dim_; }  ///< dimensions of a query
   /// The group size given to the constructor (0 = derived from the keys).
   std::int64_t group() const noexcept { return group_; }
   /// Queries as given, [q_heads][window][head_dim].
@@ -98,6 +101,7 @@ class SnapKV : public ScorerOptions, public detail::AllocatingScore<SnapKV> {
       detail::throw_invalid(who + "kernel_size must be odd and >= 1 (got " + std::to_string(kernel_size) + ")");
   }
 
+  /// Scores `keys` into `out` ([kv_heads][tokens]); std::invalid_argument for shapes that do not match the queries.
   template <KeyCacheView View>
   void score(const View& keys, ScoresView out) const {
     detail::check_scores_shape(keys, out, name);

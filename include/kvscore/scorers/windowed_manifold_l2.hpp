@@ -6,7 +6,7 @@
 //  * WindowTail::merge (default): merged into the window before it when shorter than W/2.
 //    A 3-token window sits at distance ~0 from its own centroid and is evicted wholesale;
 //    merged, its tokens are judged against W+ neighbours. Measured better than the paper's
-//    rule on a real model's dump and never worse (docs/windowed-manifoldkv.md);
+//    rule on a real model's dump and never worse (docs/methods/windowed-manifoldkv.md);
 //  * WindowTail::own: its own window, the paper's Alg. 2 (K[t:min(t+W, N)], App. B.1).
 #pragma once
 
@@ -27,19 +27,25 @@ enum class WindowTail {
   own,    ///< its own window (the paper's Algorithm 2)
 };
 
+/// Every WindowTail (parse_window_tail reads these).
 inline constexpr WindowTail kWindowTails[] = {WindowTail::own, WindowTail::merge};
 
+/// "own" or "merge".
 inline const char* to_string(WindowTail t) noexcept { return t == WindowTail::own ? "own" : "merge"; }
 
 /// "own" / "merge"; anything else throws std::invalid_argument naming it.
 inline WindowTail parse_window_tail(std::string_view s) { return detail::parse_enum(s, kWindowTails, "window tail"); }
 
+/// Windowed ManifoldKV: score = ‖k − μ_w‖₂, μ_w the centroid of k's window of `window` tokens (the final partial
+/// window by `tail`). Two passes.
 struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
-  static constexpr const char* name = "windowed-l2";
-  static constexpr int passes = 2;
-  std::int64_t window = kDefaultWindow;
+  static constexpr const char* name = "windowed-l2";  ///< the registry's CLI spelling
+  static constexpr int passes = 2;  ///< reads of the keys per score() (benchmarks count bytes with it)
+  std::int64_t window = kDefaultWindow;  ///< W, the window length in tokens (> 0)
+  /// The final partial window: merged into the one before it (default) or its own.
   WindowTail tail = WindowTail::merge;
 
+  /// A scorer with window `w` and tail rule `t`; std::invalid_argument for w <= 0.
   explicit WindowedManifoldL2(std::int64_t w = kDefaultWindow, WindowTail t = WindowTail::merge) : window(w), tail(t) {
     check_params();
   }
@@ -56,6 +62,7 @@ struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
     return w;
   }
 
+  /// ScorerBase's check: the window and tail are valid.
   template <class View>
   void check(const View&) const {
     check_params();
@@ -71,6 +78,7 @@ struct WindowedManifoldL2 : ScorerBase<WindowedManifoldL2> {
 
  public:
 
+  /// ScorerBase's step for head h: each window's centroid, then each key's distance to it.
   template <class View>
   void score_head(const simd::KernelTable& table, const View& keys, std::int64_t h, float* out) const {
     for (const auto& [b, e] : windows(keys.tokens())) detail::centroid_distance(table, keys, h, b, e, out);

@@ -25,8 +25,10 @@ enum class Alloc {
   adakv,     ///< AdaKV: per-head safeguard + one global top-k over all heads (ragged)
 };
 
+/// Every Alloc, in order (parse_alloc reads these).
 inline constexpr Alloc kAllocs[] = {Alloc::per_head, Alloc::adakv};
 
+/// "per_head" or "adakv".
 inline const char* to_string(Alloc a) noexcept { return a == Alloc::adakv ? "adakv" : "per_head"; }
 
 /// "per_head" (the CLI: "per-head") or "adakv"; anything else is std::invalid_argument naming it.
@@ -35,15 +37,19 @@ inline Alloc parse_alloc(std::string_view s) { return detail::parse_enum(s, kAll
 /// An integer token budget, per head or per layer.
 class Budget {
  public:
-  enum class Kind { per_head, per_layer };
+  /// How the count is meant: tokens per head, or tokens of the whole layer.
+  enum class Kind {
+    per_head,   ///< Budget::per_head(n): n tokens in each head
+    per_layer,  ///< Budget::per_layer(total): total tokens over the layer's heads
+  };
 
   /// Each head keeps n tokens (layer budget n * heads).
   static constexpr Budget per_head(std::int64_t n) noexcept { return Budget(Kind::per_head, n); }
   /// The layer keeps `total` tokens over all its heads.
   static constexpr Budget per_layer(std::int64_t total) noexcept { return Budget(Kind::per_layer, total); }
 
-  constexpr Kind kind() const noexcept { return kind_; }
-  constexpr std::int64_t count() const noexcept { return count_; }
+  constexpr Kind kind() const noexcept { return kind_; }  ///< per head or per layer
+  constexpr std::int64_t count() const noexcept { return count_; }  ///< the count: tokens per head, or of the layer
 
  private:
   constexpr Budget(Kind k, std::int64_t c) noexcept : kind_(k), count_(c) {}
@@ -55,6 +61,7 @@ class Budget {
 struct SelectOptions {
   std::int64_t sinks = 0;   ///< first positions always kept (attention sinks), >= 0
   std::int64_t recent = 0;  ///< last positions always kept (recent window), >= 0
+  /// Alloc::per_head (every head keeps its count) or Alloc::adakv (one budget over the layer's heads).
   Alloc alloc = Alloc::per_head;
   double alpha = 0.2;       ///< AdaKV safeguard fraction, in [0, 1] (checked for every alloc)
   bool normalize = false;   ///< AdaKV: z-normalise each head before the global step
@@ -68,8 +75,10 @@ enum class BudgetRounding {
   floor,    ///< ⌊keep_ratio · tokens⌋: the papers' M = ⌊(1−ρ)N⌋ and kvpress's compute_n_kept
 };
 
+/// Every BudgetRounding, in order (parse_budget_rounding reads these).
 inline constexpr BudgetRounding kBudgetRoundings[] = {BudgetRounding::nearest, BudgetRounding::floor};
 
+/// "nearest" or "floor".
 inline const char* to_string(BudgetRounding r) noexcept { return r == BudgetRounding::floor ? "floor" : "nearest"; }
 
 /// "nearest" or "floor"; anything else is std::invalid_argument naming it.
@@ -101,8 +110,9 @@ inline std::int64_t budget_from_ratio(std::int64_t tokens, double keep_ratio,
 /// path, the CPU's and the GPU's (kvscore/cuda/select.hpp). plan_selection() throws
 /// std::invalid_argument for the arguments select() rejects, with the same message.
 struct SelectionPlan {
-  std::int64_t heads = 0, tokens = 0;
-  Alloc alloc = Alloc::per_head;
+  std::int64_t heads = 0;   ///< heads of the scores
+  std::int64_t tokens = 0;  ///< tokens of each head
+  Alloc alloc = Alloc::per_head;  ///< the allocation of the call
   std::int64_t per_head = 0;     ///< Alloc::per_head: tokens kept per head
   std::int64_t layer = 0;        ///< total kept (both allocs)
   std::int64_t sink_end = 0;     ///< protected prefix [0, sink_end)

@@ -47,6 +47,7 @@ inline std::vector<const KernelTable*> available_tables() {
   return v;
 }
 
+/// The table named `name` among available_tables() ("scalar", "sse2", "avx2", "avx512", "neon"), or nullptr.
 inline const KernelTable* find_table(std::string_view name) {
   for (const KernelTable* t : available_tables())
     if (name == t->name) return t;

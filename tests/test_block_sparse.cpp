@@ -550,3 +550,145 @@ TEST_CASE("PagedBlockSelector: with refresh, the few rows that score split over 
 }
 
 }  // namespace
+
+namespace {
+
+/// splitmix64: the same numbers on every platform (std::normal_distribution's are not).
+struct SplitMix {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return float(next() >> 40) * (2.f / 16777216.f) - 1.f; }  // [-1, 1), exact in fp32
+};
+
+/// FNV-1a over every choice and fresh flag of a fixed run: 5 sequences over a shuffled pool,
+/// 8 steps of 2 layers (rows sitting steps out, a sequence ended and its blocks reused, a block
+/// rewritten in place), attend 0.1 / 0.25 / 0.4.
+template <class T>
+std::uint64_t run_digest(BlockScore how, std::int64_t refresh, kvscore::QueryGroup group, bool probe, int threads,
+                         bool transposed, std::uint64_t seed) {
+  const std::int64_t NB = 120, H = 2, G = 3, bs = 16, d = 32, L = 2, R = 5;
+  Pool<T> pool(NB, H, bs, d, transposed);
+  BlockSparseOptions o;
+  o.score = how;
+  o.refresh = refresh;
+  o.group = group;
+  o.probe = probe;
+  o.num_threads = threads;
+  o.sinks = 4;
+  o.local = 20;
+  o.prefilter = seed % 3 == 0 ? 0 : 2;
+  PagedBlockSelector sel(L, NB, H, d, bs, o);
+  SplitMix g{seed};
+  std::vector<std::int32_t> free_ids(NB);
+  std::iota(free_ids.begin(), free_ids.end(), 0);
+  for (std::size_t i = free_ids.size(); i > 1; --i) std::swap(free_ids[i - 1], free_ids[g.next() % i]);
+  std::vector<Seq> seqs(R);
+  std::vector<std::int64_t> written;
+  std::vector<float> k(static_cast<std::size_t>(d));
+  auto put_random = [&](std::int64_t b, std::int64_t off) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (auto& x : k) x = g.uniform();
+      pool.put(b, h, off, k.data());
+    }
+    written.push_back(b * bs + off);
+  };
+  auto write = [&](Seq& s, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i, ++s.tokens) {
+      if (s.tokens % bs == 0) {
+        s.table.push_back(free_ids.back());
+        free_ids.pop_back();
+      }
+      put_random(s.table.back(), s.tokens % bs);
+    }
+  };
+  const std::int64_t lens[R] = {300, 210, 97, 380, 161};
+  for (std::int64_t i = 0; i < R; ++i) write(seqs[std::size_t(i)], lens[i]);
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](std::uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+  for (int step = 0; step < 8; ++step) {
+    if (step == 3) {  // sequence 1 ends; its blocks go to a new one
+      for (auto b : seqs[1].table) free_ids.push_back(b);
+      seqs[1] = Seq{};
+      write(seqs[1], 230);
+    }
+    if (step == 5)
+      for (std::int64_t off = 0; off < bs; ++off) put_random(seqs[0].table[3], off);  // rewritten in place
+    std::vector<std::int64_t> live;
+    for (auto& s : seqs) live.push_back(s.table[0]);
+    written.push_back(-1);  // padding
+    sel.begin_step(written, live);
+    written.clear();
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::vector<std::vector<float>> q(R);
+      std::vector<std::vector<std::int32_t>> outs(R);
+      std::vector<std::uint8_t> fresh(R, 7);
+      std::vector<BlockSparseRow> rows;
+      const double frac[] = {0.1, 0.25, 0.4};
+      for (std::int64_t i = 0; i < R; ++i) {
+        if ((step + i) % 4 == 3) continue;  // a row sits a step out now and then
+        auto& s = seqs[std::size_t(i)];
+        q[std::size_t(i)].resize(std::size_t(H * G * d));
+        for (auto& x : q[std::size_t(i)]) x = 2.f * g.uniform();
+        const std::int64_t att = kvscore::attended_blocks(s.tokens, bs, frac[(i + l) % 3], o);
+        outs[std::size_t(i)].assign(std::size_t(att), -1);
+        rows.push_back({s.table, s.tokens, q[std::size_t(i)].data(), att, outs[std::size_t(i)].data(), fresh.data() + i});
+      }
+      pool.with_view([&](const auto& v) { sel.select(l, v, H * G, rows); });
+      for (std::int64_t i = 0; i < R; ++i) {
+        mix(fresh[std::size_t(i)]);
+        for (auto b : outs[std::size_t(i)]) mix(std::uint64_t(b));
+      }
+    }
+    for (auto& s : seqs) write(s, 1 + std::int64_t(g.next() % 20));
+  }
+  mix(std::uint64_t(sel.probe().first));
+  mix(std::uint64_t(sel.probe().second));
+  return h;
+}
+
+TEST_CASE("PagedBlockSelector: a fixed run chooses what the selector chose before its split into block_sparse/",
+          "[block_sparse]") {
+  // Digests of every choice, recorded with block_sparse.hpp as one file (main at 0dce1d9): the
+  // refactored selector must choose the same blocks, bit for bit. The run's numbers are exact
+  // (splitmix64); the scores are fp32 in fixed orders.
+  struct Case {
+    BlockScore how;
+    std::int64_t refresh;
+    kvscore::QueryGroup group;
+    bool probe;
+    int threads;
+    std::uint64_t want;
+  };
+  using kvscore::QueryGroup;
+  const Case cases[] = {
+      {BlockScore::quest, 1, QueryGroup::heads, false, 1, 0xbad2d6591c2a3edfull},   {BlockScore::quest, 3, QueryGroup::mean, true, 3, 0x3d07f71427c8702eull},
+      {BlockScore::meanstd, 1, QueryGroup::heads, true, 1, 0x7ceed029b452309eull},  {BlockScore::meanstd, 3, QueryGroup::heads, false, 2, 0x82e562272cbff244ull},
+      {BlockScore::int4, 1, QueryGroup::heads, false, 3, 0xddeedc567f84c949ull},    {BlockScore::int4, 3, QueryGroup::heads, true, 1, 0x5f367b32e6d6706dull},
+      {BlockScore::int4, 4, QueryGroup::mean, false, 2, 0x7feeab172d1cb96eull},     {BlockScore::pariskv, 1, QueryGroup::heads, true, 2, 0x3a429c563c4f22a2ull},
+      {BlockScore::pariskv, 3, QueryGroup::mean, false, 1, 0x00a3de24e4ad1741ull},  {BlockScore::exact, 1, QueryGroup::heads, false, 2, 0xad345e3a443c17cfull},
+      {BlockScore::exact, 3, QueryGroup::heads, true, 3, 0x341935f421521e17ull},
+  };
+  const std::string before = kvscore::simd::active_table().name;
+  for (const kvscore::simd::KernelTable* t : kvscore::simd::available_tables()) {  // and on every ISA
+    kvscore::simd::set_active_isa(t->name);
+    std::uint64_t seed = 100;
+    for (const Case& c : cases) {
+      ++seed;
+      const std::uint64_t got =
+          seed % 3 == 0   ? run_digest<float>(c.how, c.refresh, c.group, c.probe, c.threads, true, seed)
+          : seed % 3 == 1 ? run_digest<kvscore::bfloat16>(c.how, c.refresh, c.group, c.probe, c.threads, false, seed)
+                          : run_digest<kvscore::half>(c.how, c.refresh, c.group, c.probe, c.threads, true, seed);
+      INFO("isa " << t->name << ": " << kvscore::to_string(c.how) << " refresh " << c.refresh << " "
+                  << kvscore::to_string(c.group) << " probe " << c.probe << " threads " << c.threads);
+      CHECK(got == c.want);
+    }
+  }
+  kvscore::simd::set_active_isa(before);
+}
+
+}  // namespace

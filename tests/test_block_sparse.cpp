@@ -240,6 +240,7 @@ void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGrou
   o.score = how;
   o.probe = true;
   o.group = group;
+  o.refresh = 1;  // every step scored: each choice is the reference's
   PagedBlockSelector sel(L, NB, H, d, bs, o);
   BlockSparseOptions o1 = o;
   o1.num_threads = 1;
@@ -346,15 +347,17 @@ TEST_CASE("PagedBlockSelector: a summary is remade only when begin_step names a 
   BlockSparseOptions o;
   o.sinks = 1;
   o.local = 1;
+  o.refresh = 1;  // every step scored
   PagedBlockSelector sel(1, NB, H, d, bs, o);
   const auto q = normal(std::size_t(d), 3);
+  const std::vector<std::int64_t> live{s.table[0]};
   std::vector<std::int32_t> out(3);
   auto choose = [&] {
     std::vector<BlockSparseRow> rows{{s.table, s.tokens, q.data(), 3, out.data()}};
     pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); });
     return out[1];  // the one chosen between block 0 and the last block
   };
-  sel.begin_step(slots, {});
+  sel.begin_step(slots, live);
   const std::int32_t first = choose();
   CHECK(sel.summaries_made() == 6);
   // plant a strong block 3 (or 4) where the choice was not
@@ -363,11 +366,11 @@ TEST_CASE("PagedBlockSelector: a summary is remade only when begin_step names a 
     std::vector<float> k(q.begin(), q.end());
     pool.put(plant, 0, o2, k.data());
   }
-  sel.begin_step({}, {});
+  sel.begin_step({}, live);
   CHECK(choose() == first);  // not told: the old summaries stand (the engine always tells)
   CHECK(sel.summaries_made() == 6);
   std::vector<std::int64_t> w{plant * bs + 5};
-  sel.begin_step(w, {});
+  sel.begin_step(w, live);
   CHECK(choose() == plant);  // told: block `plant` summarised again
   CHECK(sel.summaries_made() == 7);
 }
@@ -689,6 +692,169 @@ TEST_CASE("PagedBlockSelector: a fixed run chooses what the selector chose befor
     }
   }
   kvscore::simd::set_active_isa(before);
+}
+
+}  // namespace
+
+namespace {
+
+// begin_step's `live` cannot be left out: begin_step(slots) does not compile, and a row whose
+// sequence the step's `live` did not name is refused (the trap it was: an empty `live` dropped
+// every kept choice each step, so refresh quietly became 1)
+template <class S>
+concept begin_step_without_live = requires(S& s, std::span<const std::int64_t> slots) { s.begin_step(slots); };
+template <class S>
+concept begin_step_with_live = requires(S& s, std::span<const std::int64_t> slots) { s.begin_step(slots, slots); };
+static_assert(!begin_step_without_live<PagedBlockSelector> && begin_step_with_live<PagedBlockSelector>);
+static_assert(!begin_step_without_live<kvscore::BlockSparsePlanner> && begin_step_with_live<kvscore::BlockSparsePlanner>);
+
+TEST_CASE("PagedBlockSelector: begin_step must name the live sequences, and their kept choices stand",
+          "[block_sparse]") {
+  const std::int64_t NB = 64, H = 1, bs = 32, d = 16;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t o = 0; o < bs; ++o) pool.put(b, 0, o, normal(std::size_t(d), std::uint64_t(b * bs + o + 1)).data());
+  BlockSparseOptions o;  // refresh: the default
+  o.sinks = 1;
+  o.local = 1;
+  REQUIRE(o.refresh == kvscore::kDefaultBlockSparseRefresh);
+  REQUIRE(o.refresh > 2);
+  PagedBlockSelector sel(1, NB, H, d, bs, o);
+  std::vector<std::int32_t> table(NB);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<std::int64_t> live{0};
+  std::int64_t scored = 0;
+  for (int step = 0; step < 3; ++step) {
+    const auto q = normal(std::size_t(d), 200 + step);
+    std::vector<std::int32_t> out(6);
+    std::uint8_t fresh = 9;
+    std::vector<BlockSparseRow> rows{{table, 40 * bs + step, q.data(), 6, out.data(), &fresh}};
+    sel.begin_step({}, live);
+    pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); });
+    scored += fresh;
+  }
+  CHECK(scored == 1);  // scored once, then kept: refresh works only because `live` names the row
+  // leaving the row's sequence out of `live` drops its kept choice: select refuses the row
+  const auto q = normal(std::size_t(d), 300);
+  std::vector<std::int32_t> out(6, -7);
+  std::vector<BlockSparseRow> rows{{table, 40 * bs + 3, q.data(), 6, out.data()}};
+  sel.begin_step({}, {});
+  CHECK(error_of([&] { pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); }); }) ==
+        "kvscore::PagedBlockSelector::select: row 0's sequence (first block 0) is not among the live sequences "
+        "begin_step named this step");
+  CHECK(std::all_of(out.begin(), out.end(), [](std::int32_t x) { return x == -7; }));
+}
+
+/// A trigger that fires while this step's query differs from the one the kept choice was scored
+/// with in its first element (what a "query moved" trigger keeps: its data per (layer, sequence)).
+struct FirstElementMoved : kvscore::RefreshTrigger {
+  mutable std::int64_t fired = 0;
+  bool fires(const kvscore::KeptChoice& kept, const std::vector<float>& data, const kvscore::RefreshRow& r) const override {
+    CHECK(kept.step >= 1);
+    CHECK(data.size() == 1);  // what scored() kept
+    const bool moved = data.empty() || data[0] != r.row.query[0];
+    fired += moved;
+    return moved;
+  }
+  void scored(const kvscore::KeptChoice& kept, std::vector<float>& data, const kvscore::RefreshRow& r) const override {
+    CHECK(kept.step == r.step);  // the new choice is in place
+    data.assign(1, r.row.query[0]);
+  }
+};
+
+TEST_CASE("RefreshPolicy: a trigger sees the kept choice, its own data and this step's query, and makes the row score",
+          "[block_sparse]") {
+  const std::int64_t NB = 64, H = 1, bs = 32, d = 16;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t o = 0; o < bs; ++o) pool.put(b, 0, o, normal(std::size_t(d), std::uint64_t(b * bs + o + 3)).data());
+  BlockSparseOptions o;
+  o.sinks = 1;
+  o.local = 1;
+  o.refresh = 100;
+  PagedBlockSelector sel(1, NB, H, d, bs, o), every(1, NB, H, d, bs, [&] {
+    BlockSparseOptions o1 = o;
+    o1.refresh = 1;
+    return o1;
+  }());
+  auto trigger = std::make_unique<FirstElementMoved>();
+  const FirstElementMoved* t = trigger.get();
+  sel.refresh_policy().add(std::move(trigger));
+  CHECK(error_of([&] { sel.refresh_policy().add(nullptr); }) == "kvscore::RefreshPolicy::add: the trigger is null");
+  std::vector<std::int32_t> table(NB);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<std::int64_t> live{0};
+  auto q = normal(std::size_t(d), 1);
+  std::vector<int> fresh_seen;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) q = normal(std::size_t(d), 2);  // the query moves once, then stays
+    std::vector<std::int32_t> out(6), ref(6);
+    std::uint8_t fresh = 9;
+    std::vector<BlockSparseRow> rows{{table, 40 * bs, q.data(), 6, out.data(), &fresh}};
+    std::vector<BlockSparseRow> rows1{{table, 40 * bs, q.data(), 6, ref.data()}};
+    sel.begin_step({}, live);
+    every.begin_step({}, live);
+    pool.with_view([&](const auto& v) {
+      sel.select(0, v, 1, rows);
+      every.select(0, v, 1, rows1);
+    });
+    fresh_seen.push_back(fresh);
+    CHECK(out == ref);  // the query is the same between scorings: the kept choice is the scored one
+  }
+  CHECK(fresh_seen == std::vector<int>{1, 0, 0, 1, 0, 0});
+  CHECK(t->fired == 1);
+  const kvscore::KeptChoice* kept = sel.refresh_policy().kept(0, 0);
+  REQUIRE(kept != nullptr);
+  CHECK(kept->step == 4);  // steps count from 1
+  CHECK(kept->data == std::vector<std::vector<float>>{{q[0]}});
+}
+
+/// A token-major cell cache as llama.cpp keeps its K: [cells][kv_heads · head_dim] rows, here
+/// fp16; a block is block_size consecutive cells. Only its tiles are new: the scorers are shared.
+struct CellBlockKeys {
+  const kvscore::half* rows = nullptr;
+  std::int64_t cells = 0, kv_heads = 0, dim = 0, bs = 0;
+  std::int64_t heads() const noexcept { return kv_heads; }
+  std::int64_t head_dim() const noexcept { return dim; }
+  std::int64_t block_size() const noexcept { return bs; }
+  std::int64_t num_blocks() const noexcept { return cells / bs; }
+  kvscore::detail::KeyTile<kvscore::half> tile(std::int64_t h, std::int64_t b) const noexcept {
+    return {rows + b * bs * kv_heads * dim + h * dim, kv_heads * dim, 1};
+  }
+};
+static_assert(kvscore::BlockKeySource<CellBlockKeys>);
+
+TEST_CASE("PagedBlockSelector::select_blocks over a token-major cell cache equals the reference, every score",
+          "[block_sparse]") {
+  const std::int64_t H = 2, G = 2, d = 32, bs = 32, cells = 32 * 20, T = 32 * 17 + 9;
+  std::vector<kvscore::half> rows(std::size_t(cells * H * d));
+  const auto k = normal(rows.size(), 17);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvscore::from_float<kvscore::half>(k[i]);
+  std::vector<float> keys(std::size_t(H * T * d));  // the sequence's keys read back, [H][T][d]
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t j = 0; j < d; ++j)
+        keys[std::size_t((h * T + t) * d + j)] = kvscore::to_float(rows[std::size_t(t * H * d + h * d + j)]);
+  const CellBlockKeys cache{rows.data(), cells, H, d, bs};
+  std::vector<std::int32_t> table(20);
+  std::iota(table.begin(), table.end(), 0);
+  for (BlockScore how : kvscore::kBlockScores) {
+    BlockSparseOptions o;
+    o.score = how;
+    o.refresh = 1;
+    PagedBlockSelector sel(1, cells / bs, H, d, bs, o);
+    for (int step = 0; step < 2; ++step) {
+      const auto q = normal(std::size_t(H * G * d), std::uint64_t(40 + step));
+      const std::int64_t att = kvscore::attended_blocks(T, bs, 0.3, o);
+      std::vector<std::int32_t> out(static_cast<std::size_t>(att));
+      std::vector<BlockSparseRow> r{{table, T, q.data(), att, out.data()}};
+      sel.begin_step({}, std::vector<std::int64_t>{0});
+      sel.select_blocks(0, cache, H * G, r);
+      const auto ref = kvscore::block_sparse_reference(keys.data(), H, T, d, bs, q.data(), H * G, att, o);
+      INFO(kvscore::to_string(how) << " step " << step);
+      CHECK(std::vector<std::int64_t>(out.begin(), out.end()) == ref);  // cell block b is logical block b here
+    }
+  }
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // the score, the protected blocks (sinks, local window), the refresh interval, the threads; how
 // many blocks a decode step attends (attended_blocks) and the row a step hands the selector
 // (BlockSparseRow). Every default the vLLM plugin shows is a constant here (the binding exports
-// them: kvscore._kvscore.struct_defaults["BlockSparseOptions"] and ["BlockSparsePlan"]).
+// them: kvscore._kvscore.struct_defaults["BlockSparseOptions"] and kDefaultDenseBelow).
 #pragma once
 
 #include <algorithm>

@@ -240,6 +240,7 @@ void check_against_reference(BlockScore how, bool transposed, kvscore::QueryGrou
   o.score = how;
   o.probe = true;
   o.group = group;
+  o.refresh = 1;  // every step scored: each choice is the reference's
   PagedBlockSelector sel(L, NB, H, d, bs, o);
   BlockSparseOptions o1 = o;
   o1.num_threads = 1;
@@ -346,15 +347,17 @@ TEST_CASE("PagedBlockSelector: a summary is remade only when begin_step names a 
   BlockSparseOptions o;
   o.sinks = 1;
   o.local = 1;
+  o.refresh = 1;  // every step scored
   PagedBlockSelector sel(1, NB, H, d, bs, o);
   const auto q = normal(std::size_t(d), 3);
+  const std::vector<std::int64_t> live{s.table[0]};
   std::vector<std::int32_t> out(3);
   auto choose = [&] {
     std::vector<BlockSparseRow> rows{{s.table, s.tokens, q.data(), 3, out.data()}};
     pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); });
     return out[1];  // the one chosen between block 0 and the last block
   };
-  sel.begin_step(slots, {});
+  sel.begin_step(slots, live);
   const std::int32_t first = choose();
   CHECK(sel.summaries_made() == 6);
   // plant a strong block 3 (or 4) where the choice was not
@@ -363,11 +366,11 @@ TEST_CASE("PagedBlockSelector: a summary is remade only when begin_step names a 
     std::vector<float> k(q.begin(), q.end());
     pool.put(plant, 0, o2, k.data());
   }
-  sel.begin_step({}, {});
+  sel.begin_step({}, live);
   CHECK(choose() == first);  // not told: the old summaries stand (the engine always tells)
   CHECK(sel.summaries_made() == 6);
   std::vector<std::int64_t> w{plant * bs + 5};
-  sel.begin_step(w, {});
+  sel.begin_step(w, live);
   CHECK(choose() == plant);  // told: block `plant` summarised again
   CHECK(sel.summaries_made() == 7);
 }
@@ -547,6 +550,311 @@ TEST_CASE("PagedBlockSelector: with refresh, the few rows that score split over 
     }
   }
   CHECK(split_steps > 0);  // the case itself happened: as many rows as threads, fewer scoring
+}
+
+}  // namespace
+
+namespace {
+
+/// splitmix64: the same numbers on every platform (std::normal_distribution's are not).
+struct SplitMix {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return float(next() >> 40) * (2.f / 16777216.f) - 1.f; }  // [-1, 1), exact in fp32
+};
+
+/// FNV-1a over every choice and fresh flag of a fixed run: 5 sequences over a shuffled pool,
+/// 8 steps of 2 layers (rows sitting steps out, a sequence ended and its blocks reused, a block
+/// rewritten in place), attend 0.1 / 0.25 / 0.4.
+template <class T>
+std::uint64_t run_digest(BlockScore how, std::int64_t refresh, kvscore::QueryGroup group, bool probe, int threads,
+                         bool transposed, std::uint64_t seed) {
+  const std::int64_t NB = 120, H = 2, G = 3, bs = 16, d = 32, L = 2, R = 5;
+  Pool<T> pool(NB, H, bs, d, transposed);
+  BlockSparseOptions o;
+  o.score = how;
+  o.refresh = refresh;
+  o.group = group;
+  o.probe = probe;
+  o.num_threads = threads;
+  o.sinks = 4;
+  o.local = 20;
+  o.prefilter = seed % 3 == 0 ? 0 : 2;
+  PagedBlockSelector sel(L, NB, H, d, bs, o);
+  SplitMix g{seed};
+  std::vector<std::int32_t> free_ids(NB);
+  std::iota(free_ids.begin(), free_ids.end(), 0);
+  for (std::size_t i = free_ids.size(); i > 1; --i) std::swap(free_ids[i - 1], free_ids[g.next() % i]);
+  std::vector<Seq> seqs(R);
+  std::vector<std::int64_t> written;
+  std::vector<float> k(static_cast<std::size_t>(d));
+  auto put_random = [&](std::int64_t b, std::int64_t off) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (auto& x : k) x = g.uniform();
+      pool.put(b, h, off, k.data());
+    }
+    written.push_back(b * bs + off);
+  };
+  auto write = [&](Seq& s, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i, ++s.tokens) {
+      if (s.tokens % bs == 0) {
+        s.table.push_back(free_ids.back());
+        free_ids.pop_back();
+      }
+      put_random(s.table.back(), s.tokens % bs);
+    }
+  };
+  const std::int64_t lens[R] = {300, 210, 97, 380, 161};
+  for (std::int64_t i = 0; i < R; ++i) write(seqs[std::size_t(i)], lens[i]);
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](std::uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+  for (int step = 0; step < 8; ++step) {
+    if (step == 3) {  // sequence 1 ends; its blocks go to a new one
+      for (auto b : seqs[1].table) free_ids.push_back(b);
+      seqs[1] = Seq{};
+      write(seqs[1], 230);
+    }
+    if (step == 5)
+      for (std::int64_t off = 0; off < bs; ++off) put_random(seqs[0].table[3], off);  // rewritten in place
+    std::vector<std::int64_t> live;
+    for (auto& s : seqs) live.push_back(s.table[0]);
+    written.push_back(-1);  // padding
+    sel.begin_step(written, live);
+    written.clear();
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::vector<std::vector<float>> q(R);
+      std::vector<std::vector<std::int32_t>> outs(R);
+      std::vector<std::uint8_t> fresh(R, 7);
+      std::vector<BlockSparseRow> rows;
+      const double frac[] = {0.1, 0.25, 0.4};
+      for (std::int64_t i = 0; i < R; ++i) {
+        if ((step + i) % 4 == 3) continue;  // a row sits a step out now and then
+        auto& s = seqs[std::size_t(i)];
+        q[std::size_t(i)].resize(std::size_t(H * G * d));
+        for (auto& x : q[std::size_t(i)]) x = 2.f * g.uniform();
+        const std::int64_t att = kvscore::attended_blocks(s.tokens, bs, frac[(i + l) % 3], o);
+        outs[std::size_t(i)].assign(std::size_t(att), -1);
+        rows.push_back({s.table, s.tokens, q[std::size_t(i)].data(), att, outs[std::size_t(i)].data(), fresh.data() + i});
+      }
+      pool.with_view([&](const auto& v) { sel.select(l, v, H * G, rows); });
+      for (std::int64_t i = 0; i < R; ++i) {
+        mix(fresh[std::size_t(i)]);
+        for (auto b : outs[std::size_t(i)]) mix(std::uint64_t(b));
+      }
+    }
+    for (auto& s : seqs) write(s, 1 + std::int64_t(g.next() % 20));
+  }
+  mix(std::uint64_t(sel.probe().first));
+  mix(std::uint64_t(sel.probe().second));
+  return h;
+}
+
+TEST_CASE("PagedBlockSelector: a fixed run chooses what the selector chose before its split into block_sparse/",
+          "[block_sparse]") {
+  // Digests of every choice, recorded with block_sparse.hpp as one file (main at 0dce1d9): the
+  // refactored selector must choose the same blocks, bit for bit. The run's numbers are exact
+  // (splitmix64); the scores are fp32 in fixed orders.
+  struct Case {
+    BlockScore how;
+    std::int64_t refresh;
+    kvscore::QueryGroup group;
+    bool probe;
+    int threads;
+    std::uint64_t want;
+  };
+  using kvscore::QueryGroup;
+  const Case cases[] = {
+      {BlockScore::quest, 1, QueryGroup::heads, false, 1, 0xbad2d6591c2a3edfull},   {BlockScore::quest, 3, QueryGroup::mean, true, 3, 0x3d07f71427c8702eull},
+      {BlockScore::meanstd, 1, QueryGroup::heads, true, 1, 0x7ceed029b452309eull},  {BlockScore::meanstd, 3, QueryGroup::heads, false, 2, 0x82e562272cbff244ull},
+      {BlockScore::int4, 1, QueryGroup::heads, false, 3, 0xddeedc567f84c949ull},    {BlockScore::int4, 3, QueryGroup::heads, true, 1, 0x5f367b32e6d6706dull},
+      {BlockScore::int4, 4, QueryGroup::mean, false, 2, 0x7feeab172d1cb96eull},     {BlockScore::pariskv, 1, QueryGroup::heads, true, 2, 0x3a429c563c4f22a2ull},
+      {BlockScore::pariskv, 3, QueryGroup::mean, false, 1, 0x00a3de24e4ad1741ull},  {BlockScore::exact, 1, QueryGroup::heads, false, 2, 0xad345e3a443c17cfull},
+      {BlockScore::exact, 3, QueryGroup::heads, true, 3, 0x341935f421521e17ull},
+  };
+  const std::string before = kvscore::simd::active_table().name;
+  for (const kvscore::simd::KernelTable* t : kvscore::simd::available_tables()) {  // and on every ISA
+    kvscore::simd::set_active_isa(t->name);
+    std::uint64_t seed = 100;
+    for (const Case& c : cases) {
+      ++seed;
+      const std::uint64_t got =
+          seed % 3 == 0   ? run_digest<float>(c.how, c.refresh, c.group, c.probe, c.threads, true, seed)
+          : seed % 3 == 1 ? run_digest<kvscore::bfloat16>(c.how, c.refresh, c.group, c.probe, c.threads, false, seed)
+                          : run_digest<kvscore::half>(c.how, c.refresh, c.group, c.probe, c.threads, true, seed);
+      INFO("isa " << t->name << ": " << kvscore::to_string(c.how) << " refresh " << c.refresh << " "
+                  << kvscore::to_string(c.group) << " probe " << c.probe << " threads " << c.threads);
+      CHECK(got == c.want);
+    }
+  }
+  kvscore::simd::set_active_isa(before);
+}
+
+}  // namespace
+
+namespace {
+
+// begin_step's `live` cannot be left out: begin_step(slots) does not compile, and a row whose
+// sequence the step's `live` did not name is refused (the trap it was: an empty `live` dropped
+// every kept choice each step, so refresh quietly became 1)
+template <class S>
+concept begin_step_without_live = requires(S& s, std::span<const std::int64_t> slots) { s.begin_step(slots); };
+template <class S>
+concept begin_step_with_live = requires(S& s, std::span<const std::int64_t> slots) { s.begin_step(slots, slots); };
+static_assert(!begin_step_without_live<PagedBlockSelector> && begin_step_with_live<PagedBlockSelector>);
+static_assert(!begin_step_without_live<kvscore::BlockSparsePlanner> && begin_step_with_live<kvscore::BlockSparsePlanner>);
+
+TEST_CASE("PagedBlockSelector: begin_step must name the live sequences, and their kept choices stand",
+          "[block_sparse]") {
+  const std::int64_t NB = 64, H = 1, bs = 32, d = 16;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t o = 0; o < bs; ++o) pool.put(b, 0, o, normal(std::size_t(d), std::uint64_t(b * bs + o + 1)).data());
+  BlockSparseOptions o;  // refresh: the default
+  o.sinks = 1;
+  o.local = 1;
+  REQUIRE(o.refresh == kvscore::kDefaultBlockSparseRefresh);
+  REQUIRE(o.refresh > 2);
+  PagedBlockSelector sel(1, NB, H, d, bs, o);
+  std::vector<std::int32_t> table(NB);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<std::int64_t> live{0};
+  std::int64_t scored = 0;
+  for (int step = 0; step < 3; ++step) {
+    const auto q = normal(std::size_t(d), 200 + step);
+    std::vector<std::int32_t> out(6);
+    std::uint8_t fresh = 9;
+    std::vector<BlockSparseRow> rows{{table, 40 * bs + step, q.data(), 6, out.data(), &fresh}};
+    sel.begin_step({}, live);
+    pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); });
+    scored += fresh;
+  }
+  CHECK(scored == 1);  // scored once, then kept: refresh works only because `live` names the row
+  // leaving the row's sequence out of `live` drops its kept choice: select refuses the row
+  const auto q = normal(std::size_t(d), 300);
+  std::vector<std::int32_t> out(6, -7);
+  std::vector<BlockSparseRow> rows{{table, 40 * bs + 3, q.data(), 6, out.data()}};
+  sel.begin_step({}, {});
+  CHECK(error_of([&] { pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); }); }) ==
+        "kvscore::PagedBlockSelector::select: row 0's sequence (first block 0) is not among the live sequences "
+        "begin_step named this step");
+  CHECK(std::all_of(out.begin(), out.end(), [](std::int32_t x) { return x == -7; }));
+}
+
+/// A trigger that fires while this step's query differs from the one the kept choice was scored
+/// with in its first element (what a "query moved" trigger keeps: its data per (layer, sequence)).
+struct FirstElementMoved : kvscore::RefreshTrigger {
+  mutable std::int64_t fired = 0;
+  bool fires(const kvscore::KeptChoice& kept, const std::vector<float>& data, const kvscore::RefreshRow& r) const override {
+    CHECK(kept.step >= 1);
+    CHECK(data.size() == 1);  // what scored() kept
+    const bool moved = data.empty() || data[0] != r.row.query[0];
+    fired += moved;
+    return moved;
+  }
+  void scored(const kvscore::KeptChoice& kept, std::vector<float>& data, const kvscore::RefreshRow& r) const override {
+    CHECK(kept.step == r.step);  // the new choice is in place
+    data.assign(1, r.row.query[0]);
+  }
+};
+
+TEST_CASE("RefreshPolicy: a trigger sees the kept choice, its own data and this step's query, and makes the row score",
+          "[block_sparse]") {
+  const std::int64_t NB = 64, H = 1, bs = 32, d = 16;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t o = 0; o < bs; ++o) pool.put(b, 0, o, normal(std::size_t(d), std::uint64_t(b * bs + o + 3)).data());
+  BlockSparseOptions o;
+  o.sinks = 1;
+  o.local = 1;
+  o.refresh = 100;
+  PagedBlockSelector sel(1, NB, H, d, bs, o), every(1, NB, H, d, bs, [&] {
+    BlockSparseOptions o1 = o;
+    o1.refresh = 1;
+    return o1;
+  }());
+  auto trigger = std::make_unique<FirstElementMoved>();
+  const FirstElementMoved* t = trigger.get();
+  sel.refresh_policy().add(std::move(trigger));
+  CHECK(error_of([&] { sel.refresh_policy().add(nullptr); }) == "kvscore::RefreshPolicy::add: the trigger is null");
+  std::vector<std::int32_t> table(NB);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<std::int64_t> live{0};
+  auto q = normal(std::size_t(d), 1);
+  std::vector<int> fresh_seen;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) q = normal(std::size_t(d), 2);  // the query moves once, then stays
+    std::vector<std::int32_t> out(6), ref(6);
+    std::uint8_t fresh = 9;
+    std::vector<BlockSparseRow> rows{{table, 40 * bs, q.data(), 6, out.data(), &fresh}};
+    std::vector<BlockSparseRow> rows1{{table, 40 * bs, q.data(), 6, ref.data()}};
+    sel.begin_step({}, live);
+    every.begin_step({}, live);
+    pool.with_view([&](const auto& v) {
+      sel.select(0, v, 1, rows);
+      every.select(0, v, 1, rows1);
+    });
+    fresh_seen.push_back(fresh);
+    CHECK(out == ref);  // the query is the same between scorings: the kept choice is the scored one
+  }
+  CHECK(fresh_seen == std::vector<int>{1, 0, 0, 1, 0, 0});
+  CHECK(t->fired == 1);
+  const kvscore::KeptChoice* kept = sel.refresh_policy().kept(0, 0);
+  REQUIRE(kept != nullptr);
+  CHECK(kept->step == 4);  // steps count from 1
+  CHECK(kept->data == std::vector<std::vector<float>>{{q[0]}});
+}
+
+/// A token-major cell cache as llama.cpp keeps its K: [cells][kv_heads · head_dim] rows, here
+/// fp16; a block is block_size consecutive cells. Only its tiles are new: the scorers are shared.
+struct CellBlockKeys {
+  const kvscore::half* rows = nullptr;
+  std::int64_t cells = 0, kv_heads = 0, dim = 0, bs = 0;
+  std::int64_t heads() const noexcept { return kv_heads; }
+  std::int64_t head_dim() const noexcept { return dim; }
+  std::int64_t block_size() const noexcept { return bs; }
+  std::int64_t num_blocks() const noexcept { return cells / bs; }
+  kvscore::detail::KeyTile<kvscore::half> tile(std::int64_t h, std::int64_t b) const noexcept {
+    return {rows + b * bs * kv_heads * dim + h * dim, kv_heads * dim, 1};
+  }
+};
+static_assert(kvscore::BlockKeySource<CellBlockKeys>);
+
+TEST_CASE("PagedBlockSelector::select_blocks over a token-major cell cache equals the reference, every score",
+          "[block_sparse]") {
+  const std::int64_t H = 2, G = 2, d = 32, bs = 32, cells = 32 * 20, T = 32 * 17 + 9;
+  std::vector<kvscore::half> rows(std::size_t(cells * H * d));
+  const auto k = normal(rows.size(), 17);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvscore::from_float<kvscore::half>(k[i]);
+  std::vector<float> keys(std::size_t(H * T * d));  // the sequence's keys read back, [H][T][d]
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t j = 0; j < d; ++j)
+        keys[std::size_t((h * T + t) * d + j)] = kvscore::to_float(rows[std::size_t(t * H * d + h * d + j)]);
+  const CellBlockKeys cache{rows.data(), cells, H, d, bs};
+  std::vector<std::int32_t> table(20);
+  std::iota(table.begin(), table.end(), 0);
+  for (BlockScore how : kvscore::kBlockScores) {
+    BlockSparseOptions o;
+    o.score = how;
+    o.refresh = 1;
+    PagedBlockSelector sel(1, cells / bs, H, d, bs, o);
+    for (int step = 0; step < 2; ++step) {
+      const auto q = normal(std::size_t(H * G * d), std::uint64_t(40 + step));
+      const std::int64_t att = kvscore::attended_blocks(T, bs, 0.3, o);
+      std::vector<std::int32_t> out(static_cast<std::size_t>(att));
+      std::vector<BlockSparseRow> r{{table, T, q.data(), att, out.data()}};
+      sel.begin_step({}, std::vector<std::int64_t>{0});
+      sel.select_blocks(0, cache, H * G, r);
+      const auto ref = kvscore::block_sparse_reference(keys.data(), H, T, d, bs, q.data(), H * G, att, o);
+      INFO(kvscore::to_string(how) << " step " << step);
+      CHECK(std::vector<std::int64_t>(out.begin(), out.end()) == ref);  // cell block b is logical block b here
+    }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // kvscore/kvscore.hpp — umbrella header.
 #pragma once
 
-#include "kvscore/block_sparse.hpp"
+// block_sparse.hpp's room itself (the umbrella block_sparse.hpp would stand a floor above it)
+#include "kvscore/block_sparse/planner.hpp"
+#include "kvscore/block_sparse/reference.hpp"
 #include "kvscore/compact.hpp"
 #include "kvscore/contract.hpp"
 #include "kvscore/core/dtype.hpp"

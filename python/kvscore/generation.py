@@ -434,7 +434,10 @@ class RetrievalCache(_KvscoreCache):
         (sinks + retrieved + local); 1.0: every key, through the model's own attention.
     sinks, local : int
         The first and the last tokens every query attends (tokens leaving the local window are
-        indexed at once).
+        indexed at once). local None (the default): ParisKV's zones for the budget, at most half
+        of what the sinks leave, min(kDefaultParisKVLocal = 256, (budget − sinks) // 2)
+        (kvscore::pariskv_zones), so that any budget above the sinks retrieves; a local window
+        given that leaves no key to retrieve is a ValueError naming it.
     dense_below : int or None
         A decode step attends every key while the cache holds fewer than
         max(dense_below, sinks + local + 2k) tokens (one read of each KV head's keys and values
@@ -447,7 +450,7 @@ class RetrievalCache(_KvscoreCache):
     """
 
     def __init__(self, model, method: str = _PARISKV, *, attend, sinks: int = _PARIS_CACHE["sinks"],
-                 local: int = _PARIS_CACHE["local"], dense_below: int | None = None, beta: float = 0.0,
+                 local: int | None = None, dense_below: int | None = None, beta: float = 0.0,
                  rho: float = 0.0, rerank_exact: int = 0, threads: int = 0):
         who = "RetrievalCache"
         if method not in RETRIEVAL_METHODS:
@@ -459,8 +462,8 @@ class RetrievalCache(_KvscoreCache):
             attend = _index(attend, "attend")
             if attend < 1:
                 raise ValueError(f"{who}: attend {attend} must be >= 1 keys per step")
-        sinks, local = _index(sinks, "sinks"), _index(local, "local")
-        if sinks < 0 or local < 0:
+        sinks, local = _index(sinks, "sinks"), None if local is None else _index(local, "local")
+        if sinks < 0 or (local is not None and local < 0):
             raise ValueError(f"{who}: sinks {sinks} and local {local} must be >= 0")
         for name, v in (("beta", beta), ("rho", rho)):
             if not 0 <= v <= 1:
@@ -487,20 +490,27 @@ class RetrievalCache(_KvscoreCache):
         """Keys attended per step after a prompt of n tokens (sinks + retrieved + local)."""
         return _budget_from_ratio(n, self.attend) if isinstance(self.attend, float) else self.attend
 
+    def local_for(self, n: int) -> int:
+        """The local window after a prompt of n tokens: `local`, or by default ParisKV's zones for
+        the budget, min(kDefaultParisKVLocal, (budget − sinks) // 2)."""
+        if self.local is not None:
+            return self.local
+        return min(_k.kDefaultParisKVLocal, max(0, (self.budget(n) - self.sinks) // 2))
+
     def retrieved(self, n: int) -> int:
         """Keys retrieved per query after a prompt of n tokens (the budget less sinks and local)."""
-        return self.budget(n) - self.sinks - self.local
+        return self.budget(n) - self.sinks - self.local_for(n)
 
     def _make_layer(self, keys, values, query, scale):
         b, kv, n, d = keys.shape
-        k = self.retrieved(n)
+        k, local = self.retrieved(n), self.local_for(n)
         if k < 1:
+            given = f"local {local}" if self.local is not None else f"local {local} (the default)"
             raise ValueError(f"RetrievalCache: attend={self.attend!r} gives {self.budget(n)} keys per step for a prompt "
-                             f"of {n} tokens, not more than sinks {self.sinks} + local {self.local}: lower them or "
-                             "attend more")
+                             f"of {n} tokens, not more than sinks {self.sinks} + {given}: lower them or attend more")
         beta, rho, rerank = self._search
         impl = getattr(_k, _LAYER_IMPLS[str(keys.dtype).replace("torch.", "")])(
-            b, kv, d, sinks=self.sinks, local=self.local, update_interval=1, k=k, exact=RETRIEVAL_METHODS[self.method],
+            b, kv, d, sinks=self.sinks, local=local, update_interval=1, k=k, exact=RETRIEVAL_METHODS[self.method],
             scale=scale, beta=beta, rho=rho, rerank_exact=rerank, dense_below=self.dense_below)
         impl.num_threads = self.threads
         impl.append(keys, values)

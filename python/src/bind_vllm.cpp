@@ -3,8 +3,11 @@
 // (kvscore::TransposedPagedKeysView), scored by any scorer of the registry on every layer, the
 // per-rank partial of the joint block scores (kvscore::joint_partial) and the one decision
 // made from all ranks' partials (combine_partials, block_scores, select_blocks); also
-// select_joint_blocks on plain score arrays. Registered by kvscore_ext.cpp (bind_vllm).
-// Defaults come from kvscore::BlockJointOptions; errors are std::invalid_argument (ValueError).
+// select_joint_blocks on plain score arrays; and block-sparse decode, PagedBlockSelector: a thin
+// wrapper of kvscore::BlockSparsePlanner (kvscore/block_sparse/planner.hpp) that converts the
+// arrays, releases the GIL and calls it. Registered by kvscore_ext.cpp (bind_vllm). Defaults come
+// from kvscore::BlockJointOptions and kvscore::BlockSparseOptions; errors are
+// std::invalid_argument (ValueError).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -169,12 +172,8 @@ kvscore::BlockSparseOptions sparse_options(const std::string& score, std::int64_
 }
 
 /// A 2-D int32 block table [rows, max_blocks] with unit stride along its rows.
-struct Table32 {
-  const std::int32_t* data = nullptr;
-  std::int64_t rows = 0, cols = 0, stride = 0;
-};
 template <class A>
-Table32 table32(const A& a, const std::string& what) {
+kvscore::BlockTableRows table32(const A& a, const std::string& what) {
   const nb::dlpack::dtype t = a.dtype();
   if (a.ndim() != 2 || t.code != std::uint8_t(nb::dlpack::dtype_code::Int) || t.bits != 32 || t.lanes != 1)
     bad(what + ": expected a 2-D int32 block table (vLLM's)");
@@ -183,169 +182,117 @@ Table32 table32(const A& a, const std::string& what) {
           std::int64_t(a.shape(0) > 1 ? a.stride(0) : a.shape(1))};
 }
 
-/// kvscore::PagedBlockSelector over vLLM CPU's caches: the block-sparse decode of kvscore.vllm.
-///
-/// A step's rows are the same in every layer, and vLLM's caches never move: plan() takes the rows
-/// once per step and register_caches() the caches once, so that select_planned() converts only
-/// the layer's query. Inside a forward each conversion of a torch tensor costs ~7 us with its
-/// caches cold (the layers in between evict them): at batch 1 a call that keeps its rows' choices
-/// was mostly that (docs/block_sparse.md).
+kvscore::KeyCache key_cache(const Layer& L) {
+  return {L.dt, kvscore::KeyCacheLayout::vllm_cpu, L.data, L.blocks, L.heads, L.block_size, L.head_dim};
+}
+
+/// A layer's queries [num_tokens, q_heads, head_dim] (any float dtype and strides).
+kvscore::QueryTensor query_tensor(const Any& q, std::int64_t head_dim) {
+  if (q.ndim() != 3 || std::int64_t(q.shape(2)) != head_dim)
+    bad("query: expected [num_tokens, q_heads, " + std::to_string(head_dim) + "] (got " + std::to_string(q.ndim()) +
+        " dimensions)");
+  kvscore::QueryTensor t;
+  t.dt = dtype_of(q, "query");
+  t.data = q.data();
+  t.tokens = std::int64_t(q.shape(0));
+  t.heads = std::int64_t(q.shape(1));
+  t.head_dim = std::int64_t(q.shape(2));
+  for (std::size_t i = 0; i < 3; ++i) t.stride[i] = std::int64_t(q.stride(i));
+  return t;
+}
+
+/// kvscore::BlockSparsePlanner over vLLM CPU's caches (the block-sparse decode of kvscore.vllm):
+/// the arrays converted, the GIL released, the planner called. What the binding adds: the Python
+/// objects the planner reads (the caches, a step's src and dst) are held as long as it reads them,
+/// and a layer's registered cache is recognised by identity, so that select_planned converts only
+/// the layer's query (inside a forward each conversion of a torch tensor costs ~7 us with its
+/// caches cold: docs/block_sparse.md).
 class VllmBlockSelector {
  public:
   VllmBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
                     std::int64_t block_size, const kvscore::BlockSparseOptions& o)
-      : sel_(layers, num_blocks, kv_heads, head_dim, block_size, o) {}
+      : planner_(layers, num_blocks, kv_heads, head_dim, block_size, o) {}
 
-  kvscore::PagedBlockSelector& get() noexcept { return sel_; }
+  kvscore::PagedBlockSelector& get() noexcept { return planner_.selector(); }
 
   void begin_step(const Any& slots, const Any& live) {
     const std::vector<std::int64_t> s = block_ids_of(slots, "slot_mapping");
     const std::vector<std::int64_t> l = block_ids_of(live, "live");
-    plan_ = Plan{};  // a plan is one step's
+    src_ref_ = {};
+    dst_ref_ = {};
     nb::gil_scoped_release unlocked;
-    sel_.begin_step(s, l);
+    planner_.begin_step(s, l);
   }
 
-  /// Every layer's cache (vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_dim]), in layer
-  /// order: select_planned() reads a registered one without converting it.
   void register_caches(const nb::list& caches) {
-    if (std::int64_t(caches.size()) != sel_.layers())
-      bad("caches: " + std::to_string(caches.size()) + " given, the selector has " + std::to_string(sel_.layers()) +
-          " layers");
+    if (std::int64_t(caches.size()) != planner_.selector().layers())
+      bad("caches: " + std::to_string(caches.size()) + " given, the selector has " +
+          std::to_string(planner_.selector().layers()) + " layers");
     std::vector<nb::object> objs;
-    std::vector<Layer> layers;
+    std::vector<kvscore::KeyCache> layers;
     for (std::size_t l = 0; l < caches.size(); ++l) {
       const std::string what = "caches[" + std::to_string(l) + "]";
       Any a;
       if (!nb::try_cast(caches[l], a)) bad(what + ": expected a CPU array");
-      layers.push_back(vllm_layer(a, what));
+      layers.push_back(key_cache(vllm_layer(a, what)));
       objs.push_back(nb::borrow(caches[l]));
     }
+    planner_.register_caches(std::move(layers));
     cache_objs_ = std::move(objs);
-    cache_layers_ = std::move(layers);
   }
 
-  /// The step's decode rows (after begin_step): rows of `src` (the step's block table, compacted:
-  /// holes removed), each row's query token, length and blocks to attend; every layer's choice is
-  /// written into the same rows of `dst`. Kept (with src and dst) until the next begin_step.
   void plan(const Any& token_index, const Any& src, const Any& rows, const Any& tokens, const Any& attend,
             const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
-    Plan p;
-    p.S = table32(src, "src");
+    const kvscore::BlockTableRows S = table32(src, "src");
     if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
-    if (std::int64_t(dst.shape(0)) < p.S.rows || std::int64_t(dst.shape(1)) < p.S.cols)
-      bad("dst: shape (" + std::to_string(dst.shape(0)) + ", " + std::to_string(dst.shape(1)) + ") is smaller than src's (" +
-          std::to_string(p.S.rows) + ", " + std::to_string(p.S.cols) + ")");
-    p.dst = dst.data();
-    p.dst_stride = dst.shape(0) > 1 ? dst.stride(0) : std::int64_t(dst.shape(1));
-    p.ti = block_ids_of(token_index, "token_index");
-    p.r = block_ids_of(rows, "rows");
-    p.n = block_ids_of(tokens, "tokens");
-    p.at = block_ids_of(attend, "attend");
-    if (p.ti.size() != p.r.size() || p.n.size() != p.r.size() || p.at.size() != p.r.size())
-      bad("token_index, rows, tokens and attend must have one entry per decode row (" + std::to_string(p.r.size()) + ")");
-    for (std::size_t i = 0; i < p.r.size(); ++i) {
-      if (p.r[i] < 0 || p.r[i] >= p.S.rows)
-        bad("rows[" + std::to_string(i) + "] = " + std::to_string(p.r[i]) + " out of range [0, " + std::to_string(p.S.rows) +
-            ")");
-      if (p.at[i] > p.S.cols) bad("attend[" + std::to_string(i) + "] = " + std::to_string(p.at[i]) + " is more than a table row holds");
-    }
-    p.src_ref = src;
-    p.dst_ref = dst;
-    p.set = true;
-    plan_ = std::move(p);
+    const kvscore::MutableBlockTableRows D{dst.data(), std::int64_t(dst.shape(0)), std::int64_t(dst.shape(1)),
+                                           dst.shape(0) > 1 ? std::int64_t(dst.stride(0)) : std::int64_t(dst.shape(1))};
+    planner_.plan(block_ids_of(token_index, "token_index"), S, block_ids_of(rows, "rows"), block_ids_of(tokens, "tokens"),
+                  block_ids_of(attend, "attend"), D);
+    src_ref_ = src;  // src and dst live as long as the plan
+    dst_ref_ = dst;
   }
 
-  /// One layer of the planned step: returns how many rows were scored (the others' kept
-  /// choices stood, refresh > 1); `fresh` has the per-row flags.
   std::int64_t select_planned(std::int64_t layer, nb::handle kv_cache, const Any& query) {
-    if (!plan_.set) bad("select_planned: no plan for this step (plan() after begin_step())");
     const bool known = layer >= 0 && std::size_t(layer) < cache_objs_.size() && kv_cache.is(cache_objs_[std::size_t(layer)]);
-    Layer L;
+    const kvscore::QueryTensor q = query_tensor(query, planner_.selector().head_dim());
     if (known) {
-      L = cache_layers_[std::size_t(layer)];
-    } else {
-      Any a;
-      if (!nb::try_cast(kv_cache, a)) bad("kv_cache: expected a CPU array");
-      L = vllm_layer(a, "kv_cache");
+      nb::gil_scoped_release unlocked;
+      return planner_.select_planned(layer, q);
     }
-    run(layer, L, query);
-    std::int64_t scored = 0;
-    for (const std::uint8_t f : fresh_) scored += f;
-    return scored;
+    Any a;
+    if (!nb::try_cast(kv_cache, a)) bad("kv_cache: expected a CPU array");
+    const kvscore::KeyCache c = key_cache(vllm_layer(a, "kv_cache"));
+    nb::gil_scoped_release unlocked;
+    return planner_.select_planned(layer, c, q);
   }
 
-  /// Plans the step's rows and runs one layer: plan() + select_planned().
   nb::ndarray<nb::numpy, std::uint8_t> select(std::int64_t layer, const Any& kv_cache, const Any& query,
                                               const Any& token_index, const Any& src, const Any& rows,
                                               const Any& tokens, const Any& attend,
                                               const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
-    const Layer L = vllm_layer(kv_cache, "kv_cache");
+    const kvscore::KeyCache c = key_cache(vllm_layer(kv_cache, "kv_cache"));
     plan(token_index, src, rows, tokens, attend, dst);
-    run(layer, L, query);
+    const kvscore::QueryTensor q = query_tensor(query, planner_.selector().head_dim());
+    {
+      nb::gil_scoped_release unlocked;
+      planner_.select_planned(layer, c, q);
+    }
     return fresh();
   }
 
-  /// The last select's per-row flags: 1 where scored, 0 where a kept choice stood.
   nb::ndarray<nb::numpy, std::uint8_t> fresh() const {
-    std::vector<std::uint8_t> f = fresh_;
-    const std::size_t n = f.size();
-    return to_numpy(std::move(f), {n});
+    const std::span<const std::uint8_t> f = planner_.fresh();
+    std::vector<std::uint8_t> v(f.begin(), f.end());
+    const std::size_t n = v.size();
+    return to_numpy(std::move(v), {n});
   }
 
  private:
-  struct Plan {
-    bool set = false;
-    Table32 S;
-    std::int32_t* dst = nullptr;
-    std::int64_t dst_stride = 0;
-    std::vector<std::int64_t> ti, r, n, at;
-    Any src_ref;  // src and dst live as long as the plan
-    nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst_ref;
-  };
-
-  void run(std::int64_t layer, const Layer& L, const Any& query) {
-    const Plan& p = plan_;
-    if (query.ndim() != 3 || std::int64_t(query.shape(2)) != L.head_dim)
-      bad("query: expected [num_tokens, q_heads, " + std::to_string(L.head_dim) + "] (got " + std::to_string(query.ndim()) +
-          " dimensions)");
-    const DT qt = dtype_of(query, "query");
-    const std::int64_t qh = std::int64_t(query.shape(1)), D = L.head_dim;
-    // each row's query as fp32 [q_heads][head_dim]
-    q_.resize(p.r.size() * std::size_t(qh * D));
-    kvscore::visit_dtype(qt, [&]<class T>(std::type_identity<T>) {
-      const T* base = static_cast<const T*>(query.data());
-      for (std::size_t i = 0; i < p.r.size(); ++i) {
-        if (p.ti[i] < 0 || p.ti[i] >= std::int64_t(query.shape(0)))
-          bad("token_index[" + std::to_string(i) + "] = " + std::to_string(p.ti[i]) + " out of range [0, " +
-              std::to_string(query.shape(0)) + ")");
-        for (std::int64_t h = 0; h < qh; ++h)
-          for (std::int64_t j = 0; j < D; ++j)
-            q_[i * std::size_t(qh * D) + std::size_t(h * D + j)] =
-                kvscore::to_float(base[p.ti[i] * query.stride(0) + h * query.stride(1) + j * query.stride(2)]);
-      }
-    });
-    fresh_.assign(p.r.size(), 0);
-    br_.resize(p.r.size());
-    for (std::size_t i = 0; i < p.r.size(); ++i)
-      br_[i] = {std::span<const std::int32_t>(p.S.data + p.r[i] * p.S.stride, std::size_t(p.S.cols)), p.n[i],
-                q_.data() + i * std::size_t(qh * D), p.at[i], p.dst + p.r[i] * p.dst_stride, fresh_.data() + i};
-    static const std::vector<std::int32_t> none;
-    const kvscore::BlockTable t(std::span<const std::int32_t>(none), L.block_size, L.blocks, 0);
-    nb::gil_scoped_release unlocked;
-    with_view(L, t, [&](const auto& v) {
-      sel_.select(layer, v, qh, br_);
-      return 0;
-    });
-  }
-
-  kvscore::PagedBlockSelector sel_;
-  Plan plan_;
+  kvscore::BlockSparsePlanner planner_;
   std::vector<nb::object> cache_objs_;
-  std::vector<Layer> cache_layers_;
-  std::vector<float> q_;  // reused between calls
-  std::vector<kvscore::BlockSparseRow> br_;
-  std::vector<std::uint8_t> fresh_;
+  Any src_ref_;
+  nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst_ref_;
 };
 
 }  // namespace
@@ -518,8 +465,36 @@ void bind_vllm(nb::module_& m) {
       "kvscore::block_sparse_reference: the logical blocks (int64, ascending) one decode step attends, from a\n"
       "sequence's keys float32 [kv_heads, tokens, head_dim] and query float32 [q_heads, head_dim] alone.");
 
+  // the block scores and the plugin's defaults, read by kvscore.vllm (kvscore::kDefault*; the
+  // BlockSparseOptions defaults are struct_defaults["BlockSparseOptions"])
+  {
+    nb::list scores;
+    for (const kvscore::BlockScore s : kvscore::kBlockScores) scores.append(kvscore::to_string(s));
+    m.attr("block_scores") = nb::tuple(scores);
+    nb::list groups;
+    for (const kvscore::QueryGroup g : kvscore::kQueryGroups) groups.append(kvscore::to_string(g));
+    m.attr("query_groups") = nb::tuple(groups);
+  }
+  m.attr("kDefaultDenseBelow") = kvscore::kDefaultDenseBelow;
+
+  m.def(
+      "sparse_attend",
+      [](std::int64_t tokens, std::int64_t block_size, double attend, std::int64_t dense_below, std::int64_t sinks,
+         std::int64_t local) {
+        kvscore::BlockSparseOptions o;
+        o.sinks = sinks;
+        o.local = local;
+        return kvscore::sparse_attend(tokens, block_size, attend, dense_below, o);
+      },
+      "tokens"_a, "block_size"_a, "attend"_a, nb::kw_only(), "dense_below"_a = kvscore::kDefaultDenseBelow,
+      "sinks"_a = bso.sinks, "local"_a = bso.local,
+      "kvscore::sparse_attend: the blocks a decode row of `tokens` attends, or 0 when it decodes densely (shorter\n"
+      "than dense_below, or attending every block anyway).");
+  m.def("attended_tokens", &kvscore::attended_tokens, "tokens"_a, "block_size"_a, "attend"_a,
+        "kvscore::attended_tokens: the length the attention kernel sees for a row attending `attend` blocks.");
+
   nb::class_<VllmBlockSelector>(m, "PagedBlockSelector",
-                                "kvscore::PagedBlockSelector over vLLM CPU's caches (kvscore.vllm's sparse decode).")
+                                "kvscore::BlockSparsePlanner (its PagedBlockSelector) over vLLM CPU's caches (kvscore.vllm's sparse decode).")
       .def(
           "__init__",
           [](VllmBlockSelector* self, std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads,

@@ -140,6 +140,11 @@ nb::dict struct_defaults() {
   d["ParisKVCacheConfig"] = fields(f("sinks", cc.sinks), f("local", cc.local), f("update_interval", cc.update_interval),
                                    f("dense_min", cc.dense_min), f("k", cc.search.k),
                                    f("rerank_exact", cc.search.rerank_exact));
+  const kvscore::BlockSparseOptions bs;
+  d["BlockSparseOptions"] = fields(f("score", kvscore::to_string(bs.score)), f("sinks", bs.sinks), f("local", bs.local),
+                                   f("scale", bs.scale), f("prefilter", bs.prefilter),
+                                   f("group", kvscore::to_string(bs.group)), f("refresh", bs.refresh),
+                                   f("threads", bs.num_threads), f("probe", bs.probe));
   return d;
 }
 

@@ -162,6 +162,31 @@ def test_dense_below_the_threshold_then_retrieval(monkeypatch):
         kg.RetrievalCache(model, attend=0.1, dense_below=0.5)
 
 
+def test_the_default_zones_fit_any_budget_above_the_sinks():
+    """RetrievalCache(model, "pariskv", attend=0.1) on a 2,048-token prompt: 205 keys per step,
+    fewer than sinks 4 + a local window of 256. The default local window is ParisKV's zones for the
+    budget, min(256, (205 − 4) // 2) = 100, so 101 are retrieved; below dense_below (the default)
+    the steps attend densely anyway. A local window given that leaves nothing to retrieve is an
+    error naming it."""
+    model = tiny(max_position_embeddings=4096)
+    ids = prompt(2048, seed=5)
+    cache = kg.RetrievalCache(model, PARISKV, attend=0.1)
+    assert cache.dense_below > 2048 + 3  # dense here
+    assert greedy(model, ids, cache, new=3).shape == (1, 3)
+    assert (cache.budget(2048), cache.local_for(2048), cache.retrieved(2048)) == (205, 100, 101)
+    # retrieving from the first step (dense_below=0): 4 + 101 + 100 = 205 keys per step
+    cache = kg.RetrievalCache(model, PARISKV, attend=0.1, dense_below=0)
+    greedy(model, ids, cache, new=2)
+    assert cache.attended(0).shape == (model.config.num_attention_heads, 205)
+    # a long prompt keeps the default window of 256 (min(256, (820 − 4) // 2))
+    assert kg.RetrievalCache(model, PARISKV, attend=0.1).local_for(8192) == _kvscore.kDefaultParisKVLocal
+    with pytest.raises(ValueError, match=r"gives 205 keys per step for a prompt of 2048 tokens, not more than sinks 4 "
+                                         r"\+ local 256: lower them"):
+        greedy(model, ids, kg.RetrievalCache(model, PARISKV, attend=0.1, local=256), new=2)
+    with pytest.raises(ValueError, match=r"gives 4 keys per step .* sinks 4 \+ local 0 \(the default\)"):
+        greedy(model, prompt(50), kg.RetrievalCache(model, PARISKV, attend=4), new=2)
+
+
 def test_fraction_budget_memory_and_crop():
     model = tiny()
     ids = prompt(200, seed=3)

@@ -38,14 +38,18 @@ _SCORERS = tuple(m["name"] for m in _REGISTRY
 
 
 # Sparse decode (docs/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
-# defaults chosen by the benchmark (docs/vllm.md#sparse-decode).
-BLOCK_SCORES = ("quest", "meanstd", "int4", "pariskv", "exact")
-DEFAULT_BLOCK_SCORE = "int4"
-DEFAULT_LOCAL = 64
-DEFAULT_DENSE_BELOW = 1024
-DEFAULT_SWAP_SPACE = 1.0
-DEFAULT_PREFILTER = 4
-DEFAULT_REFRESH = 8
+# defaults chosen by the benchmark (docs/vllm.md#sparse-decode), read from the C++ library
+# (kvscore::BlockSparseOptions, kvscore::kDefaultDenseBelow: kvscore/block_sparse/options.hpp).
+_SPARSE = _k.struct_defaults["BlockSparseOptions"]
+BLOCK_SCORES = tuple(_k.block_scores)
+QUERY_GROUPS = tuple(_k.query_groups)
+DEFAULT_BLOCK_SCORE = _SPARSE["score"]
+DEFAULT_QUERY_GROUP = _SPARSE["group"]
+DEFAULT_LOCAL = _SPARSE["local"]
+DEFAULT_PREFILTER = _SPARSE["prefilter"]
+DEFAULT_REFRESH = _SPARSE["refresh"]
+DEFAULT_DENSE_BELOW = _k.kDefaultDenseBelow
+DEFAULT_SWAP_SPACE = 1.0  # preemption (the plugin's own: GiB of host memory per worker)
 
 
 def register() -> None:
@@ -103,7 +107,7 @@ class Config:
                  recent: int = _k.kDefaultSnapKVWindow, aggregate: str = "max", block_aggregate: str = "mean",
                  threads: int = 0, attend: float = 1.0, block_score: str = DEFAULT_BLOCK_SCORE,
                  local: int = DEFAULT_LOCAL, dense_below: int = DEFAULT_DENSE_BELOW, probe: bool = False,
-                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = "heads",
+                 swap_space: float = DEFAULT_SWAP_SPACE, query_group: str = DEFAULT_QUERY_GROUP,
                  prefilter: int = DEFAULT_PREFILTER, refresh: int = DEFAULT_REFRESH):
         try:
             name = _method_name(method)
@@ -134,8 +138,8 @@ class Config:
                 or not math.isfinite(swap_space)):
             raise ValueError(f"kvscore.vllm: swap_space {swap_space!r} must be a number of GiB >= 0")
         self.swap_space = float(swap_space)
-        if query_group not in ("heads", "mean"):
-            raise ValueError(f"kvscore.vllm: query_group {query_group!r} must be 'heads' or 'mean'")
+        if query_group not in QUERY_GROUPS:
+            raise ValueError(f"kvscore.vllm: query_group {query_group!r} must be {' or '.join(map(repr, QUERY_GROUPS))}")
         if refresh < 1:
             raise ValueError(f"kvscore.vllm: refresh {refresh!r} must be an integer >= 1")
         self.query_group, self.prefilter, self.refresh = query_group, prefilter, refresh

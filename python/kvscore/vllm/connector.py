@@ -35,10 +35,11 @@ position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix 
 
 Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, the first
 blocks of the requests that decode in it; on the worker, the first attention call of a step plans
-it once (kvscore::PagedBlockSelector::begin_step with the step's written slots; which rows decode
-sparsely and how many blocks each attends; their sequence lengths and one attention schedule for
-every layer), then every layer's call chooses that layer's blocks of every sparse row in one C++
-call (PagedBlockSelector::select) into a scratch block table the kernel reads.
+it once (kvscore::BlockSparsePlanner::begin_step with the step's written slots and live requests;
+which rows decode sparsely and how many blocks each attends, kvscore::sparse_attend; their sequence
+lengths and one attention schedule for every layer; the planner's plan), then every layer's call
+chooses that layer's blocks of every sparse row in one C++ call (select_planned) into a scratch
+block table the kernel reads.
 """
 from __future__ import annotations
 
@@ -577,17 +578,17 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
         rows, tix, toks, att = [], [], [], []
         for i, first in enumerate(firsts):
             n = new_len[i]
-            if first not in connector._decoding or starts[i + 1] - starts[i] != 1 or n < cfg.dense_below:
+            if first not in connector._decoding or starts[i + 1] - starts[i] != 1:
                 continue
-            a = _k.attended_blocks(n, bs, cfg.attend, sinks=cfg.sinks, local=cfg.local)
-            nb = -(-n // bs)
-            if a >= nb:
+            # 0: dense (shorter than dense_below, or attending every block anyway)
+            a = _k.sparse_attend(n, bs, cfg.attend, dense_below=cfg.dense_below, sinks=cfg.sinks, local=cfg.local)
+            if a == 0:
                 continue
             rows.append(i)
             tix.append(starts[i])
             toks.append(n)
             att.append(a)
-            new_len[i] = (a - 1) * bs + (n - (nb - 1) * bs)  # the last block may be partial
+            new_len[i] = _k.attended_tokens(n, bs, a)  # the last block may be partial
         if rows:
             st = connector.sparse_stats
             st["steps"] += 1

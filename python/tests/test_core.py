@@ -24,7 +24,7 @@ def keys(h=4, n=300, d=32, dtype=np.float32):
 
 def test_version_matches_cpp_header():
     hdr = (pathlib.Path(__file__).parents[2] / "include/kvscore/version.hpp").read_text()
-    assert f'version_string = "{kvscore.__version__}"' in hdr
+    assert f'#define KVSCORE_VERSION_STRING "{kvscore.__version__}"' in hdr
 
 
 def test_knorm_keydiff_manifold_match_numpy():

@@ -708,8 +708,7 @@ TEST_CASE("snippet block-sparse-loop (docs/guides/block-sparse-decode.md): a who
   };
   const int steps = 3;
   // [snippet block-sparse-loop]
-  kvscore::BlockSparseOptions opt;                 // int4 scores, 4 sinks, 64 local tokens
-  opt.refresh = 8;                                 // a sequence's blocks scored every 8th step
+  kvscore::BlockSparseOptions opt;                 // int4 scores, 4 sinks, 64 local tokens, every step scored
   kvscore::PagedBlockSelector sel(layers, num_blocks, kv_heads, head_dim, block_size, opt);
   // the selector reads the pool's data, strides and shape only: a table of 0 tokens views the whole pool
   const kvscore::BlockTable pool_only(std::span<const std::int32_t>{}, block_size, num_blocks, 0);

@@ -1,7 +1,7 @@
 // kvscore/block_sparse.hpp — block-sparse decode attention over a paged KV cache: at every
 // decode step each sequence attends its sink blocks, its newest blocks and the blocks whose keys
 // score highest for this step's query; the rest of its blocks stay in the cache, unread this
-// step (docs/block_sparse.md). The engine's own paged attention kernel runs unchanged on a
+// step (docs/reference/block_sparse.md). The engine's own paged attention kernel runs unchanged on a
 // shorter block table (vLLM: kvscore.vllm's `attend`).
 //
 // [snippet block-sparse: tests/test_snippets.cpp]

@@ -6,8 +6,8 @@ replaces, measured in the same run: torch's scaled_dot_product_attention of each
 over all its keys and values, every layer. Random keys (the speed, not the choice). A benchmark,
 never a test.
 
-    python python/bench/bench_block_selector.py [--batch 8] [--refresh 8] [--steps 41] [--score int4]
-                                                [--prefilter 4] [--threads N]
+    python python/bench/bench_block_selector.py [--batch 8] [--refresh 1] [--steps 41] [--score int4]
+                                                [--prefilter 0] [--threads N]   (defaults: the library's)
 """
 import argparse
 import time
@@ -25,11 +25,15 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=7680)
     ap.add_argument("--attend", type=float, default=0.1)
-    ap.add_argument("--refresh", type=int, default=8)
+    dflt = _k.struct_defaults["BlockSparseOptions"]
+    ap.add_argument("--refresh", type=int, default=dflt["refresh"])
     ap.add_argument("--steps", type=int, default=41, help="decode steps after the first (which makes every summary)")
     ap.add_argument("--score", default="int4")
-    ap.add_argument("--prefilter", type=int, default=4)
+    ap.add_argument("--prefilter", type=int, default=dflt["prefilter"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--group", default="heads", help="query group: heads or mean")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU time (all threads), steadier on a machine shared with other work")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     B = a.batch
@@ -38,7 +42,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(nb, KH, BS, 2 * D, generator=g)        # vLLM CPU's [blocks, kv_heads, block, 2·head_dim]
     sel = _k.PagedBlockSelector(L, nb, KH, D, BS, score=a.score, refresh=a.refresh, prefilter=a.prefilter,
-                                threads=a.threads)
+                                threads=a.threads, group=a.group)
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
     sel.register_caches([kv] * L)  # every layer reads the same pool here (the speed, not the choice)
     src = torch.arange(nb, dtype=torch.int32).view(B, per)
     dst = src.clone().numpy()
@@ -54,26 +59,26 @@ def main():
         tok += 1
         attend = np.ceil(a.attend * tok / BS).astype(np.int64)
         q = torch.randn(B, QH, D, generator=g)
-        t0 = time.perf_counter()
+        t0 = clock()
         sel.begin_step(slots, first)
         sel.plan(rows, src, rows, tok, attend, dst)  # as kvscore.vllm drives it: the rows once per step
         f = 0
         for layer in range(L):
             f += sel.select_planned(layer, kv, q)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         fresh.append(f > 0)
     t = np.array(times[1:]) * 1e3
     fr = np.array(fresh[1:])
     qd = torch.randn(B, QH, 1, D, generator=g)
     dense = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = clock()
         for layer in range(L):
             torch.nn.functional.scaled_dot_product_attention(qd, keys, vals)
-        dense.append(time.perf_counter() - t0)
+        dense.append(clock() - t0)
     dense_ms = 1e3 * float(np.median(dense))
     print(f"batch {B}, {a.tokens} tokens, attend {a.attend}, {a.score} prefilter {a.prefilter}, refresh {a.refresh}, "
-          f"{a.threads} threads: first step {times[0] * 1e3:.0f} ms (every summary), then {t.mean():.2f} ms/step "
+          f"group {a.group}, {a.threads} threads, {a.clock} time: first step {times[0] * 1e3:.0f} ms (every summary), then {t.mean():.2f} ms/step "
           f"(scoring steps {t[fr].mean():.2f} ms = {t[fr].mean() / (B * L):.3f} ms per request and layer; "
           f"the others {t[~fr].mean() if (~fr).any() else float('nan'):.2f} ms); dense attention (torch SDPA, "
           f"same keys) {dense_ms:.2f} ms/step: selection {100 * t.mean() / dense_ms:.1f} % of it")

@@ -1,4 +1,4 @@
-"""Per-query retrieval and OjaKV's low-rank store inside Hugging Face ``generate`` (docs/generation.md).
+"""Per-query retrieval and OjaKV's low-rank store inside Hugging Face ``generate`` (docs/guides/generation.md).
 
     import kvscore.generation as kg
     cache = kg.RetrievalCache(model, method="pariskv", attend=0.1, sinks=4, local=64)
@@ -422,7 +422,7 @@ def _kind(x, name: str, who: str):
 # ------------------------------------------------------------------ RetrievalCache
 
 class RetrievalCache(_KvscoreCache):
-    """Per-query retrieval at every decode step (the module doc; docs/generation.md).
+    """Per-query retrieval at every decode step (the module doc; docs/guides/generation.md).
 
     Parameters
     ----------
@@ -443,7 +443,7 @@ class RetrievalCache(_KvscoreCache):
         max(dense_below, sinks + local + 2k) tokens (one read of each KV head's keys and values
         for its query heads, in C++: below the crossover that is faster than a search), and
         retrieves from there on. None: the measured crossover for the model's head_dim
-        (``kvscore._kvscore.retrieval_dense_below``, docs/generation.md); 0: never dense (every
+        (``kvscore._kvscore.retrieval_dense_below``, docs/guides/generation.md); 0: never dense (every
         step attends sinks + k + local keys).
     beta, rho, rerank_exact : ParisKV's search options (0: the length-adaptive defaults; off).
     threads : OpenMP threads of the C++ layer calls (0: OpenMP's default).
@@ -536,7 +536,7 @@ class RetrievalCache(_KvscoreCache):
 # ------------------------------------------------------------------ OjaKVCache
 
 class OjaKVCache(_KvscoreCache):
-    """OjaKV's hybrid store during generation (the module doc; docs/ojakv.md "In generation").
+    """OjaKV's hybrid store during generation (the module doc; docs/methods/ojakv.md "In generation").
 
     Parameters
     ----------
@@ -602,7 +602,7 @@ class OjaKVCache(_KvscoreCache):
 
     def memory_bytes(self) -> int:
         """K/V bytes of the hybrid store by the paper's formula at the model's element size
-        (docs/ojakv.md, Definitions 11): codes, full-rank rows with a 4-byte position, the bases."""
+        (docs/methods/ojakv.md, Definitions 11): codes, full-rank rows with a 4-byte position, the bases."""
         return sum(int(lay.impl.memory(lay.dtype.itemsize)["hybrid_bytes"]) for lay in self.layers
                    if lay.impl is not None)
 

@@ -102,25 +102,26 @@ def test_the_plugins_sparse_defaults_are_the_librarys():
     import kvscore.vllm as kv
 
     d = _k.struct_defaults["BlockSparseOptions"]
-    assert d["refresh"] == 8 and d["score"] == "int4" and d["local"] == 64 and d["prefilter"] == 4
+    assert d["refresh"] == 1 and d["score"] == "int4" and d["local"] == 64 and d["prefilter"] == 0
     sig = inspect.signature(kv.Config).parameters
     for plugin, cpp in (("block_score", "score"), ("local", "local"), ("prefilter", "prefilter"),
                         ("refresh", "refresh"), ("query_group", "group"), ("sinks", "sinks"), ("probe", "probe")):
         assert sig[plugin].default == d[cpp], plugin
     assert sig["dense_below"].default == _k.kDefaultDenseBelow
     assert kv.BLOCK_SCORES == tuple(_k.block_scores) == ("quest", "meanstd", "int4", "pariskv", "exact")
-    # the binding's selector defaults: refresh 8 (a row scored once in three steps keeps its choice)
-    caches = _pool(32)
-    s = _k.PagedBlockSelector(L, 32, KH, D, BS, local=8)
-    s.register_caches(caches)
-    src = torch.arange(20, dtype=torch.int32).view(1, 20)
-    one = np.zeros(1, np.int64)
-    scored = 0
-    for _ in range(3):
-        s.begin_step(np.zeros(0, np.int64), one)
-        s.plan(one, src, one, np.array([150]), np.array([6]), src.clone())
-        scored += s.select_planned(0, caches[0], torch.zeros(1, QH, D))
-    assert scored == 1
+    # the binding's selector defaults: refresh 1 (every step scored); refresh 8: a row scored once in three steps
+    for kw, want in (({}, 3), ({"refresh": 8}, 1)):
+        caches = _pool(32)
+        s = _k.PagedBlockSelector(L, 32, KH, D, BS, local=8, **kw)
+        s.register_caches(caches)
+        src = torch.arange(20, dtype=torch.int32).view(1, 20)
+        one = np.zeros(1, np.int64)
+        scored = 0
+        for _ in range(3):
+            s.begin_step(np.zeros(0, np.int64), one)
+            s.plan(one, src, one, np.array([150]), np.array([6]), src.clone())
+            scored += s.select_planned(0, caches[0], torch.zeros(1, QH, D))
+        assert scored == want, kw
     # which rows decode sparsely: the same rule the connector applies
     assert _k.sparse_attend(1000, 32, 0.1) == 0                      # below dense_below
     assert _k.sparse_attend(2000, 32, 0.1) == _k.attended_blocks(2000, 32, 0.1)

@@ -115,3 +115,13 @@ def test_step_bytes_bound():
     assert 1.8 < plain / sparse < 2.0
     assert math.isclose(S.step_bytes("llama-3.2-3b", n, [t // 10 for t in n], summary_bytes_per_block_head=100),
                         sparse + 4 * 512 * 28 * 8 * 100)
+
+
+def test_a_subset_is_every_kth_pair_of_cases_with_and_without_distractor():
+    kept = [i for i in range(16) if N.in_subset(i, 2)]
+    assert kept == [0, 1, 4, 5, 8, 9, 12, 13]  # half the cases, over every depth, half with a distractor
+    assert [i for i in range(6) if N.in_subset(i, 1)] == list(range(6))
+    assert N.split_subset("attend=0.1@subset=2@refresh=1") == ("attend=0.1@refresh=1", 2)
+    assert N.split_subset("vllm") == ("vllm", 1)
+    with pytest.raises(ValueError, match="subset 0"):
+        N.split_subset("attend=0.1@subset=0")

@@ -1,4 +1,4 @@
-// kvscore/block_sparse/options.hpp — what block-sparse decode is asked to do (docs/block_sparse.md):
+// kvscore/block_sparse/options.hpp — what block-sparse decode is asked to do (docs/reference/block_sparse.md):
 // the score, the protected blocks (sinks, local window), the refresh interval, the threads; how
 // many blocks a decode step attends (attended_blocks) and the row a step hands the selector
 // (BlockSparseRow). Every default the vLLM plugin shows is a constant here (the binding exports
@@ -51,9 +51,12 @@ inline QueryGroup parse_query_group(std::string_view s) { return detail::parse_e
 /// The defaults of block-sparse decode, the library's and the vLLM plugin's (one value each).
 inline constexpr BlockScore kDefaultBlockScore = BlockScore::int4;
 inline constexpr std::int64_t kDefaultBlockSparseLocal = 64;
-inline constexpr std::int64_t kDefaultBlockSparsePrefilter = 4;
-/// A sequence's blocks are scored every 8th step (docs/vllm.md#refresh-8-the-default).
-inline constexpr std::int64_t kDefaultBlockSparseRefresh = 8;
+/// int4 scores every candidate: Quest's prefilter lost answers (its bound is loose on 32-token
+/// blocks) and cost more than the int4 pass it saved (docs/results/block-sparse.md).
+inline constexpr std::int64_t kDefaultBlockSparsePrefilter = 0;
+/// A sequence's blocks are scored at every step: a choice kept even one step lost answers on
+/// the needle benchmark (docs/results/vllm.md#sparse-decode-answers).
+inline constexpr std::int64_t kDefaultBlockSparseRefresh = 1;
 /// Sequences shorter than this decode densely (BlockSparsePlanner, the vLLM plugin's dense_below).
 inline constexpr std::int64_t kDefaultDenseBelow = 1024;
 
@@ -62,7 +65,7 @@ struct BlockSparseOptions {
   std::int64_t sinks = kDefaultSinks;             ///< positions [0, sinks): their blocks are always attended, >= 0
   std::int64_t local = kDefaultBlockSparseLocal;  ///< positions [tokens − local, tokens): their blocks too (the last block always), >= 0
   /// The attention's softmax scale (0: 1/√head_dim), which turns block scores into each query
-  /// head's estimated share of attention per block (docs/block_sparse.md).
+  /// head's estimated share of attention per block (docs/reference/block_sparse.md).
   float scale = 0.f;
   /// int4: each query head scores exactly (on the codes) its best prefilter·k blocks by Quest's
   /// bound, k being the blocks still to choose (0: every candidate)

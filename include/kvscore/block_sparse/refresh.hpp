@@ -1,5 +1,5 @@
 // kvscore/block_sparse/refresh.hpp — when a sequence's last scored choice stands instead of a new
-// scoring (docs/block_sparse.md). Per (layer, sequence) the policy keeps the last choice scored
+// scoring (docs/reference/block_sparse.md). Per (layer, sequence) the policy keeps the last choice scored
 // (KeptChoice); at a step it stands when
 //
 //   - the row has blocks to choose, and a choice was scored before;

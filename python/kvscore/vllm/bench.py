@@ -225,10 +225,18 @@ def _decode_main(a) -> int:
                 x["bytes_per_step"] = plain_b
                 if "blocks_attended_fraction" in x:
                     d = shapes.SHAPES[a.shape]["head_dim"]
-                    refresh = float(dict(kv.split("=", 1) for kv in entry.split("@")).get("refresh", 8))
-                    # int4's reads per (block, KV head) when a row scores: Quest's min and max for every
-                    # candidate, the step and 4-bit codes for about 4x the chosen share (prefilter 4)
-                    summ = int((2 * d * 4 + min(1.0, 4 * x["blocks_attended_fraction"]) * (d * 4 + d * 16)) / refresh)
+                    from . import DEFAULT_PREFILTER, DEFAULT_REFRESH
+                    opts = dict(kv.split("=", 1) for kv in entry.split("@") if "=" in kv)
+                    refresh = float(opts.get("refresh", DEFAULT_REFRESH))
+                    prefilter = int(opts.get("prefilter", DEFAULT_PREFILTER))
+                    # int4's reads per (block, KV head) when a row scores: the per-dimension min and step
+                    # (fp32) and the 4-bit codes of every candidate; with a prefilter, Quest's min and max
+                    # of every candidate and the step and codes of about prefilter x the chosen share
+                    if prefilter == 0:
+                        summ = int((2 * d * 4 + d * 16) / refresh)
+                    else:
+                        share = min(1.0, prefilter * x["blocks_attended_fraction"])
+                        summ = int((2 * d * 4 + share * (d * 4 + d * 16)) / refresh)
                     att = [int(n * x["blocks_attended_fraction"])] * int(B)
                     x["bytes_per_step"] = shapes.step_bytes(a.shape, [n] * int(B), att, summary_bytes_per_block_head=summ)
                 x["bound_x"] = plain_b / x["bytes_per_step"]

@@ -12,8 +12,9 @@ answer prefix**: the model writes its own answer ("The pass key is 29681."), gre
 `--max-tokens` tokens. A case is answered when the first run of digits in the answer is the key:
 an answer that breaks off ("29.") or runs on ("2968111") or gives the distractor is wrong.
 
-Every configuration runs the same cases in its own engine (vLLM's connector agent is
-process-wide) at `--batch` concurrent requests. Reported per configuration and length: the
+Every configuration runs the same cases in its own engine (vLLM's connector agent is process-wide) or,
+written `attend=0.1@subset=2`, on every 2nd pair of them (a case and its distractor twin), compared
+with plain's answers on the same cases; at `--batch` concurrent requests. Reported per configuration and length: the
 accuracy with its 95 % Wilson interval, and per case against plain vLLM's answers: both right,
 lost (plain right, this wrong), gained, both wrong; the accuracy ratio to plain's. With `--probe`,
 every layer's choice at every sparse decode step is compared with the exact score's choice for
@@ -217,7 +218,8 @@ def _run(spec: dict) -> dict:
         from kvscore.vllm import kv_transfer_config
         kw["kv_transfer_config"] = kv_transfer_config(**spec["plugin"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    cases = [c for L in spec["lengths"] for c in make_cases(tok, L, spec["cases"], spec.get("seed", 0))]
+    cases = [c for L in spec["lengths"] for c in make_cases(tok, L, spec["cases"], spec.get("seed", 0))
+             if in_subset(c.index, spec.get("subset", 1))]
     longest = max(len(c.ids) for c in cases)
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
               max_model_len=longest + spec["max_tokens"] + 8, block_size=32, enable_prefix_caching=False, seed=0,
@@ -301,6 +303,21 @@ def replay(trace: dict, refresh: int, cosine: float, first: int = 0) -> dict:
 
 # ---------------------------------------------------------------------- the report
 
+def in_subset(index: int, subset: int) -> bool:
+    """Case `index` is in every `subset`-th pair of cases (a case without a distractor and the next,
+    with one): a subset of 1/subset of the cases over all depths, half of them with a distractor."""
+    return (index // 2) % subset == 0
+
+
+def split_subset(entry: str) -> tuple[str, int]:
+    """("attend=0.1@subset=2") -> ("attend=0.1", 2): a configuration run on a subset of the cases."""
+    parts = [kv for kv in entry.split("@") if not kv.startswith("subset=")]
+    sub = [int(kv.split("=", 1)[1]) for kv in entry.split("@") if kv.startswith("subset=")]
+    if sub and sub[0] < 1:
+        raise ValueError(f"needle: subset {sub[0]} must be >= 1")
+    return "@".join(parts), (sub[0] if sub else 1)
+
+
 def parse_config(entry: str, method: str = "knorm") -> dict | None:
     """"vllm" (plain) or kvscore settings joined by '@' ("attend=0.1@refresh=1"): the plugin's."""
     if entry == "vllm":
@@ -383,13 +400,14 @@ def main(a) -> int:
     print(f"vLLM CPU needle bench: {a.cases} cases at each of {lengths} tokens, batch {a.batch}, "
           f"up to {a.max_tokens} tokens written", flush=True)
     for entry in (e for e in a.configs.split(",") if e):
-        plugin = parse_config(entry, a.method)
+        config, subset = split_subset(entry)
+        plugin = parse_config(config, a.method)
         if entry in report["runs"]:
             print(f"  {entry:40s} (from {a.out})", flush=True)
             continue
         t0 = time.perf_counter()
         trace = f"{a.out}.{entry}.trace.json" if a.probe and a.out and plugin else None
-        r = _spawn({**base, "plugin": plugin, "probe": a.probe, "trace": trace})
+        r = _spawn({**base, "plugin": plugin, "probe": a.probe, "trace": trace, "subset": subset})
         report["runs"][entry] = r
         ok = sum(c["correct"] for c in r["cases"])
         print(f"  {entry:40s} {ok}/{len(r['cases'])} answered ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -84,7 +84,9 @@ class KvscoreMeta(KVConnectorMetadata):
     def __init__(self) -> None:
         self.score: list[tuple[str, list[int], int]] = []    # (req_id, block ids, prompt tokens)
         self.holes: dict[int, tuple[str, list[int]]] = {}     # first block id -> (req_id, evicted logical blocks)
-        self.decoding: list[int] = []                        # sparse decode: first block ids of decoding requests
+        # sparse decode: the block each decoding request writes this step (its own even when its
+        # first blocks are shared: prefix caching) -> the request's sequence key
+        self.decoding: dict[int, int] = {}
         self.save: list[tuple[str, list[int]]] = []          # preempted: (req_id, kept physical blocks) to host
         self.load: list[tuple[str, list[int]]] = []          # readmitted: (req_id, new physical blocks) from host
         self.drop: list[str] = []                            # finished while swapped out
@@ -131,7 +133,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._swap: dict[str, list[torch.Tensor]] = {}      # preempted requests' kept blocks, per layer
             self._loaded_blocks: list[int] = []                 # blocks written by a load since the last step
             self._selector = None                               # sparse decode: kvscore's PagedBlockSelector
-            self._decoding: set[int] = set()
+            self._decoding: dict[int, int] = {}                  # written block -> sequence key (this step)
             self._layer_index: dict[str, int] = {}
             # select_s: every layer's select call; scoring_s / scoring_calls: the calls that scored a row
             # (the others reused kept choices: refresh)
@@ -150,6 +152,11 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._swapped: dict[str, dict] = {}
             self._swap_bytes = 0
             self._sparse_decoded: set[str] = set()
+            self._seq: dict[str, int] = {}  # sparse decode: each decoding request's sequence key (never reused)
+            self._next_seq = 0
+            # the eviction pass (ratio 0 without sparse decode only scores; with prefix caching,
+            # where ratio > 0 is refused, it has nothing to decide and does not run)
+            self._scores = self.cfg.evicts and not self._prefix_caching
             self._orders = KvscoreMeta()
             self.swaps = {"saved": 0, "restored": 0, "recomputed": 0}
             # the last decisions (req_id, kept logical blocks, evicted logical blocks, ranks' partials), for tests
@@ -169,9 +176,13 @@ class KvscoreConnector(KVConnectorBase_V1):
         if not current_platform.is_cpu():
             raise ValueError("kvscore.vllm: only vLLM's CPU build is supported (the paged view reads the CPU "
                              "attention backend's layout; CUDA vLLM is untested, docs/vllm.md)")
-        if c.cache_config.enable_prefix_caching:
-            raise ValueError("kvscore.vllm: needs enable_prefix_caching=False (a block shared by several "
-                             "requests cannot be freed for one of them)")
+        self._prefix_caching = bool(c.cache_config.enable_prefix_caching)
+        if self._prefix_caching and self.cfg.ratio > 0:
+            raise ValueError(f"kvscore.vllm: ratio {self.cfg.ratio} (eviction) needs enable_prefix_caching=False: "
+                             f"with prefix caching a prompt block may be shared by several requests and stays in "
+                             f"vLLM's prefix cache under its hash, so it cannot be freed for one of them "
+                             f"(docs/guides/vllm.md#prefix-caching); sparse decode alone (ratio 0, attend < 1) "
+                             f"works with prefix caching")
         dt = str(c.cache_config.cache_dtype)
         if dt != "auto":
             raise ValueError(f"kvscore.vllm: kv_cache_dtype {dt!r}: the view reads float32/float16/bfloat16 "
@@ -243,7 +254,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                 self._holes_version += 1
             if self._window:
                 self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
-            self._decoding = set(connector_metadata.decoding)
+            self._decoding = dict(connector_metadata.decoding)
 
     def _move_swapped(self, meta: KvscoreMeta) -> None:
         """Preempted requests' kept blocks to host memory (save) and back into their new blocks
@@ -345,6 +356,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._holes_by_req.pop(req_id, None)
             self._scoring.pop(req_id, None)
             self._sparse_decoded.discard(req_id)
+            self._seq.pop(req_id, None)  # its state on the workers goes: recomputed, it decodes anew
             snap = self._snap.pop(req_id, None)
             if self._audit is not None:
                 self._audit.preempted(req_id)
@@ -360,14 +372,19 @@ class KvscoreConnector(KVConnectorBase_V1):
                 continue
             if self.cfg.sparse and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
                 blocks = mgr.req_to_blocks.get(req_id)
-                if blocks:
-                    meta.decoding.append(blocks[0].block_id)
+                at = req.num_computed_tokens // self.block_size  # the block this step's token goes to
+                if blocks and at < len(blocks) and not blocks[at].is_null:
+                    seq = self._seq.get(req_id)
+                    if seq is None:
+                        seq = self._seq[req_id] = self._next_seq
+                        self._next_seq += 1
+                    meta.decoding[blocks[at].block_id] = seq
                     self._sparse_decoded.add(req_id)
             if self._swap_limit and (req_id in self._holes_by_req or req_id in self._sparse_decoded):
                 # what a swap-out after this step would save: the table, the tokens computed by then
                 self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in mgr.req_to_blocks.get(req_id, ())],
                                       req.num_computed_tokens + n)
-            if req_id in self._done or not self.cfg.evicts:
+            if req_id in self._done or not self._scores:
                 continue
             done_before = req.num_computed_tokens
             P = req.num_prompt_tokens
@@ -382,7 +399,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             meta.score.append((req_id, ids, P))
         meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
         if self._audit is not None:
-            self._audit.step(mgr, km.block_pool, meta.holes)
+            self._audit.step(mgr, km.block_pool, meta.holes, shared=self._prefix_caching)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -429,7 +446,9 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     @property
     def _swap_limit(self) -> int:
-        return int(self.cfg.swap_space * (1 << 30))
+        # prefix caching: no swap (a readmitted request's prompt comes from the prefix cache, its
+        # generated tokens are recomputed densely: vLLM's recompute)
+        return 0 if self._prefix_caching else int(self.cfg.swap_space * (1 << 30))
 
     def _block_bytes(self) -> int:
         c = self._kv_cache_config
@@ -456,6 +475,7 @@ class KvscoreConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._snap.pop(rid, None)
         self._sparse_decoded.discard(rid)
+        self._seq.pop(rid, None)
         sw = self._swapped.pop(rid, None)
         if sw is not None:  # finished (aborted) while swapped out: the workers drop its copy
             self._orders.drop.append(rid)
@@ -532,6 +552,7 @@ class _Step:
     token_index: np.ndarray | None = None  # its query's token
     tokens: np.ndarray | None = None     # its length after the holes
     attend: np.ndarray | None = None     # blocks it attends
+    seqs: np.ndarray | None = None       # its sequence key (the scheduler's, per request)
     fresh: np.ndarray | None = None      # for SPARSE_OBSERVER, the layer's: 1 where scored, 0 where a kept choice stood
 
 
@@ -554,7 +575,9 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             written = torch.cat([written.to(torch.int64),
                                  torch.tensor(connector._loaded_blocks, dtype=torch.int64) * bs])
             connector._loaded_blocks = []
-        sel.begin_step(written, firsts)
+        # the live sequences: the keys of the requests decoding in this step (their kept choices
+        # and indexes stay; the others' go)
+        sel.begin_step(written, np.fromiter(connector._decoding.values(), np.int64, len(connector._decoding)))
     firsts = firsts.tolist()
     lens = md.seq_lens[:num_reqs].tolist()
     src, new_len = bt, list(lens)
@@ -575,10 +598,14 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
     step = _Step(connector._holes_version, md, src)
     if sel is not None and connector._decoding:
         starts = qsl[: num_reqs + 1].tolist()
-        rows, tix, toks, att = [], [], [], []
-        for i, first in enumerate(firsts):
+        # each row's request: the block its first token is written to (a decoding request's own,
+        # even when prefix caching shares its first blocks with other requests)
+        wblock = (md.slot_mapping[qsl[:num_reqs].long()] // bs).tolist()
+        rows, tix, toks, att, seqs = [], [], [], [], []
+        for i in range(num_reqs):
             n = new_len[i]
-            if first not in connector._decoding or starts[i + 1] - starts[i] != 1:
+            seq = connector._decoding.get(wblock[i])
+            if seq is None or starts[i + 1] - starts[i] != 1:
                 continue
             # 0: dense (shorter than dense_below, or attending every block anyway)
             a = _k.sparse_attend(n, bs, cfg.attend, dense_below=cfg.dense_below, sinks=cfg.sinks, local=cfg.local)
@@ -588,6 +615,7 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             tix.append(starts[i])
             toks.append(n)
             att.append(a)
+            seqs.append(seq)
             new_len[i] = _k.attended_tokens(n, bs, a)  # the last block may be partial
         if rows:
             st = connector.sparse_stats
@@ -598,8 +626,9 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             step.dst = src.clone()
             step.rows, step.token_index = np.asarray(rows, np.int64), np.asarray(tix, np.int64)
             step.tokens, step.attend = np.asarray(toks, np.int64), np.asarray(att, np.int64)
+            step.seqs = np.asarray(seqs, np.int64)
             # the rows once for every layer (each layer's call then passes only its query)
-            sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst)
+            sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst, step.seqs)
     if new_len != lens:
         new_sl = md.seq_lens.clone()
         new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)

@@ -145,13 +145,15 @@ class Audit:
         self._write(event="finished", req=req.request_id, status=str(req.status), holes=had_holes,
                     output_tokens=len(req.output_token_ids))
 
-    def step(self, mgr, pool, holes: dict, shared: bool = False) -> None:
+    def step(self, req_to_blocks: dict, pool, holes: dict, shared: bool = False) -> None:
+        """req_to_blocks: req_id -> its vLLM blocks (internals.all_request_blocks); pool: vLLM's
+        BlockPool (internals.block_pool)."""
         self.steps += 1
         owner: dict[int, str] = {}
         tables: dict[int, int] = {}
         refs: dict[int, int] = {}
         bad = []
-        for rid, blocks in mgr.req_to_blocks.items():
+        for rid, blocks in req_to_blocks.items():
             for b in blocks:
                 if b.is_null:
                     continue
@@ -170,7 +172,7 @@ class Audit:
         for first, (rid, _) in holes.items():
             if owner.get(first) != rid:
                 bad.append(f"holes of {rid} sent under first block {first}, held by {owner.get(first)}")
-        rec = {"event": "step", "step": self.steps, "requests": len(mgr.req_to_blocks), "held": len(owner),
+        rec = {"event": "step", "step": self.steps, "requests": len(req_to_blocks), "held": len(owner),
                "free": free, "holes": len(holes)}
         if bad:
             self.violations += 1

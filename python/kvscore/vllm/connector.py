@@ -53,8 +53,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -67,6 +65,7 @@ from .. import SnapKV as _SnapKV
 from .. import _kvscore as _k
 from .. import make_scorer
 from . import VLLM_VERSION, Config
+from . import internals as V
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -196,7 +195,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                              f"kept: it identifies the request's row on the workers)")
         if c.speculative_config is not None:
             raise ValueError("kvscore.vllm: speculative decoding is not supported")
-        groups = getattr(self._kv_cache_config, "kv_cache_groups", None)
+        groups = V.kv_cache_groups(self._kv_cache_config)
         if groups is not None and len(groups) != 1:
             raise ValueError(f"kvscore.vllm: {len(groups)} KV cache groups (a hybrid model); the plugin frees the "
                              f"blocks of one group whose layers all use full attention")
@@ -365,13 +364,12 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._done.discard(req_id)
             if lossy:
                 self.swaps["recomputed"] += 1
-        mgr = km.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._reqs.get(req_id)
             if req is None:
                 continue
             if self.cfg.sparse and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
-                blocks = mgr.req_to_blocks.get(req_id)
+                blocks = V.request_blocks(km, req_id)
                 at = req.num_computed_tokens // self.block_size  # the block this step's token goes to
                 if blocks and at < len(blocks) and not blocks[at].is_null:
                     seq = self._seq.get(req_id)
@@ -382,7 +380,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                     self._sparse_decoded.add(req_id)
             if self._swap_limit and (req_id in self._holes_by_req or req_id in self._sparse_decoded):
                 # what a swap-out after this step would save: the table, the tokens computed by then
-                self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in mgr.req_to_blocks.get(req_id, ())],
+                self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in V.request_blocks(km, req_id) or ()],
                                       req.num_computed_tokens + n)
             if req_id in self._done or not self._scores:
                 continue
@@ -394,12 +392,12 @@ class KvscoreConnector(KVConnectorBase_V1):
             nblocks = -(-P // self.block_size)
             if self.cfg.budget(P, self.block_size) >= nblocks and self.cfg.ratio > 0:
                 continue  # shorter than the protected window: left whole (keep-all, ratio 0, still scores)
-            ids = list(km.get_block_ids(req_id)[0][:nblocks])
+            ids = V.block_ids(km, req_id)[:nblocks]
             self._scoring[req_id] = (ids, P)
             meta.score.append((req_id, ids, P))
         meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
         if self._audit is not None:
-            self._audit.step(mgr, km.block_pool, meta.holes, shared=self._prefix_caching)
+            self._audit.step(V.all_request_blocks(km), V.block_pool(km), meta.holes, shared=self._prefix_caching)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -407,10 +405,11 @@ class KvscoreConnector(KVConnectorBase_V1):
         if not isinstance(wm, KvscoreWorkerMeta):
             return
         self._score_seconds += wm.seconds
-        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
+        km = self._kv_cache_manager
         for req_id, parts in wm.partials.items():
             ids, P = self._scoring.pop(req_id, (None, 0))
-            if ids is None or req_id not in mgr.req_to_blocks:
+            blocks = V.request_blocks(km, req_id)
+            if ids is None or blocks is None:
                 continue  # finished (or preempted) meanwhile: its blocks went back whole
             nblocks = len(ids)
             budget = self.cfg.budget(P, self.block_size)
@@ -420,7 +419,6 @@ class KvscoreConnector(KVConnectorBase_V1):
                                                   block_aggregate=self.cfg.block_aggregate)
             keep = set(int(b) for b in kept)
             evicted = [b for b in range(nblocks) if b not in keep]
-            blocks = mgr.req_to_blocks[req_id]
             if [b.block_id for b in blocks[:nblocks]] != ids:
                 continue  # not the blocks that were scored (cannot happen without preemption)
             freed_ids = [ids[b] for b in evicted]
@@ -435,13 +433,12 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     def _free_runs(self, req_id: str, evicted: list[int]) -> None:
         """Frees each run [a, e) of the evicted logical blocks (vLLM's sliding-window path)."""
-        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
         i = 0
         while i < len(evicted):
             j = i
             while j + 1 < len(evicted) and evicted[j + 1] == evicted[j] + 1:
                 j += 1
-            mgr._remove_blocks_in_range(req_id, evicted[i], evicted[j] + 1)
+            V.free_block_range(self._kv_cache_manager, req_id, evicted[i], evicted[j] + 1)
             i = j + 1
 
     @property
@@ -451,8 +448,7 @@ class KvscoreConnector(KVConnectorBase_V1):
         return 0 if self._prefix_caching else int(self.cfg.swap_space * (1 << 30))
 
     def _block_bytes(self) -> int:
-        c = self._kv_cache_config
-        return max(1, sum(t.size for t in c.kv_cache_tensors) // max(1, c.num_blocks))
+        return V.block_bytes(self._kv_cache_config)
 
     def _swap_out(self, req_id: str, snap: tuple[list[int], int], meta: KvscoreMeta) -> bool:
         """Orders the preempted request's kept blocks to host memory; False beyond swap_space."""
@@ -500,10 +496,10 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     """impl.forward of this layer (an instance attribute; vLLM's class is untouched) hands the CPU
     kernel the batch's block table and sequence lengths without the evicted blocks, and with
     sparse decode only the blocks each decode row attends in this layer."""
-    if getattr(impl, "_kvscore_wrapped", False):
-        return
-    orig = impl.forward
+    V.wrap_forward(impl, lambda orig: _sparse_forward(orig, impl, connector))
 
+
+def _sparse_forward(orig, impl, connector: KvscoreConnector):
     def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if attn_metadata is not None and connector._want_queries:
             _capture_queries(layer, query, attn_metadata, connector)
@@ -524,16 +520,15 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
             attn_metadata = step.md
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
-    impl.forward = forward
-    impl._kvscore_wrapped = True
+    return forward
 
 
 def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
     """SnapKV: the post-RoPE queries of the last `window` prompt positions of each request whose
     prompt this step finishes (its last chunk; fewer when the chunk is shorter)."""
-    qsl = md.query_start_loc
+    bt, qsl = V.step_fields(md)[:2]
     for i in range(qsl.shape[0] - 1):
-        rid = connector._want_queries.get(int(md.block_table[i, 0]))
+        rid = connector._want_queries.get(int(bt[i, 0]))
         if rid is None:
             continue
         a, b = int(qsl[i]), int(qsl[i + 1])
@@ -561,16 +556,16 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
     each row, which decode rows attend sparsely and their shorter sequence lengths, one attention
     schedule for every layer (the counts do not depend on the layer). Every layer of the step
     shares one metadata object, which is never edited."""
-    cached = md.__dict__.get("_kvscore")
+    cached = V.step_cached(md)
     if cached is not None and cached.version == connector._holes_version:
         return cached
     t0 = time.perf_counter()
     cfg, bs, sel = connector.cfg, connector.block_size, connector._selector
-    bt, qsl = md.block_table, md.query_start_loc
+    bt, qsl, seq_lens, slot_mapping, num_actual = V.step_fields(md)
     num_reqs = qsl.shape[0] - 1
     firsts = bt[:num_reqs, 0]
     if sel is not None:  # every step: the blocks written since the last one lose their summaries
-        written = md.slot_mapping[: md.num_actual_tokens]
+        written = slot_mapping[:num_actual]
         if connector._loaded_blocks:  # and the blocks a swap-in wrote
             written = torch.cat([written.to(torch.int64),
                                  torch.tensor(connector._loaded_blocks, dtype=torch.int64) * bs])
@@ -579,7 +574,7 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
         # and indexes stay; the others' go)
         sel.begin_step(written, np.fromiter(connector._decoding.values(), np.int64, len(connector._decoding)))
     firsts = firsts.tolist()
-    lens = md.seq_lens[:num_reqs].tolist()
+    lens = seq_lens[:num_reqs].tolist()
     src, new_len = bt, list(lens)
     for i, first in enumerate(firsts):
         hole = connector._holes.get(first)
@@ -600,7 +595,7 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
         starts = qsl[: num_reqs + 1].tolist()
         # each row's request: the block its first token is written to (a decoding request's own,
         # even when prefix caching shares its first blocks with other requests)
-        wblock = (md.slot_mapping[qsl[:num_reqs].long()] // bs).tolist()
+        wblock = (slot_mapping[qsl[:num_reqs].long()] // bs).tolist()
         rows, tix, toks, att, seqs = [], [], [], [], []
         for i in range(num_reqs):
             n = new_len[i]
@@ -630,26 +625,12 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             # the rows once for every layer (each layer's call then passes only its query)
             sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst, step.seqs)
     if new_len != lens:
-        new_sl = md.seq_lens.clone()
+        new_sl = seq_lens.clone()
         new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs,
-            num_heads=impl.num_heads,
-            num_kv_heads=impl.num_kv_heads,
-            head_dim=impl.head_size,
-            seq_lens=new_sl,
-            dtype=query.dtype,
-            query_start_loc=md.query_start_loc,
-            causal=md.causal,
-            sliding_window_size=-1,
-            isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=md.dynamic_causal,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )
+        sched = V.attention_schedule(impl, layer.isa, md, new_sl, query.dtype)
         table = step.dst if step.dst is not None else src
-        step.md = dataclasses.replace(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
-                                      max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
-    md.__dict__["_kvscore"] = step
+        step.md = V.metadata_with(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
+                                  max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
+    V.step_cache(md, step)
     connector.sparse_stats["plan_s"] += time.perf_counter() - t0
     return step

@@ -30,16 +30,22 @@ when vLLM admits it again the connector reports those tokens as already computed
 holes are made again: R goes on with the cache it had. Beyond swap_space, vLLM's recompute (R is
 scored again).
 
-A worker identifies R's row in the batch by the physical id of R's first block: the block of
-position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix caching off).
+For eviction a worker identifies R's row in the batch by the physical id of R's first block: the
+block of position 0 is always kept (sinks >= 1 is required) and owned by R alone (eviction refuses
+prefix caching).
 
-Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, the first
-blocks of the requests that decode in it; on the worker, the first attention call of a step plans
-it once (kvscore::BlockSparsePlanner::begin_step with the step's written slots and live requests;
+Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, for each
+request that decodes in it, the block its token is written to (R's own, even when prefix caching
+shares R's first blocks with other requests) and R's sequence key; on the worker a row is R's when
+its slot_mapping entry falls in that block, and the first attention call of a step plans the step
+once (kvscore::BlockSparsePlanner::begin_step with the step's written slots and live sequence keys;
 which rows decode sparsely and how many blocks each attends, kvscore::sparse_attend; their sequence
 lengths and one attention schedule for every layer; the planner's plan), then every layer's call
 chooses that layer's blocks of every sparse row in one C++ call (select_planned) into a scratch
-block table the kernel reads.
+block table the kernel reads. Summaries are kept per physical block (made again after a write):
+with prefix caching a shared block is summarised once for every request that reads it.
+
+vLLM internals are reached through kvscore.vllm.internals (one named function each).
 """
 from __future__ import annotations
 

@@ -46,6 +46,9 @@ import sys
 import time
 
 
+DECODE_CONFIGS = "vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5"  # --configs' default
+
+
 def _prompts(model: str, n: int, length: int):
     from transformers import AutoTokenizer
 
@@ -257,7 +260,7 @@ def _shared_prefix_main(a) -> int:
     report = {"workload": "shared-prefix", "config": {"length": a.length, "prompts": a.prompts,
                                                       "max_tokens": a.max_tokens,
                                                       "prompt_tokens": [len(p) for p in prompts]}, "runs": {}}
-    configs = a.configs if a.configs != "vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5" else "vllm,attend=0.1"
+    configs = a.configs if a.configs != DECODE_CONFIGS else "vllm,attend=0.1"
     print(f"vLLM CPU shared-prefix bench: {a.prompts} requests on one ~{a.length}-token document, "
           f"{a.max_tokens} generated each", flush=True)
     for entry in (e for e in configs.split(",") if e):
@@ -485,7 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true",
                     help="needle workload: the recall of the exact blocks per layer and decode step (slower)")
     ap.add_argument("--batches", default="1,8,16", help="decode workload: batch sizes, run one after another")
-    ap.add_argument("--configs", default="vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5",
+    ap.add_argument("--configs", default=DECODE_CONFIGS,
                     help="decode workload: 'vllm' (plain) or kvscore settings joined by '@'")
     ap.add_argument("--method", default="knorm", help="decode workload: the eviction scorer")
     ap.add_argument("--shape", default=None, choices=("llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "llama-3.1-8b"),

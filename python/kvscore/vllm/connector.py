@@ -186,8 +186,8 @@ class KvscoreConnector(KVConnectorBase_V1):
             raise ValueError(f"kvscore.vllm: ratio {self.cfg.ratio} (eviction) needs enable_prefix_caching=False: "
                              f"with prefix caching a prompt block may be shared by several requests and stays in "
                              f"vLLM's prefix cache under its hash, so it cannot be freed for one of them "
-                             f"(docs/guides/vllm.md#prefix-caching); sparse decode alone (ratio 0, attend < 1) "
-                             f"works with prefix caching")
+                             f"(docs/guides/vllm.md#prefix-caching-and-chunked-prefill); sparse decode alone "
+                             f"(ratio 0, attend < 1) works with prefix caching")
         dt = str(c.cache_config.cache_dtype)
         if dt != "auto":
             raise ValueError(f"kvscore.vllm: kv_cache_dtype {dt!r}: the view reads float32/float16/bfloat16 "

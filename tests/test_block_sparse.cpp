@@ -17,6 +17,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -410,7 +411,8 @@ TEST_CASE("PagedBlockSelector: errors name the value and leave every output unwr
   CHECK(error_of([&] {
           std::vector<BlockSparseRow> rows{{table, 160, q.data(), 3, out.data()}, {other, 160, q.data(), 3, out.data()}};
           pool.with_view([&](const auto& v) { par.select(0, v, 4, rows); });
-        }) == "kvscore::PagedBlockSelector::select: row 1 starts with block 0 as an earlier row does (one sequence per row)");
+        }) == "kvscore::PagedBlockSelector::select: row 1 has the sequence key 0 of an earlier row (one sequence per row; "
+              "rows sharing a first block need their own seq)");
   // the pool's shape must be the selector's
   Pool<float> small(4, H, bs, d, true);
   CHECK(error_of([&] {
@@ -739,9 +741,71 @@ TEST_CASE("PagedBlockSelector: begin_step must name the live sequences, and thei
   std::vector<BlockSparseRow> rows{{table, 40 * bs + 3, q.data(), 6, out.data()}};
   sel.begin_step({}, {});
   CHECK(error_of([&] { pool.with_view([&](const auto& v) { sel.select(0, v, 1, rows); }); }) ==
-        "kvscore::PagedBlockSelector::select: row 0's sequence (first block 0) is not among the live sequences "
+        "kvscore::PagedBlockSelector::select: row 0's sequence (key 0) is not among the live sequences "
         "begin_step named this step");
   CHECK(std::all_of(out.begin(), out.end(), [](std::int32_t x) { return x == -7; }));
+}
+
+TEST_CASE("PagedBlockSelector: rows sharing their first blocks (prefix caching) are told apart by seq; a shared "
+          "block's summary is made once", "[block_sparse]") {
+  const std::int64_t NB = 64, H = 2, bs = 32, d = 16, qh = 4;
+  Pool<float> pool(NB, H, bs, d, true);
+  for (std::int64_t b = 0; b < NB; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t o = 0; o < bs; ++o) pool.put(b, h, o, normal(std::size_t(d), std::uint64_t((b * H + h) * bs + o + 7)).data());
+  // A and B share their first 20 blocks (a cached prefix), then each has 4 of its own
+  std::vector<std::int32_t> ta(24), tb(24);
+  std::iota(ta.begin(), ta.end(), 0);
+  std::iota(tb.begin(), tb.begin() + 20, 0);
+  std::iota(tb.begin() + 20, tb.end(), 40);
+  const std::int64_t tokens = 24 * bs - 5;
+  const auto qa = normal(std::size_t(qh * d), 11), qb = normal(std::size_t(qh * d), 12);
+  for (const BlockScore score : {BlockScore::int4, BlockScore::pariskv}) {
+    CAPTURE(kvscore::to_string(score));
+    BlockSparseOptions o;
+    o.score = score;
+    o.sinks = 1;
+    o.local = 1;
+    o.refresh = 4;
+    PagedBlockSelector sel(1, NB, H, d, bs, o), alone(1, NB, H, d, bs, o);
+    std::vector<std::int32_t> oa(6), ob(6), ra(6), rb(6);
+    std::vector<std::uint8_t> fresh(2, 9);
+    const std::vector<std::int64_t> live{7, 3};
+    for (int step = 0; step < 3; ++step) {
+      std::vector<BlockSparseRow> rows{{ta, tokens, qa.data(), 6, oa.data(), &fresh[0], 7},
+                                       {tb, tokens, qb.data(), 6, ob.data(), &fresh[1], 3}};
+      sel.begin_step({}, live);
+      pool.with_view([&](const auto& v) { sel.select(0, v, qh, rows); });
+      CHECK(int(fresh[0]) == (step == 0));  // each sequence's kept choice stands on its own
+      CHECK(int(fresh[1]) == (step == 0));
+    }
+    // each row chose what it chooses alone (a selector that saw only it), from the same summaries
+    for (const auto& [t, q, want, key] : {std::tuple{&ta, &qa, &ra, 7}, std::tuple{&tb, &qb, &rb, 3}}) {
+      std::vector<BlockSparseRow> one{{*t, tokens, q->data(), 6, want->data(), nullptr, key}};
+      const std::vector<std::int64_t> l1{key};
+      alone.begin_step({}, l1);
+      pool.with_view([&](const auto& v) { alone.select(0, v, qh, one); });
+    }
+    CHECK(oa == ra);
+    CHECK(ob == rb);
+    CHECK(oa != ob);  // (the two queries choose differently: the rows were not mixed up)
+    if (score == BlockScore::int4) {
+      // candidates: blocks 1..22 of each (block 0 a sink, 23 the local/last): 20 shared ids
+      // (1..19 and A's 20..22 are 20, 21, 22; B's are 40, 41, 42): 19 + 3 + 3 made once each
+      CHECK(sel.summaries_made() == 25);
+    } else {
+      CHECK(sel.indexes() == 2);  // one index per sequence, not per first block
+    }
+  }
+  // without seq the two rows are one sequence: refused, naming the key
+  PagedBlockSelector sel(1, NB, H, d, bs);
+  std::vector<std::int32_t> oa(6, -7), ob(6, -7);
+  std::vector<BlockSparseRow> rows{{ta, tokens, qa.data(), 6, oa.data()}, {tb, tokens, qb.data(), 6, ob.data()}};
+  const std::vector<std::int64_t> live{0};
+  sel.begin_step({}, live);
+  CHECK(error_of([&] { pool.with_view([&](const auto& v) { sel.select(0, v, qh, rows); }); }) ==
+        "kvscore::PagedBlockSelector::select: row 1 has the sequence key 0 of an earlier row (one sequence per row; "
+        "rows sharing a first block need their own seq)");
 }
 
 /// A trigger that fires while this step's query differs from the one the kept choice was scored

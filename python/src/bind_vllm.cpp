@@ -10,11 +10,13 @@
 // std::invalid_argument (ValueError).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -242,13 +244,14 @@ class VllmBlockSelector {
   }
 
   void plan(const Any& token_index, const Any& src, const Any& rows, const Any& tokens, const Any& attend,
-            const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
+            const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst, const std::optional<Any>& seqs) {
     const kvscore::BlockTableRows S = table32(src, "src");
     if (dst.shape(1) > 1 && dst.stride(1) != 1) bad("dst: its rows must be contiguous");
     const kvscore::MutableBlockTableRows D{dst.data(), std::int64_t(dst.shape(0)), std::int64_t(dst.shape(1)),
                                            dst.shape(0) > 1 ? std::int64_t(dst.stride(0)) : std::int64_t(dst.shape(1))};
     planner_.plan(block_ids_of(token_index, "token_index"), S, block_ids_of(rows, "rows"), block_ids_of(tokens, "tokens"),
-                  block_ids_of(attend, "attend"), D);
+                  block_ids_of(attend, "attend"), D,
+                  seqs ? block_ids_of(*seqs, "seqs") : std::vector<std::int64_t>{});
     src_ref_ = src;  // src and dst live as long as the plan
     dst_ref_ = dst;
   }
@@ -272,7 +275,7 @@ class VllmBlockSelector {
                                               const Any& tokens, const Any& attend,
                                               const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
     const kvscore::KeyCache c = key_cache(vllm_layer(kv_cache, "kv_cache"));
-    plan(token_index, src, rows, tokens, attend, dst);
+    plan(token_index, src, rows, tokens, attend, dst, std::nullopt);
     const kvscore::QueryTensor q = query_tensor(query, planner_.selector().head_dim());
     {
       nb::gil_scoped_release unlocked;
@@ -510,7 +513,7 @@ void bind_vllm(nb::module_& m) {
           "threads"_a = bso.num_threads, "probe"_a = bso.probe)
       .def("begin_step", &VllmBlockSelector::begin_step, "slot_mapping"_a, "live"_a,
            "Once per step: the slots written since the last step (their blocks' summaries and indexes go stale) and\n"
-           "the first block of every sequence in the step.")
+           "the key of every sequence in the step (plan's seqs, or without them its first block).")
       .def("select", &VllmBlockSelector::select, "layer"_a, "kv_cache"_a, "query"_a, "token_index"_a, "src"_a, "rows"_a,
            "tokens"_a, "attend"_a, "dst"_a,
            "One layer: the blocks of each decode row (rows of src, compacted) written into the same rows of dst;\n"
@@ -518,8 +521,10 @@ void bind_vllm(nb::module_& m) {
       .def("register_caches", &VllmBlockSelector::register_caches, "caches"_a,
            "Every layer's cache, in layer order, once: select_planned reads a registered cache without converting it.")
       .def("plan", &VllmBlockSelector::plan, "token_index"_a, "src"_a, "rows"_a, "tokens"_a, "attend"_a, "dst"_a,
+           "seqs"_a = nb::none(),
            "Once per step, after begin_step: the step's decode rows (as select takes them), for every layer's\n"
-           "select_planned; src and dst are held until the next begin_step.")
+           "select_planned; src and dst are held until the next begin_step. seqs: each row's sequence key (the\n"
+           "keys begin_step's live named; prefix caching: rows may share a first block), or None: its first block.")
       .def("select_planned", &VllmBlockSelector::select_planned, "layer"_a, "kv_cache"_a, "query"_a,
            "One layer of the planned step (select without the per-step arguments); returns how many rows were\n"
            "scored (the others' kept choices stood); `fresh` has the per-row flags.")

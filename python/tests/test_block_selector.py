@@ -126,3 +126,37 @@ def test_the_plugins_sparse_defaults_are_the_librarys():
     assert _k.sparse_attend(1000, 32, 0.1) == 0                      # below dense_below
     assert _k.sparse_attend(2000, 32, 0.1) == _k.attended_blocks(2000, 32, 0.1)
     assert _k.attended_tokens(1000, 32, 4) == 3 * 32 + 8
+
+
+def test_rows_sharing_a_first_block_need_their_own_keys_and_each_chooses_its_own():
+    # prefix caching: two requests whose tables start with the same 14 physical blocks
+    nb = 48
+    caches = _pool(nb, seed=3)
+    sel, alone = _selectors(nb, 3)
+    sel.register_caches(caches)
+    alone.register_caches(caches)
+    src = torch.zeros(2, 20, dtype=torch.int32)
+    src[0] = torch.arange(20, dtype=torch.int32)
+    src[1, :14] = torch.arange(14, dtype=torch.int32)
+    src[1, 14:] = torch.arange(30, 36, dtype=torch.int32)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, QH, D, generator=g)
+    ti, rows, toks, att = np.array([0, 1]), np.array([0, 1]), np.array([155, 155]), np.array([6, 6])
+    keys = np.array([11, 12], np.int64)
+    sel.begin_step(np.zeros(0, np.int64), keys)
+    dst = src.clone()
+    with pytest.raises(ValueError, match="sequence key 0 of an earlier row"):  # keyed by their first block
+        sel.plan(ti, src, rows, toks, att, dst)
+        sel.select_planned(0, caches[0], q)
+    with pytest.raises(ValueError, match="seqs: 1 entries, one per decode row"):
+        sel.plan(ti, src, rows, toks, att, dst, np.array([11]))
+    with pytest.raises(ValueError, match=r"seqs\[1\] = -2 must be >= 0"):
+        sel.plan(ti, src, rows, toks, att, dst, np.array([11, -2]))
+    sel.plan(ti, src, rows, toks, att, dst, keys)
+    assert sel.select_planned(0, caches[0], q) == 2
+    for r in (0, 1):  # each row alone, under its own key: the same blocks
+        one = src[r:r + 1].clone()
+        alone.begin_step(np.zeros(0, np.int64), keys[r:r + 1])
+        alone.plan(np.array([0]), src[r:r + 1], np.array([0]), toks[:1], att[:1], one, keys[r:r + 1])
+        alone.select_planned(0, caches[0], q[r:r + 1])
+        assert one[0, :6].tolist() == dst[r, :6].tolist()

@@ -4,7 +4,8 @@ is a process-wide global. Used by python/tests_vllm/test_engine.py.
 
     python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
                                           capture: bool, block_size, stepwise: bool, arrive: [step per prompt],
-                                          blocks: pool size, check: bool (kvscore.vllm.check's records))
+                                          blocks: pool size, check: bool (kvscore.vllm.check's records),
+                                          prefix_caching: bool, max_num_batched_tokens: chunked prefill's chunk)
 """
 import json
 import os
@@ -63,13 +64,23 @@ def main(spec):
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
               max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1),
-              **({"num_gpu_blocks_override": spec["blocks"]} if spec.get("blocks") else {}), **kw)
+              **({"num_gpu_blocks_override": spec["blocks"]} if spec.get("blocks") else {}),
+              **({"max_num_batched_tokens": spec["max_num_batched_tokens"], "enable_chunked_prefill": True}
+                 if spec.get("max_num_batched_tokens") else {}), **kw)
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    out = {"tokens": [], "decisions": [], "blocks": [], "preemptions": 0}
+    out = {"tokens": [], "decisions": [], "blocks": [], "preemptions": 0, "cached": [], "scheduled": []}
+    orig_schedule = sched.schedule
+
+    def _schedule(*a, **k):  # every step's scheduled tokens per request (chunks, mixed steps)
+        so = orig_schedule(*a, **k)
+        out["scheduled"].append({external(r): n for r, n in so.num_scheduled_tokens.items()})
+        return so
+
+    sched.schedule = _schedule
     orig_preempt = sched._preempt_request
 
     def _preempt(*a, **k):
@@ -85,7 +96,7 @@ def main(spec):
             arrive = spec.get("arrive", [0] * len(prompts))[s:s + batch]  # the step each prompt is added at
             ids = [f"b{batch}r{s + j}" for j in range(len(chunk))]
             added = set()
-            res = {}
+            res, cached = {}, {}
             step = 0
             while len(added) < len(chunk) or eng.has_unfinished_requests():
                 for j, p in enumerate(chunk):
@@ -108,10 +119,13 @@ def main(spec):
                 for o in outs:
                     if o.finished:
                         res[o.request_id] = list(o.outputs[0].token_ids)
+                        cached[o.request_id] = o.num_cached_tokens  # prefix-cache hits
             out["tokens"] += [res[r] for r in ids]
+            out["cached"] += [cached[r] for r in ids]
         else:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in chunk], sp, use_tqdm=False)
             out["tokens"] += [list(o.outputs[0].token_ids) for o in outs]
+            out["cached"] += [o.num_cached_tokens for o in outs]
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     layers = get_layers_from_vllm_config(llm.llm_engine.vllm_config, Attention)

@@ -103,7 +103,8 @@ def test_bad_configuration_fails_at_engine_start(model_dir):
     assert "kvscore.vllm: unknown method 'no_such_method'" in err
     # (the other settings' errors take the same path: test_config.py checks them without an engine)
     err = engine_error({**base, "plugin": {"method": "keydiff", "ratio": 0.5}, "prefix_caching": True})
-    assert "needs enable_prefix_caching=False" in err
+    assert "kvscore.vllm: ratio 0.5 (eviction) needs enable_prefix_caching=False" in err
+    assert "shared by several requests" in err  # the reason (test_prefix.py: sparse decode alone works)
 
 
 def hf_greedy_with_holes(model_dir, ids, evicted_blocks, steps, block_size=32):

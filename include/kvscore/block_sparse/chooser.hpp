@@ -57,6 +57,7 @@ void score_row(const Scorer& scorer, const SummaryStore* store, const LayerCall<
   job.layer = call.layer;
   job.table = t.row.table;
   job.tokens = t.row.tokens;
+  job.seq = row_sequence(t.row);
   job.writes = &call.writes;
   job.threads = t.threads;
   scorer.score(job, rd, w);

@@ -149,6 +149,15 @@ struct BlockSparseRow {
   std::int64_t attend = 0;              ///< blocks to attend: attended_blocks(...), in [protected, blocks]
   std::int32_t* out = nullptr;          ///< [attend] chosen physical ids, ascending logical order
   std::uint8_t* fresh = nullptr;        ///< optional: set to 1 when scored this step, 0 when a kept choice stood
+  /// The sequence's key (its kept choice and ParisKV index are found by it); -1: its first block,
+  /// table[0]. An engine whose sequences share blocks (prefix caching: a shared first block) gives
+  /// each sequence its own key; the rows of a call need distinct keys.
+  std::int64_t seq = -1;
 };
+
+/// The key a row's sequence state is found by: BlockSparseRow::seq, or its first block.
+inline std::int64_t row_sequence(const BlockSparseRow& r) noexcept {
+  return r.seq >= 0 ? r.seq : std::int64_t(r.table[0]);
+}
 
 }  // namespace kvscore

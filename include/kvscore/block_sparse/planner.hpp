@@ -121,15 +121,23 @@ class BlockSparsePlanner {
   /// The step's decode rows (after begin_step): rows `rows[i]` of `src`, each row's query token
   /// (its index in a layer's queries), length and blocks to attend; every layer's choice is
   /// written into the same rows of `dst` (the rest of dst is never written). src and dst must
-  /// outlive the step.
+  /// outlive the step. `seqs`: each row's sequence key (BlockSparseRow::seq; the keys begin_step's
+  /// `live` named), or empty: each row's first block (sequences that share no block).
   void plan(std::span<const std::int64_t> token_index, BlockTableRows src, std::span<const std::int64_t> rows,
-            std::span<const std::int64_t> tokens, std::span<const std::int64_t> attend, MutableBlockTableRows dst) {
+            std::span<const std::int64_t> tokens, std::span<const std::int64_t> attend, MutableBlockTableRows dst,
+            std::span<const std::int64_t> seqs = {}) {
     if (dst.rows < src.rows || dst.cols < src.cols)
       detail::throw_invalid("dst: shape (" + std::to_string(dst.rows) + ", " + std::to_string(dst.cols) +
                             ") is smaller than src's (" + std::to_string(src.rows) + ", " + std::to_string(src.cols) + ")");
     if (token_index.size() != rows.size() || tokens.size() != rows.size() || attend.size() != rows.size())
       detail::throw_invalid("token_index, rows, tokens and attend must have one entry per decode row (" +
                             std::to_string(rows.size()) + ")");
+    if (!seqs.empty() && seqs.size() != rows.size())
+      detail::throw_invalid("seqs: " + std::to_string(seqs.size()) + " entries, one per decode row (" +
+                            std::to_string(rows.size()) + ") or none");
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      if (seqs[i] < 0)
+        detail::throw_invalid("seqs[" + std::to_string(i) + "] = " + std::to_string(seqs[i]) + " must be >= 0");
     for (std::size_t i = 0; i < rows.size(); ++i) {
       if (rows[i] < 0 || rows[i] >= src.rows)
         detail::throw_invalid("rows[" + std::to_string(i) + "] = " + std::to_string(rows[i]) + " out of range [0, " +
@@ -145,6 +153,7 @@ class BlockSparsePlanner {
     p.rows.assign(rows.begin(), rows.end());
     p.tokens.assign(tokens.begin(), tokens.end());
     p.attend.assign(attend.begin(), attend.end());
+    p.seqs.assign(seqs.begin(), seqs.end());
     p.set = true;
     plan_ = std::move(p);
   }
@@ -184,7 +193,7 @@ class BlockSparsePlanner {
     bool set = false;
     BlockTableRows src;
     MutableBlockTableRows dst;
-    std::vector<std::int64_t> token_index, rows, tokens, attend;
+    std::vector<std::int64_t> token_index, rows, tokens, attend, seqs;
   };
 
   void check_cache(const KeyCache& c, const std::string& what) const {
@@ -222,7 +231,8 @@ class BlockSparsePlanner {
     rows_.resize(p.rows.size());
     for (std::size_t i = 0; i < p.rows.size(); ++i)
       rows_[i] = {std::span<const std::int32_t>(p.src.row(p.rows[i]), std::size_t(p.src.cols)), p.tokens[i],
-                  q_.data() + i * std::size_t(n), p.attend[i], p.dst.row(p.rows[i]), fresh_.data() + i};
+                  q_.data() + i * std::size_t(n), p.attend[i], p.dst.row(p.rows[i]), fresh_.data() + i,
+                  p.seqs.empty() ? std::int64_t(-1) : p.seqs[i]};
   }
 
   PagedBlockSelector sel_;

@@ -87,7 +87,7 @@ class RefreshPolicy {
   /// The row's kept choice stands this step (the file comment). Serial, before any row is scored.
   bool stands(const RefreshRow& r, const detail::BlockWrites& writes) const {
     if (!keeps() || r.row.attend <= r.pb.count()) return false;
-    const KeptChoice& k = kept_.at(r.layer, std::int64_t(r.row.table[0]));
+    const KeptChoice& k = kept_.at(r.layer, row_sequence(r.row));
     if (k.step < 0 || r.step - k.step >= refresh_ || !still_held(k, r, writes)) return false;
     static const std::vector<float> none;
     for (std::size_t i = 0; i < triggers_.size(); ++i)
@@ -100,7 +100,7 @@ class RefreshPolicy {
   void carry(const RefreshRow& r, std::int64_t k, std::vector<std::int64_t>& chosen) const {
     const detail::ProtectedBlocks& pb = r.pb;
     chosen.clear();
-    for (const std::int64_t b : kept_.at(r.layer, std::int64_t(r.row.table[0])).blocks)
+    for (const std::int64_t b : kept_.at(r.layer, row_sequence(r.row)).blocks)
       if (!pb.contains(b)) chosen.push_back(b);
     while (std::int64_t(chosen.size()) > k) chosen.erase(chosen.begin());  // the oldest go
     for (std::int64_t b = pb.local_begin - 1; std::int64_t(chosen.size()) < k && b >= pb.sink_end; --b)
@@ -111,7 +111,7 @@ class RefreshPolicy {
   /// row's thread.
   void record(const RefreshRow& r, const std::vector<std::int64_t>& chosen) {
     if (!keeps()) return;
-    KeptChoice& k = kept_.at(r.layer, std::int64_t(r.row.table[0]));
+    KeptChoice& k = kept_.at(r.layer, row_sequence(r.row));
     k.step = r.step;
     k.blocks = chosen;
     k.ids.clear();

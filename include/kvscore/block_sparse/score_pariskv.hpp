@@ -82,7 +82,7 @@ class ParisKVScorer {
   /// append per head: the first one, the prompt's blocks, is the index built at once).
   template <class Keys>
   const SeqIndex& grown(const BlockScoreJob& job, const Keys& keys) const {
-    SeqIndex& s = seqs_.at(job.layer, std::int64_t(job.table[0]));
+    SeqIndex& s = seqs_.at(job.layer, job.seq);
     const std::int64_t full = job.tokens / bs_;
     bool stale = std::int64_t(s.ids.size()) > full || s.heads.empty();
     for (std::size_t b = 0; b < s.ids.size() && !stale; ++b)

@@ -36,6 +36,7 @@ struct BlockScoreJob {
   std::int64_t layer = 0;
   std::span<const std::int32_t> table;  ///< the row's blocks, logical order
   std::int64_t tokens = 0;              ///< the sequence's length
+  std::int64_t seq = 0;                 ///< the sequence's key (row_sequence)
   const BlockWrites* writes = nullptr;  ///< the write log (null: nothing was written, a one-off choice)
   int threads = 1;
 };

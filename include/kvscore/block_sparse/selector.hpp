@@ -87,8 +87,8 @@ class PagedBlockSelector {
 
   /// Once per engine step, before its first select(). `slots`: the physical slots written since
   /// the last step (vLLM's slot_mapping; negative entries are padding): the summaries, indexes
-  /// and kept choices holding their blocks go stale. `live`: the first block of every sequence
-  /// in the step (every row select() will see this step among them): the indexes and kept
+  /// and kept choices holding their blocks go stale. `live`: the key (row_sequence: its seq, or
+  /// its first block) of every sequence in the step (every row select() will see this step among them): the indexes and kept
   /// choices of the others go. Both are required: an empty `live` drops every kept choice, and
   /// select() refuses a row whose sequence `live` does not name.
   void begin_step(std::span<const std::int64_t> slots, std::span<const std::int64_t> live) {
@@ -170,21 +170,21 @@ class PagedBlockSelector {
     detail::visit_scorer(scorer_, [&](auto& scorer) { choose_rows(scorer, layer, keys, q_heads, rows, p); });
   }
 
-  /// Each row's first block: rows are distinct sequences (their state is found by it), each one
-  /// begin_step named.
+  /// Each row's sequence key (row_sequence: BlockSparseRow::seq, or its first block): rows are
+  /// distinct sequences (their state is found by it), each one begin_step named.
   std::vector<std::int64_t> sequences(const std::string& who, std::span<const BlockSparseRow> rows) const {
     std::vector<std::int64_t> firsts;
     std::unordered_set<std::int64_t> seen;
     for (std::size_t i = 0; i < rows.size(); ++i) {
-      const std::int64_t f = rows[i].table[0];
+      const std::int64_t f = row_sequence(rows[i]);
       if (!seen.insert(f).second)
-        detail::throw_invalid(who + ": row " + std::to_string(i) + " starts with block " + std::to_string(f) +
-                              " as an earlier row does (one sequence per row)");
+        detail::throw_invalid(who + ": row " + std::to_string(i) + " has the sequence key " + std::to_string(f) +
+                              " of an earlier row (one sequence per row; rows sharing a first block need their own seq)");
       firsts.push_back(f);
     }
     for (std::size_t i = 0; i < rows.size(); ++i)
       if (!live_.contains(firsts[i]))
-        detail::throw_invalid(who + ": row " + std::to_string(i) + "'s sequence (first block " + std::to_string(firsts[i]) +
+        detail::throw_invalid(who + ": row " + std::to_string(i) + "'s sequence (key " + std::to_string(firsts[i]) +
                               ") is not among the live sequences begin_step named this step");
     return firsts;
   }

@@ -8,6 +8,14 @@ requests with a KV cache too small to hold them all, with and without kvscore, i
                                  [--batches 1,8,16] [--configs vllm,attend=0.1,attend=0.05,ratio=0.5,...]
     python -m kvscore.vllm.bench --model DIR --workload needle [--lengths 2048,4096,7168] [--cases 64]
                                  [--batch 8] [--configs vllm,attend=0.1,attend=0.05] [--probe]
+    python -m kvscore.vllm.bench --model DIR --workload shared-prefix [--length 6144] [--prompts 8]
+                                 [--max-tokens 64] [--configs vllm,attend=0.1]
+
+--workload shared-prefix: one document of --length tokens (a needle context), --prompts requests
+each asking its own question about it, all submitted at once; every configuration runs with
+prefix caching off and on (vLLM's enable_prefix_caching). Reported: decode tokens/s (steps where
+every request decodes), time to first token per request (from submission), and the prefix-cache
+hit rate (vLLM's num_cached_tokens over the prompt tokens).
 
 --workload needle: passkey prompts the model answers in its own words (kvscore.vllm.needle).
 
@@ -36,6 +44,9 @@ import os
 import subprocess
 import sys
 import time
+
+
+DECODE_CONFIGS = "vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5"  # --configs' default
 
 
 def _prompts(model: str, n: int, length: int):
@@ -169,6 +180,118 @@ def _decode_run(spec: dict) -> dict:
                     r["recall_of_exact_blocks"] = (p1[1] - probe0[1]) / (p1[0] - probe0[0])
         res["batches"][str(B)] = r
     return res
+
+
+def _shared_prefix_run(spec: dict) -> dict:
+    """--workload shared-prefix, one configuration: every prompt submitted at once, stepped to the end."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if spec.get("plugin"):
+        from kvscore.vllm import kv_transfer_config
+        kw["kv_transfer_config"] = kv_transfer_config(**spec["plugin"])
+    prompts = spec["prompts"]
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
+              block_size=32, enable_prefix_caching=spec["prefix_caching"], seed=0, max_num_seqs=len(prompts),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **kw)
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    last = {}
+    orig_schedule = sched.schedule
+
+    def schedule(*a, **k):
+        out = orig_schedule(*a, **k)
+        last["n"] = dict(out.num_scheduled_tokens)
+        return out
+
+    sched.schedule = schedule
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    t_add = {}
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), sp)
+        t_add[f"q{i}"] = time.perf_counter()
+    ttft, cached, outs = {}, {}, {}
+    dec_s, dec_tok = 0.0, 0
+    t_all = time.perf_counter()
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        step_outs = eng.step()
+        t1 = time.perf_counter()
+        for o in step_outs:
+            if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
+                ttft[o.request_id] = t1 - t_add[o.request_id]
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+                cached[o.request_id] = o.num_cached_tokens or 0
+        n = last.get("n", {})
+        if n and all(v == 1 for v in n.values()):
+            dec_s += t1 - t0
+            dec_tok += len(n)
+    wall = time.perf_counter() - t_all
+    ids = [f"q{i}" for i in range(len(prompts))]
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"wall_s": wall, "decode_tokens_per_s": dec_tok / max(dec_s, 1e-9), "decode_steps_s": dec_s,
+            "ttft_s": [ttft[r] for r in ids], "ttft_mean_s": sum(ttft.values()) / len(ttft),
+            "cached_tokens": [cached[r] for r in ids], "prompt_tokens": prompt_tokens,
+            "prefix_hit_rate": sum(cached.values()) / prompt_tokens, "tokens": [outs[r] for r in ids]}
+
+
+def _shared_prefix_main(a) -> int:
+    from transformers import AutoTokenizer
+
+    from kvscore import quality as Q
+    tok = AutoTokenizer.from_pretrained(a.model)
+    ctx = Q.make_contexts(tok, [a.length], {a.length: 1}, seed=0)[0]
+    qs = Q.questions(ctx)
+    prompts = []
+    for i in range(a.prompts):  # one document, a question each (the needles' questions, then numbered)
+        question, prefix, _ = qs[i % len(qs)]
+        if i >= len(qs):
+            question = f"{question} (Question {i + 1}.)"
+        text = tok.apply_chat_template([{"role": "user", "content": f"{ctx.text}\n\n{question}"}],
+                                       add_generation_prompt=True, tokenize=False) + prefix
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    base = {"model": a.model, "prompts": prompts, "max_tokens": a.max_tokens,
+            "max_model_len": max(len(p) for p in prompts) + a.max_tokens + 64}
+    report = {"workload": "shared-prefix", "config": {"length": a.length, "prompts": a.prompts,
+                                                      "max_tokens": a.max_tokens,
+                                                      "prompt_tokens": [len(p) for p in prompts]}, "runs": {}}
+    configs = a.configs if a.configs != DECODE_CONFIGS else "vllm,attend=0.1"
+    print(f"vLLM CPU shared-prefix bench: {a.prompts} requests on one ~{a.length}-token document, "
+          f"{a.max_tokens} generated each", flush=True)
+    for entry in (e for e in configs.split(",") if e):
+        plugin = None
+        if entry != "vllm":
+            plugin = {"method": a.method, "ratio": 0.0}
+            for kv in entry.split("@"):
+                k, v = kv.split("=", 1)
+                plugin[k] = v if k in ("method", "block_score", "query_group") else float(v)
+            for k in ("local", "dense_below", "sinks", "prefilter", "refresh", "threads"):
+                if k in plugin:
+                    plugin[k] = int(plugin[k])
+        for pc in (False, True):
+            name = f"{entry} prefix_caching={'on' if pc else 'off'}"
+            r = _spawn({**base, "plugin": plugin, "prefix_caching": pc, "shared_prefix": True})
+            report["runs"][name] = r
+            print(f"  {name:36s} decode {r['decode_tokens_per_s']:.2f} tok/s  TTFT mean {r['ttft_mean_s']:.2f} s "
+                  f"(first {r['ttft_s'][0]:.2f} s, last {max(r['ttft_s']):.2f} s)  prefix hit rate "
+                  f"{r['prefix_hit_rate']:.3f}  wall {r['wall_s']:.1f} s", flush=True)
+    runs = report["runs"]
+    for entry in (e for e in configs.split(",") if e):
+        off, on = runs.get(f"{entry} prefix_caching=off"), runs.get(f"{entry} prefix_caching=on")
+        if off and on:
+            same = sum(x == y for x, y in zip(off["tokens"], on["tokens"]))
+            print(f"  {entry}: prefix caching on vs off: TTFT mean x{on['ttft_mean_s'] / off['ttft_mean_s']:.2f}, "
+                  f"decode x{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}, "
+                  f"{same}/{len(on['tokens'])} requests' tokens identical", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
 
 def _decode_main(a) -> int:
@@ -332,8 +455,15 @@ def _run(spec: dict) -> dict:
 
 
 def _spawn(spec: dict) -> dict:
-    p = subprocess.run([sys.executable, "-m", "kvscore.vllm.bench", "--run", json.dumps(spec)], capture_output=True,
-                       text=True)
+    arg = json.dumps(spec)
+    if len(arg) > 65536:  # a command-line argument holds at most 128 KiB: a file instead ("@path")
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            f.write(arg)
+        arg = "@" + f.name
+    p = subprocess.run([sys.executable, "-m", "kvscore.vllm.bench", "--run", arg], capture_output=True, text=True)
+    if arg.startswith("@"):
+        os.unlink(arg[1:])
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -355,7 +485,7 @@ def main(argv=None) -> int:
     ap.add_argument("--watermark", type=float, default=0.0,
                     help="vLLM's scheduler watermark (fraction of blocks kept free when admitting), every run")
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--workload", choices=("concurrency", "decode", "needle"), default="concurrency")
+    ap.add_argument("--workload", choices=("concurrency", "decode", "needle", "shared-prefix"), default="concurrency")
     ap.add_argument("--lengths", default=",".join(str(x) for x in (2048, 4096, 7168)),
                     help="needle workload: prompt lengths in tokens (chat template included)")
     ap.add_argument("--cases", type=int, default=64, help="needle workload: cases per length")
@@ -366,7 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true",
                     help="needle workload: the recall of the exact blocks per layer and decode step (slower)")
     ap.add_argument("--batches", default="1,8,16", help="decode workload: batch sizes, run one after another")
-    ap.add_argument("--configs", default="vllm,attend=0.1,attend=0.05,ratio=0.5,attend=0.1@ratio=0.5",
+    ap.add_argument("--configs", default=DECODE_CONFIGS,
                     help="decode workload: 'vllm' (plain) or kvscore settings joined by '@'")
     ap.add_argument("--method", default="knorm", help="decode workload: the eviction scorer")
     ap.add_argument("--shape", default=None, choices=("llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "llama-3.1-8b"),
@@ -378,8 +508,13 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.run is not None:
-        spec = json.loads(a.run)
-        print("RESULT " + json.dumps(_decode_run(spec) if spec.get("decode") else _run(spec)), flush=True)
+        if a.run.startswith("@"):
+            with open(a.run[1:]) as f:
+                spec = json.load(f)
+        else:
+            spec = json.loads(a.run)
+        run = _shared_prefix_run if spec.get("shared_prefix") else _decode_run if spec.get("decode") else _run
+        print("RESULT " + json.dumps(run(spec)), flush=True)
         return 0
     if not a.model:
         ap.error("--model is required")
@@ -394,6 +529,12 @@ def main(argv=None) -> int:
         a.max_tokens = 64
     if a.workload == "decode":
         return _decode_main(a)
+    if a.workload == "shared-prefix":
+        if a.length == ap.get_default("length"):
+            a.length = 6144
+        if a.prompts == ap.get_default("prompts"):
+            a.prompts = 8
+        return _shared_prefix_main(a)
     base = {"model": a.model, "prompts": a.prompts, "length": a.length, "max_tokens": a.max_tokens,
             "blocks": a.blocks, "max_model_len": a.length + a.max_tokens + 64, "watermark": a.watermark}
     extra = {k: v for k, v in (("block_aggregate", a.block_aggregate), ("aggregate", a.aggregate)) if v is not None}

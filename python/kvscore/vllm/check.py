@@ -53,7 +53,8 @@ class Checker:
         num_reqs = md.query_start_loc.shape[0] - 1
         rows = []
         sparse = set(int(r) for r in step.rows)
-        for r, ti, n, a in zip(step.rows, step.token_index, step.tokens, step.attend):
+        seqs = step.seqs if step.seqs is not None else [-1] * len(step.rows)
+        for r, ti, n, a, seq in zip(step.rows, step.token_index, step.tokens, step.attend, seqs):
             r, n, a = int(r), int(n), int(a)
             nb = -(-n // bs)
             ids = src[r, :nb].astype(np.int64)
@@ -70,7 +71,8 @@ class Checker:
             local_begin = min(nb, max(0, n - max(cfg.local, 1)) // bs)
             protected = [int(ids[b]) for b in range(nb) if b < sink_end or b >= local_begin]
             qlen = int(md.query_start_loc[r + 1] - md.query_start_loc[r])
-            rows.append({"row": r, "first": int(ids[0]), "ids": [int(x) for x in ids], "qlen": qlen, "fresh": fresh,
+            rows.append({"row": r, "first": int(ids[0]), "seq": int(seq), "ids": [int(x) for x in ids], "qlen": qlen,
+                         "fresh": fresh, "sinks_end": sink_end, "local_begin": local_begin,
                          "tokens": n, "attend": a, "blocks": nb, "got": got,
                          "match": got == want, "want": None if got == want else want,
                          "protected_in": all(p in got for p in protected),
@@ -81,7 +83,7 @@ class Checker:
         f.write(json.dumps({"rank": self.rank, "step": self.steps, "layer": layer_name, "rows": rows,
                             "kv_heads": int(kv_cache.shape[1]), "q_heads": int(query.shape[1]),
                             "others_untouched": bool(others_untouched), "prefill_rows": prefill_rows,
-                            "num_reqs": num_reqs}) + "\n")
+                            "num_reqs": num_reqs, "made": int(connector._selector.summaries_made)}) + "\n")
 
 
 def install_from_env(connector_module) -> None:
@@ -111,7 +113,8 @@ class Audit:
     every decision (the request, a hash of its prompt, kept/evicted logical blocks, the physical
     ids freed), preemption and finished request, and checks the KV pool at every step: no
     physical block in two requests' tables, every block held by a request has one reference and
-    every other usable block is free (nothing leaked, nothing freed twice), and the holes sent to
+    every other usable block is free (nothing leaked, nothing freed twice; with prefix caching a
+    block may be in several tables, its reference count then being their number), and the holes sent to
     the workers belong to the requests that hold those first blocks. A step that breaks one of
     these writes a "violation" line. For tests and load runs (docs/vllm.md#under-load)."""
 
@@ -142,19 +145,26 @@ class Audit:
         self._write(event="finished", req=req.request_id, status=str(req.status), holes=had_holes,
                     output_tokens=len(req.output_token_ids))
 
-    def step(self, mgr, pool, holes: dict) -> None:
+    def step(self, req_to_blocks: dict, pool, holes: dict, shared: bool = False) -> None:
+        """req_to_blocks: req_id -> its vLLM blocks (internals.all_request_blocks); pool: vLLM's
+        BlockPool (internals.block_pool)."""
         self.steps += 1
         owner: dict[int, str] = {}
+        tables: dict[int, int] = {}
+        refs: dict[int, int] = {}
         bad = []
-        for rid, blocks in mgr.req_to_blocks.items():
+        for rid, blocks in req_to_blocks.items():
             for b in blocks:
                 if b.is_null:
                     continue
-                if b.block_id in owner:
+                if b.block_id in owner and not shared:
                     bad.append(f"block {b.block_id} in the tables of {owner[b.block_id]} and {rid}")
-                owner[b.block_id] = rid
-                if b.ref_cnt != 1:
-                    bad.append(f"block {b.block_id} of {rid} has ref_cnt {b.ref_cnt}")
+                owner.setdefault(b.block_id, rid)
+                tables[b.block_id] = tables.get(b.block_id, 0) + 1
+                refs[b.block_id] = b.ref_cnt
+        for bid, n in tables.items():
+            if refs[bid] != n:
+                bad.append(f"block {bid} of {owner[bid]} has ref_cnt {refs[bid]}, in {n} tables")
         usable = pool.num_gpu_blocks - 1  # less vLLM's null block
         free = pool.get_num_free_blocks()
         if free + len(owner) != usable:
@@ -162,7 +172,7 @@ class Audit:
         for first, (rid, _) in holes.items():
             if owner.get(first) != rid:
                 bad.append(f"holes of {rid} sent under first block {first}, held by {owner.get(first)}")
-        rec = {"event": "step", "step": self.steps, "requests": len(mgr.req_to_blocks), "held": len(owner),
+        rec = {"event": "step", "step": self.steps, "requests": len(req_to_blocks), "held": len(owner),
                "free": free, "holes": len(holes)}
         if bad:
             self.violations += 1

@@ -30,16 +30,22 @@ when vLLM admits it again the connector reports those tokens as already computed
 holes are made again: R goes on with the cache it had. Beyond swap_space, vLLM's recompute (R is
 scored again).
 
-A worker identifies R's row in the batch by the physical id of R's first block: the block of
-position 0 is always kept (sinks >= 1 is required) and owned by R alone (prefix caching off).
+For eviction a worker identifies R's row in the batch by the physical id of R's first block: the
+block of position 0 is always kept (sinks >= 1 is required) and owned by R alone (eviction refuses
+prefix caching).
 
-Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, the first
-blocks of the requests that decode in it; on the worker, the first attention call of a step plans
-it once (kvscore::BlockSparsePlanner::begin_step with the step's written slots and live requests;
+Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, for each
+request that decodes in it, the block its token is written to (R's own, even when prefix caching
+shares R's first blocks with other requests) and R's sequence key; on the worker a row is R's when
+its slot_mapping entry falls in that block, and the first attention call of a step plans the step
+once (kvscore::BlockSparsePlanner::begin_step with the step's written slots and live sequence keys;
 which rows decode sparsely and how many blocks each attends, kvscore::sparse_attend; their sequence
 lengths and one attention schedule for every layer; the planner's plan), then every layer's call
 chooses that layer's blocks of every sparse row in one C++ call (select_planned) into a scratch
-block table the kernel reads.
+block table the kernel reads. Summaries are kept per physical block (made again after a write):
+with prefix caching a shared block is summarised once for every request that reads it.
+
+vLLM internals are reached through kvscore.vllm.internals (one named function each).
 """
 from __future__ import annotations
 
@@ -53,8 +59,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -67,6 +71,7 @@ from .. import SnapKV as _SnapKV
 from .. import _kvscore as _k
 from .. import make_scorer
 from . import VLLM_VERSION, Config
+from . import internals as V
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +89,9 @@ class KvscoreMeta(KVConnectorMetadata):
     def __init__(self) -> None:
         self.score: list[tuple[str, list[int], int]] = []    # (req_id, block ids, prompt tokens)
         self.holes: dict[int, tuple[str, list[int]]] = {}     # first block id -> (req_id, evicted logical blocks)
-        self.decoding: list[int] = []                        # sparse decode: first block ids of decoding requests
+        # sparse decode: the block each decoding request writes this step (its own even when its
+        # first blocks are shared: prefix caching) -> the request's sequence key
+        self.decoding: dict[int, int] = {}
         self.save: list[tuple[str, list[int]]] = []          # preempted: (req_id, kept physical blocks) to host
         self.load: list[tuple[str, list[int]]] = []          # readmitted: (req_id, new physical blocks) from host
         self.drop: list[str] = []                            # finished while swapped out
@@ -131,7 +138,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._swap: dict[str, list[torch.Tensor]] = {}      # preempted requests' kept blocks, per layer
             self._loaded_blocks: list[int] = []                 # blocks written by a load since the last step
             self._selector = None                               # sparse decode: kvscore's PagedBlockSelector
-            self._decoding: set[int] = set()
+            self._decoding: dict[int, int] = {}                  # written block -> sequence key (this step)
             self._layer_index: dict[str, int] = {}
             # select_s: every layer's select call; scoring_s / scoring_calls: the calls that scored a row
             # (the others reused kept choices: refresh)
@@ -150,6 +157,11 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._swapped: dict[str, dict] = {}
             self._swap_bytes = 0
             self._sparse_decoded: set[str] = set()
+            self._seq: dict[str, int] = {}  # sparse decode: each decoding request's sequence key (never reused)
+            self._next_seq = 0
+            # the eviction pass (ratio 0 without sparse decode only scores; with prefix caching,
+            # where ratio > 0 is refused, it has nothing to decide and does not run)
+            self._scores = self.cfg.evicts and not self._prefix_caching
             self._orders = KvscoreMeta()
             self.swaps = {"saved": 0, "restored": 0, "recomputed": 0}
             # the last decisions (req_id, kept logical blocks, evicted logical blocks, ranks' partials), for tests
@@ -169,9 +181,13 @@ class KvscoreConnector(KVConnectorBase_V1):
         if not current_platform.is_cpu():
             raise ValueError("kvscore.vllm: only vLLM's CPU build is supported (the paged view reads the CPU "
                              "attention backend's layout; CUDA vLLM is untested, docs/vllm.md)")
-        if c.cache_config.enable_prefix_caching:
-            raise ValueError("kvscore.vllm: needs enable_prefix_caching=False (a block shared by several "
-                             "requests cannot be freed for one of them)")
+        self._prefix_caching = bool(c.cache_config.enable_prefix_caching)
+        if self._prefix_caching and self.cfg.ratio > 0:
+            raise ValueError(f"kvscore.vllm: ratio {self.cfg.ratio} (eviction) needs enable_prefix_caching=False: "
+                             f"with prefix caching a prompt block may be shared by several requests and stays in "
+                             f"vLLM's prefix cache under its hash, so it cannot be freed for one of them "
+                             f"(docs/guides/vllm.md#prefix-caching-and-chunked-prefill); sparse decode alone "
+                             f"(ratio 0, attend < 1) works with prefix caching")
         dt = str(c.cache_config.cache_dtype)
         if dt != "auto":
             raise ValueError(f"kvscore.vllm: kv_cache_dtype {dt!r}: the view reads float32/float16/bfloat16 "
@@ -185,7 +201,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                              f"kept: it identifies the request's row on the workers)")
         if c.speculative_config is not None:
             raise ValueError("kvscore.vllm: speculative decoding is not supported")
-        groups = getattr(self._kv_cache_config, "kv_cache_groups", None)
+        groups = V.kv_cache_groups(self._kv_cache_config)
         if groups is not None and len(groups) != 1:
             raise ValueError(f"kvscore.vllm: {len(groups)} KV cache groups (a hybrid model); the plugin frees the "
                              f"blocks of one group whose layers all use full attention")
@@ -243,7 +259,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                 self._holes_version += 1
             if self._window:
                 self._want_queries = {ids[0]: rid for rid, ids, _ in connector_metadata.score}
-            self._decoding = set(connector_metadata.decoding)
+            self._decoding = dict(connector_metadata.decoding)
 
     def _move_swapped(self, meta: KvscoreMeta) -> None:
         """Preempted requests' kept blocks to host memory (save) and back into their new blocks
@@ -345,6 +361,7 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._holes_by_req.pop(req_id, None)
             self._scoring.pop(req_id, None)
             self._sparse_decoded.discard(req_id)
+            self._seq.pop(req_id, None)  # its state on the workers goes: recomputed, it decodes anew
             snap = self._snap.pop(req_id, None)
             if self._audit is not None:
                 self._audit.preempted(req_id)
@@ -353,21 +370,25 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._done.discard(req_id)
             if lossy:
                 self.swaps["recomputed"] += 1
-        mgr = km.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._reqs.get(req_id)
             if req is None:
                 continue
             if self.cfg.sparse and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
-                blocks = mgr.req_to_blocks.get(req_id)
-                if blocks:
-                    meta.decoding.append(blocks[0].block_id)
+                blocks = V.request_blocks(km, req_id)
+                at = req.num_computed_tokens // self.block_size  # the block this step's token goes to
+                if blocks and at < len(blocks) and not blocks[at].is_null:
+                    seq = self._seq.get(req_id)
+                    if seq is None:
+                        seq = self._seq[req_id] = self._next_seq
+                        self._next_seq += 1
+                    meta.decoding[blocks[at].block_id] = seq
                     self._sparse_decoded.add(req_id)
             if self._swap_limit and (req_id in self._holes_by_req or req_id in self._sparse_decoded):
                 # what a swap-out after this step would save: the table, the tokens computed by then
-                self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in mgr.req_to_blocks.get(req_id, ())],
+                self._snap[req_id] = ([-1 if b.is_null else b.block_id for b in V.request_blocks(km, req_id) or ()],
                                       req.num_computed_tokens + n)
-            if req_id in self._done or not self.cfg.evicts:
+            if req_id in self._done or not self._scores:
                 continue
             done_before = req.num_computed_tokens
             P = req.num_prompt_tokens
@@ -377,12 +398,12 @@ class KvscoreConnector(KVConnectorBase_V1):
             nblocks = -(-P // self.block_size)
             if self.cfg.budget(P, self.block_size) >= nblocks and self.cfg.ratio > 0:
                 continue  # shorter than the protected window: left whole (keep-all, ratio 0, still scores)
-            ids = list(km.get_block_ids(req_id)[0][:nblocks])
+            ids = V.block_ids(km, req_id)[:nblocks]
             self._scoring[req_id] = (ids, P)
             meta.score.append((req_id, ids, P))
         meta.holes = {first: (rid, ev) for rid, (first, ev) in self._holes_by_req.items()}
         if self._audit is not None:
-            self._audit.step(mgr, km.block_pool, meta.holes)
+            self._audit.step(V.all_request_blocks(km), V.block_pool(km), meta.holes, shared=self._prefix_caching)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -390,10 +411,11 @@ class KvscoreConnector(KVConnectorBase_V1):
         if not isinstance(wm, KvscoreWorkerMeta):
             return
         self._score_seconds += wm.seconds
-        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
+        km = self._kv_cache_manager
         for req_id, parts in wm.partials.items():
             ids, P = self._scoring.pop(req_id, (None, 0))
-            if ids is None or req_id not in mgr.req_to_blocks:
+            blocks = V.request_blocks(km, req_id)
+            if ids is None or blocks is None:
                 continue  # finished (or preempted) meanwhile: its blocks went back whole
             nblocks = len(ids)
             budget = self.cfg.budget(P, self.block_size)
@@ -403,7 +425,6 @@ class KvscoreConnector(KVConnectorBase_V1):
                                                   block_aggregate=self.cfg.block_aggregate)
             keep = set(int(b) for b in kept)
             evicted = [b for b in range(nblocks) if b not in keep]
-            blocks = mgr.req_to_blocks[req_id]
             if [b.block_id for b in blocks[:nblocks]] != ids:
                 continue  # not the blocks that were scored (cannot happen without preemption)
             freed_ids = [ids[b] for b in evicted]
@@ -418,22 +439,22 @@ class KvscoreConnector(KVConnectorBase_V1):
 
     def _free_runs(self, req_id: str, evicted: list[int]) -> None:
         """Frees each run [a, e) of the evicted logical blocks (vLLM's sliding-window path)."""
-        mgr = self._kv_cache_manager.coordinator.single_type_managers[0]
         i = 0
         while i < len(evicted):
             j = i
             while j + 1 < len(evicted) and evicted[j + 1] == evicted[j] + 1:
                 j += 1
-            mgr._remove_blocks_in_range(req_id, evicted[i], evicted[j] + 1)
+            V.free_block_range(self._kv_cache_manager, req_id, evicted[i], evicted[j] + 1)
             i = j + 1
 
     @property
     def _swap_limit(self) -> int:
-        return int(self.cfg.swap_space * (1 << 30))
+        # prefix caching: no swap (a readmitted request's prompt comes from the prefix cache, its
+        # generated tokens are recomputed densely: vLLM's recompute)
+        return 0 if self._prefix_caching else int(self.cfg.swap_space * (1 << 30))
 
     def _block_bytes(self) -> int:
-        c = self._kv_cache_config
-        return max(1, sum(t.size for t in c.kv_cache_tensors) // max(1, c.num_blocks))
+        return V.block_bytes(self._kv_cache_config)
 
     def _swap_out(self, req_id: str, snap: tuple[list[int], int], meta: KvscoreMeta) -> bool:
         """Orders the preempted request's kept blocks to host memory; False beyond swap_space."""
@@ -456,6 +477,7 @@ class KvscoreConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._snap.pop(rid, None)
         self._sparse_decoded.discard(rid)
+        self._seq.pop(rid, None)
         sw = self._swapped.pop(rid, None)
         if sw is not None:  # finished (aborted) while swapped out: the workers drop its copy
             self._orders.drop.append(rid)
@@ -480,10 +502,10 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
     """impl.forward of this layer (an instance attribute; vLLM's class is untouched) hands the CPU
     kernel the batch's block table and sequence lengths without the evicted blocks, and with
     sparse decode only the blocks each decode row attends in this layer."""
-    if getattr(impl, "_kvscore_wrapped", False):
-        return
-    orig = impl.forward
+    V.wrap_forward(impl, lambda orig: _sparse_forward(orig, impl, connector))
 
+
+def _sparse_forward(orig, impl, connector: KvscoreConnector):
     def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if attn_metadata is not None and connector._want_queries:
             _capture_queries(layer, query, attn_metadata, connector)
@@ -504,16 +526,15 @@ def _wrap_impl(impl, connector: KvscoreConnector) -> None:
             attn_metadata = step.md
         return orig(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
-    impl.forward = forward
-    impl._kvscore_wrapped = True
+    return forward
 
 
 def _capture_queries(layer, query, md, connector: KvscoreConnector) -> None:
     """SnapKV: the post-RoPE queries of the last `window` prompt positions of each request whose
     prompt this step finishes (its last chunk; fewer when the chunk is shorter)."""
-    qsl = md.query_start_loc
+    bt, qsl = V.step_fields(md)[:2]
     for i in range(qsl.shape[0] - 1):
-        rid = connector._want_queries.get(int(md.block_table[i, 0]))
+        rid = connector._want_queries.get(int(bt[i, 0]))
         if rid is None:
             continue
         a, b = int(qsl[i]), int(qsl[i + 1])
@@ -532,6 +553,7 @@ class _Step:
     token_index: np.ndarray | None = None  # its query's token
     tokens: np.ndarray | None = None     # its length after the holes
     attend: np.ndarray | None = None     # blocks it attends
+    seqs: np.ndarray | None = None       # its sequence key (the scheduler's, per request)
     fresh: np.ndarray | None = None      # for SPARSE_OBSERVER, the layer's: 1 where scored, 0 where a kept choice stood
 
 
@@ -540,23 +562,25 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
     each row, which decode rows attend sparsely and their shorter sequence lengths, one attention
     schedule for every layer (the counts do not depend on the layer). Every layer of the step
     shares one metadata object, which is never edited."""
-    cached = md.__dict__.get("_kvscore")
+    cached = V.step_cached(md)
     if cached is not None and cached.version == connector._holes_version:
         return cached
     t0 = time.perf_counter()
     cfg, bs, sel = connector.cfg, connector.block_size, connector._selector
-    bt, qsl = md.block_table, md.query_start_loc
+    bt, qsl, seq_lens, slot_mapping, num_actual = V.step_fields(md)
     num_reqs = qsl.shape[0] - 1
     firsts = bt[:num_reqs, 0]
     if sel is not None:  # every step: the blocks written since the last one lose their summaries
-        written = md.slot_mapping[: md.num_actual_tokens]
+        written = slot_mapping[:num_actual]
         if connector._loaded_blocks:  # and the blocks a swap-in wrote
             written = torch.cat([written.to(torch.int64),
                                  torch.tensor(connector._loaded_blocks, dtype=torch.int64) * bs])
             connector._loaded_blocks = []
-        sel.begin_step(written, firsts)
+        # the live sequences: the keys of the requests decoding in this step (their kept choices
+        # and indexes stay; the others' go)
+        sel.begin_step(written, np.fromiter(connector._decoding.values(), np.int64, len(connector._decoding)))
     firsts = firsts.tolist()
-    lens = md.seq_lens[:num_reqs].tolist()
+    lens = seq_lens[:num_reqs].tolist()
     src, new_len = bt, list(lens)
     for i, first in enumerate(firsts):
         hole = connector._holes.get(first)
@@ -575,10 +599,14 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
     step = _Step(connector._holes_version, md, src)
     if sel is not None and connector._decoding:
         starts = qsl[: num_reqs + 1].tolist()
-        rows, tix, toks, att = [], [], [], []
-        for i, first in enumerate(firsts):
+        # each row's request: the block its first token is written to (a decoding request's own,
+        # even when prefix caching shares its first blocks with other requests)
+        wblock = (slot_mapping[qsl[:num_reqs].long()] // bs).tolist()
+        rows, tix, toks, att, seqs = [], [], [], [], []
+        for i in range(num_reqs):
             n = new_len[i]
-            if first not in connector._decoding or starts[i + 1] - starts[i] != 1:
+            seq = connector._decoding.get(wblock[i])
+            if seq is None or starts[i + 1] - starts[i] != 1:
                 continue
             # 0: dense (shorter than dense_below, or attending every block anyway)
             a = _k.sparse_attend(n, bs, cfg.attend, dense_below=cfg.dense_below, sinks=cfg.sinks, local=cfg.local)
@@ -588,6 +616,7 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             tix.append(starts[i])
             toks.append(n)
             att.append(a)
+            seqs.append(seq)
             new_len[i] = _k.attended_tokens(n, bs, a)  # the last block may be partial
         if rows:
             st = connector.sparse_stats
@@ -598,29 +627,16 @@ def _step(impl, layer, query, md, connector: KvscoreConnector) -> _Step:
             step.dst = src.clone()
             step.rows, step.token_index = np.asarray(rows, np.int64), np.asarray(tix, np.int64)
             step.tokens, step.attend = np.asarray(toks, np.int64), np.asarray(att, np.int64)
+            step.seqs = np.asarray(seqs, np.int64)
             # the rows once for every layer (each layer's call then passes only its query)
-            sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst)
+            sel.plan(step.token_index, src, step.rows, step.tokens, step.attend, step.dst, step.seqs)
     if new_len != lens:
-        new_sl = md.seq_lens.clone()
+        new_sl = seq_lens.clone()
         new_sl[:num_reqs] = torch.tensor(new_len, dtype=new_sl.dtype)
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs,
-            num_heads=impl.num_heads,
-            num_kv_heads=impl.num_kv_heads,
-            head_dim=impl.head_size,
-            seq_lens=new_sl,
-            dtype=query.dtype,
-            query_start_loc=md.query_start_loc,
-            causal=md.causal,
-            sliding_window_size=-1,
-            isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=md.dynamic_causal,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )
+        sched = V.attention_schedule(impl, layer.isa, md, new_sl, query.dtype)
         table = step.dst if step.dst is not None else src
-        step.md = dataclasses.replace(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
-                                      max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
-    md.__dict__["_kvscore"] = step
+        step.md = V.metadata_with(md, block_table=table, seq_lens=new_sl, scheduler_metadata=sched,
+                                  max_seq_len=max(new_len) if num_reqs else md.max_seq_len)
+    V.step_cache(md, step)
     connector.sparse_stats["plan_s"] += time.perf_counter() - t0
     return step

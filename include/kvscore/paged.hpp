@@ -10,7 +10,9 @@
 //   HND  [num_blocks, kv_heads, block_size, head_dim]   (vLLM FlashInfer HND, TensorRT-LLM blocks)
 //   any other nesting through the general constructor (block, head and token strides).
 //   vLLM CPU [num_blocks, kv_heads, block_size, 2 * head_dim] with the keys of each (block, head)
-//   stored transposed, [head_dim][block_size]: TransposedPagedKeysView (layout "vllm_cpu").
+//   stored transposed, [head_dim][block_size]: TransposedPagedKeysView (layout "vllm_cpu", ISAs
+//   vec/vec16); the same tensor with the keys packed for AMX (ISA amx, bf16): AmxPagedKeysView;
+//   vllm_cpu_key_layout(isa, dtype) says which a layer's ISA wrote.
 //
 // Scorers read a PagedKeysView through for_each_run (one call per run of evenly strided rows;
 // runs end at block boundaries unless the next block happens to follow in memory).
@@ -22,6 +24,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -410,6 +413,145 @@ class TransposedPagedKeysView {
   BlockTable table_;
   std::int64_t heads_ = 0, dim_ = 1, bst_ = 0, hs_ = 0;
 };
+
+/// vLLM's CPU attention backend, ISA "amx" (vLLM 0.32 picks it for bf16 caches on CPUs with AMX
+/// tiles when the block size is a multiple of 32; csrc/cpu/cpu_attn_amx.hpp, reshape_and_cache):
+/// the same [num_blocks, kv_heads, block_size, 2 * head_dim] tensor and the same (block, head)
+/// tiles of block_size * head_dim key elements followed by the values, but the keys are packed
+/// for AMX's B matrices: in groups of 16 tokens (one 64-byte tile row holds 16 four-byte
+/// "quadwords"), each group [head_dim / P][16][P] with P = 4 / sizeof(T) elements per quadword
+/// (2 for bf16 and fp16, 1 for fp32). Element j of the key of row o is at
+///   tile + (o / 16) * 16 * head_dim + (j / P) * 16 * P + (o % 16) * P + j % P.
+/// (vLLM writes this layout for every dtype through cpu_attn_reshape_and_cache(..., "amx"), but
+/// its attention kernel only runs it for bf16. Checked against that op:
+/// python/tests_vllm/test_layout.py.) Requires block_size % 16 == 0 and head_dim % P == 0.
+///
+/// for_each_run unpacks one block of one head into a scratch buffer (T, bit for bit) and calls
+/// f(buffer, t0, n, head_dim), as TransposedPagedKeysView does; the pointer is valid only during
+/// that call.
+template <class T>
+class AmxPagedKeysView {
+  static_assert(is_element_type_v<T>, "AmxPagedKeysView<T>: T must be float, kvscore::half or kvscore::bfloat16");
+
+ public:
+  using value_type = T;
+  /// Tokens per packed group (a 64-byte AMX tile row of 4-byte quadwords).
+  static constexpr std::int64_t kGroup = 16;
+  /// Elements per quadword: 4 / sizeof(T).
+  static constexpr std::int64_t kPack = std::int64_t(4 / sizeof(T));
+
+  AmxPagedKeysView() = default;
+
+  /// General form: the (block, head) key tiles at data + block * block_stride + h * head_stride,
+  /// each block_size * head_dim elements packed as above. The tiles must not overlap.
+  AmxPagedKeysView(const T* data, const BlockTable& table, std::int64_t heads, std::int64_t head_dim,
+                   std::int64_t block_stride, std::int64_t head_stride)
+      : data_(data), table_(table), heads_(heads), dim_(head_dim), bst_(block_stride), hs_(head_stride) {
+    const std::string ctx = "kvscore::AmxPagedKeysView";
+    detail::check_paged_view_args(ctx, data != nullptr, heads, head_dim, table.tokens());
+    if (table.block_size() % kGroup != 0)
+      detail::throw_invalid(ctx + ": block_size must be a multiple of " + std::to_string(kGroup) + " (got " +
+                            std::to_string(table.block_size()) + ")");
+    if (head_dim % kPack != 0)
+      detail::throw_invalid(ctx + ": head_dim must be a multiple of " + std::to_string(kPack) + " for " +
+                            std::to_string(sizeof(T)) + "-byte elements (got " + std::to_string(head_dim) + ")");
+    detail::check_paged_strides(ctx, table.num_blocks(), heads, 1,
+                                detail::checked_mul(head_dim, table.block_size(), ctx.c_str()), block_stride,
+                                head_stride, 0);
+  }
+
+  /// vLLM CPU, ISA "amx": one layer's cache tensor [num_blocks, kv_heads, block_size, 2 * head_dim] (C order).
+  static AmxPagedKeysView vllm_cpu(const T* kv_cache, std::int64_t kv_heads, std::int64_t head_dim,
+                                   const BlockTable& table) {
+    const char* ctx = "kvscore::AmxPagedKeysView";
+    const std::int64_t tile = detail::checked_mul(detail::checked_mul(2, head_dim, ctx), table.block_size(), ctx);
+    return AmxPagedKeysView(kv_cache, table, kv_heads, head_dim,
+                            detail::checked_mul(std::max<std::int64_t>(kv_heads, 0), tile, ctx), tile);
+  }
+
+  /// Offset of element j of row o inside a (block, head) key tile of a head_dim-wide cache.
+  static constexpr std::int64_t tile_offset(std::int64_t o, std::int64_t j, std::int64_t head_dim) noexcept {
+    return (o / kGroup) * kGroup * head_dim + (j / kPack) * kGroup * kPack + (o % kGroup) * kPack + j % kPack;
+  }
+
+  const T* data() const noexcept { return data_; }
+  const BlockTable& table() const noexcept { return table_; }
+  std::int64_t heads() const noexcept { return heads_; }
+  std::int64_t tokens() const noexcept { return table_.tokens(); }
+  std::int64_t head_dim() const noexcept { return dim_; }
+  std::int64_t block_size() const noexcept { return table_.block_size(); }
+  std::int64_t num_blocks() const noexcept { return table_.num_blocks(); }
+  std::int64_t block_stride() const noexcept { return bst_; }
+  std::int64_t head_stride() const noexcept { return hs_; }
+  bool empty() const noexcept { return heads_ == 0 || tokens() == 0; }
+  PhysicalSlot slot(std::int64_t t) const noexcept { return table_.slot(t); }
+
+  /// Element j of the key of head h, token t (not checked).
+  T at(std::int64_t h, std::int64_t t, std::int64_t j) const noexcept {
+    const std::int64_t bs = table_.block_size();
+    return data_[table_.block(t / bs) * bst_ + h * hs_ + tile_offset(t % bs, j, dim_)];
+  }
+
+  /// Calls f(const T* rows, t0, n, head_dim) once per block of head h, in token order, with the
+  /// block's n key rows unpacked into a contiguous [n][head_dim] buffer (valid during the call).
+  template <class F>
+  void for_each_run(std::int64_t h, F&& f) const {
+    const std::int64_t n_tok = table_.tokens(), bs = table_.block_size();
+    if (n_tok == 0) return;
+    std::vector<T> buf(static_cast<std::size_t>(std::min(bs, n_tok) * dim_));
+    for (std::int64_t i = 0, t0 = 0; t0 < n_tok; ++i, t0 += bs) {
+      const std::int64_t n = std::min(bs, n_tok - t0);
+      const T* tile = data_ + table_.block(i) * bst_ + h * hs_;
+      // a group of 16 rows is [head_dim / P][16][P]: row o's P elements of quadword q are contiguous
+      for (std::int64_t g0 = 0; g0 < n; g0 += kGroup) {
+        const T* group = tile + g0 * dim_;
+        const std::int64_t rows = std::min(kGroup, n - g0);
+        for (std::int64_t q = 0; q < dim_ / kPack; ++q) {
+          const T* src = group + q * kGroup * kPack;
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t p = 0; p < kPack; ++p)
+              buf[std::size_t((g0 + r) * dim_ + q * kPack + p)] = src[r * kPack + p];
+        }
+      }
+      f(static_cast<const T*>(buf.data()), t0, n, dim_);
+    }
+  }
+
+ private:
+  const T* data_ = nullptr;
+  BlockTable table_;
+  std::int64_t heads_ = 0, dim_ = 1, bst_ = 0, hs_ = 0;
+};
+
+/// The key layouts of vLLM CPU's cache ([num_blocks, kv_heads, block_size, 2 * head_dim]).
+enum class VllmCpuKeyLayout {
+  transposed,  ///< [head_dim][block_size] per (block, head): TransposedPagedKeysView
+  amx,         ///< AMX-packed groups of 16 tokens: AmxPagedKeysView
+};
+
+/// The key layout vLLM 0.32's CPU attention ISA `isa` (a layer's `isa`, from _get_attn_isa in
+/// vllm/v1/attention/backends/cpu_attn.py) stores keys of element type `dt` in: "vec" and "vec16"
+/// -> transposed; "amx" -> amx; "neon" -> transposed for fp32 and fp16 (vLLM's source: "similar
+/// to ISA::VEC", keys [head_dim][block_size]; not run on Arm here). Any other ISA (neon bf16's
+/// BFMMLA packing, vsx, vxe, rvv) throws std::invalid_argument naming it.
+inline VllmCpuKeyLayout vllm_cpu_key_layout(std::string_view isa, dtype dt) {
+  if (isa == "vec" || isa == "vec16") return VllmCpuKeyLayout::transposed;
+  if (isa == "amx") return VllmCpuKeyLayout::amx;
+  if (isa == "neon" && dt != dtype::bf16) return VllmCpuKeyLayout::transposed;
+  detail::throw_invalid("kvscore::vllm_cpu_key_layout: CPU attention ISA '" + std::string(isa) + "' with " +
+                        std::string(dtype_name(dt)) +
+                        " keys stores them in a layout kvscore does not read (reads vec, vec16, amx; neon for "
+                        "fp32/fp16)");
+}
+
+/// f(view) with the keys of one layer of vLLM CPU's cache in `layout` (TransposedPagedKeysView or
+/// AmxPagedKeysView); returns what f returns.
+template <class T, class F>
+decltype(auto) visit_vllm_cpu_keys(VllmCpuKeyLayout layout, const T* kv_cache, std::int64_t kv_heads,
+                                   std::int64_t head_dim, const BlockTable& table, F&& f) {
+  if (layout == VllmCpuKeyLayout::amx) return f(AmxPagedKeysView<T>::vllm_cpu(kv_cache, kv_heads, head_dim, table));
+  return f(TransposedPagedKeysView<T>::vllm_cpu(kv_cache, kv_heads, head_dim, table));
+}
 
 /// Physical slots of the kept rows, per head (CSR like Selection): head h's kept token
 /// positions[i] lives at slots[offsets[h] + i].

@@ -1,6 +1,7 @@
 // python/src/bind_vllm.cpp — the paged and block-joint part of kvscore._kvscore that the vLLM
 // plugin (python/kvscore/vllm, docs/vllm.md) calls: vLLM CPU's key cache read in place
-// (kvscore::TransposedPagedKeysView), scored by any scorer of the registry on every layer, the
+// (kvscore::TransposedPagedKeysView, or AmxPagedKeysView for the `amx` ISA: every function that
+// reads a cache takes the layer's `isa`), scored by any scorer of the registry on every layer, the
 // per-rank partial of the joint block scores (kvscore::joint_partial) and the one decision
 // made from all ranks' partials (combine_partials, block_scores, select_blocks); also
 // select_joint_blocks on plain score arrays; and block-sparse decode, PagedBlockSelector: a thin
@@ -74,13 +75,25 @@ std::vector<std::int64_t> block_ids_of(const Any& a, const std::string& what) {
   return ids;
 }
 
-/// One layer of vLLM CPU's cache: [num_blocks, kv_heads, block_size, 2 * head_dim], C order.
+/// One layer of vLLM CPU's cache: [num_blocks, kv_heads, block_size, 2 * head_dim], C order, its
+/// keys in the layout its CPU attention ISA writes.
 struct Layer {
   DT dt = DT::f32;
+  kvscore::VllmCpuKeyLayout keys = kvscore::VllmCpuKeyLayout::transposed;
   const void* data = nullptr;
   std::int64_t blocks = 0, heads = 0, block_size = 0, head_dim = 0;
 };
-Layer vllm_layer(const Any& a, const std::string& what) {
+
+template <class F>
+auto with_view(const Layer& L, const kvscore::BlockTable& t, F&& f) {
+  return kvscore::visit_dtype(L.dt, [&]<class T>(std::type_identity<T>) {
+    return kvscore::visit_vllm_cpu_keys(L.keys, static_cast<const T*>(L.data), L.heads, L.head_dim, t, f);
+  });
+}
+
+/// `isa`: the layer's CPU attention ISA (vLLM's layer.isa; "vec", "vec16", "amx", ...). The
+/// layout's own requirements (amx: block_size a multiple of 16) are checked here.
+Layer vllm_layer(const Any& a, const std::string& what, const std::string& isa) {
   if (a.ndim() != 4)
     bad(what + ": expected vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_dim] (got " +
         std::to_string(a.ndim()) + " dimensions)");
@@ -93,14 +106,15 @@ Layer vllm_layer(const Any& a, const std::string& what) {
   L.heads = std::int64_t(a.shape(1));
   L.block_size = std::int64_t(a.shape(2));
   L.head_dim = std::int64_t(a.shape(3)) / 2;
+  try {
+    L.keys = kvscore::vllm_cpu_key_layout(isa, L.dt);
+    static const std::vector<std::int64_t> none;
+    with_view(L, kvscore::BlockTable(std::span<const std::int64_t>(none), L.block_size, L.blocks, 0),
+              [](const auto&) { return 0; });
+  } catch (const std::invalid_argument& e) {
+    bad(what + ": " + e.what());
+  }
   return L;
-}
-
-template <class F>
-auto with_view(const Layer& L, const kvscore::BlockTable& t, F&& f) {
-  return kvscore::visit_dtype(L.dt, [&]<class T>(std::type_identity<T>) {
-    return f(kvscore::TransposedPagedKeysView<T>::vllm_cpu(static_cast<const T*>(L.data), L.heads, L.head_dim, t));
-  });
 }
 
 nb::tuple partial_out(kvscore::JointPartial&& p) {
@@ -185,7 +199,7 @@ kvscore::BlockTableRows table32(const A& a, const std::string& what) {
 }
 
 kvscore::KeyCache key_cache(const Layer& L) {
-  return {L.dt, kvscore::KeyCacheLayout::vllm_cpu, L.data, L.blocks, L.heads, L.block_size, L.head_dim};
+  return {L.dt, kvscore::key_cache_layout(L.keys), L.data, L.blocks, L.heads, L.block_size, L.head_dim};
 }
 
 /// A layer's queries [num_tokens, q_heads, head_dim] (any float dtype and strides).
@@ -212,8 +226,8 @@ kvscore::QueryTensor query_tensor(const Any& q, std::int64_t head_dim) {
 class VllmBlockSelector {
  public:
   VllmBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,
-                    std::int64_t block_size, const kvscore::BlockSparseOptions& o)
-      : planner_(layers, num_blocks, kv_heads, head_dim, block_size, o) {}
+                    std::int64_t block_size, const kvscore::BlockSparseOptions& o, std::string isa)
+      : planner_(layers, num_blocks, kv_heads, head_dim, block_size, o), isa_(std::move(isa)) {}
 
   kvscore::PagedBlockSelector& get() noexcept { return planner_.selector(); }
 
@@ -236,7 +250,7 @@ class VllmBlockSelector {
       const std::string what = "caches[" + std::to_string(l) + "]";
       Any a;
       if (!nb::try_cast(caches[l], a)) bad(what + ": expected a CPU array");
-      layers.push_back(key_cache(vllm_layer(a, what)));
+      layers.push_back(key_cache(vllm_layer(a, what, isa_)));
       objs.push_back(nb::borrow(caches[l]));
     }
     planner_.register_caches(std::move(layers));
@@ -265,7 +279,7 @@ class VllmBlockSelector {
     }
     Any a;
     if (!nb::try_cast(kv_cache, a)) bad("kv_cache: expected a CPU array");
-    const kvscore::KeyCache c = key_cache(vllm_layer(a, "kv_cache"));
+    const kvscore::KeyCache c = key_cache(vllm_layer(a, "kv_cache", isa_));
     nb::gil_scoped_release unlocked;
     return planner_.select_planned(layer, c, q);
   }
@@ -274,7 +288,7 @@ class VllmBlockSelector {
                                               const Any& token_index, const Any& src, const Any& rows,
                                               const Any& tokens, const Any& attend,
                                               const nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu>& dst) {
-    const kvscore::KeyCache c = key_cache(vllm_layer(kv_cache, "kv_cache"));
+    const kvscore::KeyCache c = key_cache(vllm_layer(kv_cache, "kv_cache", isa_));
     plan(token_index, src, rows, tokens, attend, dst, std::nullopt);
     const kvscore::QueryTensor q = query_tensor(query, planner_.selector().head_dim());
     {
@@ -293,6 +307,7 @@ class VllmBlockSelector {
 
  private:
   kvscore::BlockSparsePlanner planner_;
+  std::string isa_;  // every layer's CPU attention ISA (one backend per engine)
   std::vector<nb::object> cache_objs_;
   Any src_ref_;
   nb::ndarray<std::int32_t, nb::ndim<2>, nb::device::cpu> dst_ref_;
@@ -309,9 +324,19 @@ void bind_vllm(nb::module_& m) {
         "kvscore::protected_blocks: blocks select_blocks always keeps (sinks, recent, a partial last block).");
 
   m.def(
+      "vllm_cpu_key_layout",
+      [](const std::string& isa, const Any& kv_cache) {
+        const kvscore::VllmCpuKeyLayout l = kvscore::vllm_cpu_key_layout(isa, dtype_of(kv_cache, "kv_cache"));
+        return std::string(l == kvscore::VllmCpuKeyLayout::amx ? "amx" : "transposed");
+      },
+      "isa"_a, "kv_cache"_a,
+      "kvscore::vllm_cpu_key_layout: the key layout vLLM CPU's attention ISA `isa` writes into a cache of\n"
+      "kv_cache's dtype, \"transposed\" (vec, vec16; neon fp32/fp16) or \"amx\"; ValueError naming any other.");
+
+  m.def(
       "vllm_cpu_keys",
-      [](const Any& kv_cache, const Any& block_ids, std::int64_t tokens) {
-        const Layer L = vllm_layer(kv_cache, "kv_cache");
+      [](const Any& kv_cache, const Any& block_ids, std::int64_t tokens, const std::string& isa) {
+        const Layer L = vllm_layer(kv_cache, "kv_cache", isa);
         const std::vector<std::int64_t> ids = block_ids_of(block_ids, "block_ids");
         const kvscore::BlockTable t(std::span<const std::int64_t>(ids), L.block_size, L.blocks, tokens);
         std::vector<float> out(std::size_t(L.heads * tokens * L.head_dim));
@@ -326,13 +351,14 @@ void bind_vllm(nb::module_& m) {
         });
         return to_numpy(std::move(out), {std::size_t(L.heads), std::size_t(tokens), std::size_t(L.head_dim)});
       },
-      "kv_cache"_a, "block_ids"_a, "tokens"_a,
-      "The keys of one sequence read back from one layer of vLLM CPU's cache, as float32 [kv_heads, tokens, head_dim].");
+      "kv_cache"_a, "block_ids"_a, "tokens"_a, nb::kw_only(), "isa"_a = "vec",
+      "The keys of one sequence read back from one layer of vLLM CPU's cache, as float32 [kv_heads, tokens, head_dim]\n"
+      "(isa: the layer's CPU attention ISA, which fixes the key layout: vec/vec16 transposed, amx AMX-packed).");
 
   m.def(
       "vllm_cpu_partial",
       [](nb::handle scorer, const std::vector<Any>& kv_caches, const Any& block_ids, std::int64_t tokens,
-         int threads) {
+         int threads, const std::string& isa) {
         if (kv_caches.empty()) bad("kv_caches: no layers");
         // one scorer for every layer, or one per layer (SnapKV: each layer's own window queries)
         std::vector<kvscore::AnyScorer> scorers;
@@ -347,7 +373,7 @@ void bind_vllm(nb::module_& m) {
         if (threads < 0) bad("threads must be >= 0 (got " + std::to_string(threads) + ")");
         std::vector<Layer> layers;
         for (std::size_t l = 0; l < kv_caches.size(); ++l)
-          layers.push_back(vllm_layer(kv_caches[l], "kv_caches[" + std::to_string(l) + "]"));
+          layers.push_back(vllm_layer(kv_caches[l], "kv_caches[" + std::to_string(l) + "]", isa));
         const std::vector<std::int64_t> ids = block_ids_of(block_ids, "block_ids");
         std::vector<kvscore::BlockTable> tables;
         for (const Layer& L : layers) tables.emplace_back(std::span<const std::int64_t>(ids), L.block_size, L.blocks, tokens);
@@ -368,10 +394,11 @@ void bind_vllm(nb::module_& m) {
         }
         return partial_out(std::move(p));
       },
-      "scorer"_a, "kv_caches"_a, "block_ids"_a, "tokens"_a, "threads"_a = def.num_threads,
+      "scorer"_a, "kv_caches"_a, "block_ids"_a, "tokens"_a, "threads"_a = def.num_threads, nb::kw_only(),
+      "isa"_a = "vec",
       "Scores the first `tokens` keys of one sequence in every layer of vLLM CPU's cache in place (`scorer`: one\n"
-      "AnyScorer for every layer, or a list with one per layer) and returns this rank's joint_partial:\n"
-      "(max float32 [T], sum float64 [T], count int64 [T]).");
+      "AnyScorer for every layer, or a list with one per layer; isa: the layers' CPU attention ISA) and returns\n"
+      "this rank's joint_partial: (max float32 [T], sum float64 [T], count int64 [T]).");
 
   m.def(
       "joint_partial",
@@ -503,14 +530,16 @@ void bind_vllm(nb::module_& m) {
           [](VllmBlockSelector* self, std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads,
              std::int64_t head_dim, std::int64_t block_size, const std::string& score, std::int64_t sinks,
              std::int64_t local, float scale, std::int64_t prefilter, const std::string& group,
-             std::int64_t refresh, int threads, bool probe) {
+             std::int64_t refresh, int threads, bool probe, const std::string& isa) {
             new (self) VllmBlockSelector(layers, num_blocks, kv_heads, head_dim, block_size,
-                                         sparse_options(score, sinks, local, scale, prefilter, group, refresh, threads, probe));
+                                         sparse_options(score, sinks, local, scale, prefilter, group, refresh, threads, probe),
+                                         isa);
           },
           "layers"_a, "num_blocks"_a, "kv_heads"_a, "head_dim"_a, "block_size"_a, nb::kw_only(),
           "score"_a = kvscore::to_string(bso.score), "sinks"_a = bso.sinks, "local"_a = bso.local, "scale"_a = bso.scale,
           "prefilter"_a = bso.prefilter, "group"_a = kvscore::to_string(bso.group), "refresh"_a = bso.refresh,
-          "threads"_a = bso.num_threads, "probe"_a = bso.probe)
+          "threads"_a = bso.num_threads, "probe"_a = bso.probe, "isa"_a = "vec",
+          "isa: every layer's CPU attention ISA (the key layout its caches are read in: vec/vec16, amx).")
       .def("begin_step", &VllmBlockSelector::begin_step, "slot_mapping"_a, "live"_a,
            "Once per step: the slots written since the last step (their blocks' summaries and indexes go stale) and\n"
            "the key of every sequence in the step (plan's seqs, or without them its first block).")

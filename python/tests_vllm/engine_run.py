@@ -5,7 +5,8 @@ is a process-wide global. Used by python/tests_vllm/test_engine.py.
     python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
                                           capture: bool, block_size, stepwise: bool, arrive: [step per prompt],
                                           blocks: pool size, check: bool (kvscore.vllm.check's records),
-                                          prefix_caching: bool, max_num_batched_tokens: chunked prefill's chunk)
+                                          prefix_caching: bool, max_num_batched_tokens: chunked prefill's chunk,
+                                          dtype: the model's and the cache's, float32 unless given)
 """
 import json
 import os
@@ -55,13 +56,13 @@ def main(spec):
             if self.has_connector_metadata():
                 meta = self._get_connector_metadata()
                 for req_id, ids, tokens in meta.score:
-                    keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens) for c in self._caches]
+                    keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens, isa=self._isa) for c in self._caches]
                     q = self._queries.get(req_id, {})  # SnapKV's window queries, per layer
                     captured.append((req_id, tokens, keys, [q[n].permute(1, 0, 2).numpy() for n in q]))
             return orig(self)
 
         C.KvscoreConnector.wait_for_save = wait_for_save
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
               max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1),
               **({"num_gpu_blocks_override": spec["blocks"]} if spec.get("blocks") else {}),
@@ -131,6 +132,7 @@ def main(spec):
     layers = get_layers_from_vllm_config(llm.llm_engine.vllm_config, Attention)
     out["wrapped"] = sum(1 for l in layers.values() if getattr(l.impl, "_kvscore_wrapped", False))
     out["layers"] = len(layers)
+    out["isa"] = str(getattr(next(iter(layers.values())), "isa", None))  # the CPU attention ISA vLLM picked
     conn = sched.connector
     if conn is not None:
         out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]

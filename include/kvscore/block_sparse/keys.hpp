@@ -2,8 +2,8 @@
 // block key source gives the key tile of (KV head h, block b), element (t, j) = token t of the
 // block, dimension j, as fp32. Any cache layout plugs in by giving its tiles:
 //
-//   PagedBlockKeys<View>  a paged pool (PagedKeysView NHD/HND, vLLM CPU's TransposedPagedKeysView);
-//                         b is a physical block id
+//   PagedBlockKeys<View>  a paged pool (PagedKeysView NHD/HND, vLLM CPU's TransposedPagedKeysView
+//                         and AmxPagedKeysView); b is a physical block id
 //   DenseBlockKeys        one sequence's [kv_heads][tokens][head_dim] fp32 keys (block_sparse_reference);
 //                         b is a logical block
 //   a token-major cell cache (llama.cpp's K: [cell][n_embd_k_gqa] rows, f16 or q8_0) would be a
@@ -12,7 +12,8 @@
 //   blocks of 32 values and a scale) only needs `float at(t, j)`.
 //
 // A source has heads(), head_dim(), block_size(), num_blocks() and tile(h, b); a tile has
-// `float at(t, j) const`. KeyTile<T> (strided elements of T) is the tile every source here makes;
+// `float at(t, j) const`. KeyTile<T> (strided elements of T) is the tile the sources here make,
+// AmxKeyTile<T> that of vLLM's AMX-packed keys (AmxPagedKeysView: not two strides);
 // int4's summaries read a KeyTile<float> whose tokens are contiguous (vLLM CPU's fp32 tiles) in
 // place, any other tile through at().
 #pragma once
@@ -21,6 +22,7 @@
 #include <cstdint>
 
 #include "kvscore/core/dtype.hpp"
+#include "kvscore/paged.hpp"
 
 namespace kvscore {
 
@@ -35,6 +37,17 @@ struct KeyTile {
   float at(std::int64_t t, std::int64_t j) const noexcept { return to_float(p[t * ts + j * js]); }
 };
 
+/// One (block, KV head)'s keys packed as vLLM's AMX layout (AmxPagedKeysView::tile_offset).
+template <class T>
+struct AmxKeyTile {
+  using value_type = T;
+  const T* p = nullptr;
+  std::int64_t d = 1;
+  float at(std::int64_t t, std::int64_t j) const noexcept {
+    return to_float(p[AmxPagedKeysView<T>::tile_offset(t, j, d)]);
+  }
+};
+
 /// Tile of physical block `p`, head h, in a paged view (PagedKeysView rows, or
 /// TransposedPagedKeysView's [head_dim][block_size] tiles).
 template <class View>
@@ -43,6 +56,11 @@ KeyTile<typename View::value_type> paged_tile(const View& v, std::int64_t h, std
     return {v.data() + p * v.block_stride() + h * v.head_stride(), v.token_stride(), 1};
   else
     return {v.data() + p * v.block_stride() + h * v.head_stride(), 1, v.block_size()};
+}
+/// AmxPagedKeysView's AMX-packed tiles.
+template <class T>
+AmxKeyTile<T> paged_tile(const AmxPagedKeysView<T>& v, std::int64_t h, std::int64_t p) noexcept {
+  return {v.data() + p * v.block_stride() + h * v.head_stride(), v.head_dim()};
 }
 
 }  // namespace detail
@@ -71,7 +89,7 @@ struct PagedBlockKeys {
   std::int64_t head_dim() const noexcept { return view.head_dim(); }
   std::int64_t block_size() const noexcept { return view.block_size(); }
   std::int64_t num_blocks() const noexcept { return view.num_blocks(); }
-  detail::KeyTile<typename View::value_type> tile(std::int64_t h, std::int64_t p) const noexcept {
+  auto tile(std::int64_t h, std::int64_t p) const noexcept {
     return detail::paged_tile(view, h, p);
   }
 };

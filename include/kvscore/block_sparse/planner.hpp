@@ -46,9 +46,15 @@ inline std::int64_t attended_tokens(std::int64_t tokens, std::int64_t block_size
 /// The layout of one layer's key cache.
 enum class KeyCacheLayout {
   vllm_cpu,  ///< vLLM CPU's [num_blocks, kv_heads, block_size, 2 * head_dim], keys transposed (TransposedPagedKeysView)
+  vllm_cpu_amx,  ///< the same tensor, keys AMX-packed (vLLM's ISA amx, bf16: AmxPagedKeysView)
   nhd,       ///< [num_blocks, block_size, kv_heads, head_dim]
   hnd,       ///< [num_blocks, kv_heads, block_size, head_dim]
 };
+
+/// The KeyCacheLayout of a vLLM CPU layer whose keys vllm_cpu_key_layout() reads.
+constexpr KeyCacheLayout key_cache_layout(VllmCpuKeyLayout l) noexcept {
+  return l == VllmCpuKeyLayout::amx ? KeyCacheLayout::vllm_cpu_amx : KeyCacheLayout::vllm_cpu;
+}
 
 /// One layer's key cache, type-erased (element type, layout, shape): registered once, viewed in
 /// place by each call.
@@ -67,6 +73,7 @@ void visit_key_cache(const KeyCache& c, F&& f) {
   visit_dtype(c.dt, [&]<class T>(std::type_identity<T>) {
     const T* p = static_cast<const T*>(c.data);
     if (c.layout == KeyCacheLayout::vllm_cpu) f(TransposedPagedKeysView<T>::vllm_cpu(p, c.kv_heads, c.head_dim, t));
+    else if (c.layout == KeyCacheLayout::vllm_cpu_amx) f(AmxPagedKeysView<T>::vllm_cpu(p, c.kv_heads, c.head_dim, t));
     else if (c.layout == KeyCacheLayout::nhd) f(PagedKeysView<T>::nhd(p, c.kv_heads, c.head_dim, t));
     else f(PagedKeysView<T>::hnd(p, c.kv_heads, c.head_dim, t));
   });

@@ -99,7 +99,7 @@ class PagedBlockSelector {
   }
 
   /// Chooses the blocks of every row for one layer from the layer's keys: `keys` is a paged view
-  /// of the pool (PagedKeysView or TransposedPagedKeysView over any table: only its data, strides
+  /// of the pool (PagedKeysView, TransposedPagedKeysView or AmxPagedKeysView over any table: only its data, strides
   /// and shape are read), each row's query [q_heads][head_dim]. Every row is validated first.
   template <class View>
   void select(std::int64_t layer, const View& keys, std::int64_t q_heads, std::span<const BlockSparseRow> rows) {

@@ -58,7 +58,7 @@ class Checker:
             r, n, a = int(r), int(n), int(a)
             nb = -(-n // bs)
             ids = src[r, :nb].astype(np.int64)
-            keys = _k.vllm_cpu_keys(kv_cache, ids, n)
+            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=connector._isa)
             q = query[int(ti)].float().contiguous().numpy()
             ref = _k.block_sparse_reference(keys, q, bs, a, score=cfg.block_score, sinks=cfg.sinks, local=cfg.local,
                                             scale=impl_scale, prefilter=cfg.prefilter, group=cfg.query_group)

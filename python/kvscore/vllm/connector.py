@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_READABLE_ISAS = ("vec", "vec16")  # CPU attention ISAs whose key layout TransposedPagedKeysView reads
+# CPU attention ISAs: the key layout each writes is kvscore._kvscore.vllm_cpu_key_layout's (vec, vec16:
+# transposed; amx: AMX-packed; neon fp32/fp16: transposed); every call that reads a cache gets the ISA
 
 
 class KvscoreMeta(KVConnectorMetadata):
@@ -228,14 +229,19 @@ class KvscoreConnector(KVConnectorBase_V1):
         self._layer_names = names
         self._layer_index = {n: i for i, n in enumerate(names)}
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, names)
+        self._isa = None
         for n, layer in layers.items():
             impl = layer.impl
             if not isinstance(impl, CPUAttentionBackendImpl):
                 raise ValueError(f"kvscore.vllm: layer {n} uses {type(impl).__name__}, not vLLM's CPU attention")
-            isa = getattr(layer, "isa", None)
-            if isa not in _READABLE_ISAS:
-                raise ValueError(f"kvscore.vllm: layer {n}: CPU attention ISA {isa!r} stores keys in a layout the "
-                                 f"view does not read (reads {_READABLE_ISAS})")
+            isa = str(getattr(layer, "isa", None))
+            try:
+                _k.vllm_cpu_key_layout(isa, kv_caches[n])
+            except ValueError as e:
+                raise ValueError(f"kvscore.vllm: layer {n}: {e}") from None
+            if self._isa not in (None, isa):
+                raise ValueError(f"kvscore.vllm: layer {n}: CPU attention ISA {isa!r}, another layer's is {self._isa!r}")
+            self._isa = isa
             if impl.sliding_window not in (None, -1):
                 raise ValueError(f"kvscore.vllm: layer {n} has a sliding window; not supported")
             _wrap_impl(impl, self)
@@ -247,7 +253,8 @@ class KvscoreConnector(KVConnectorBase_V1):
             self._selector = _k.PagedBlockSelector(
                 len(names), c0.shape[0], c0.shape[1], c0.shape[3] // 2, self.block_size, score=self.cfg.block_score,
                 sinks=self.cfg.sinks, local=self.cfg.local, scale=float(impl0.scale), prefilter=self.cfg.prefilter,
-                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self._threads(), probe=self.cfg.probe)
+                group=self.cfg.query_group, refresh=self.cfg.refresh, threads=self._threads(), probe=self.cfg.probe,
+                isa=self._isa)
             self._selector.register_caches(self._caches)  # read in place by every step, never converted again
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -304,7 +311,7 @@ class KvscoreConnector(KVConnectorBase_V1):
                     continue
                 scorer = [_SnapKV(q[n].permute(1, 0, 2).contiguous(), window=self._window)._impl
                           for n in self._layer_names]
-            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self._threads())
+            part = _k.vllm_cpu_partial(scorer, self._caches, ids, tokens, self._threads(), isa=self._isa)
             self._pending.setdefault(req_id, []).append(part)
         self._seconds += time.perf_counter() - t0
 

@@ -180,7 +180,7 @@ class _Probe:
                 continue
             nb = -(-n // bs)
             ids = src[r, :nb].astype(np.int64)
-            keys = _k.vllm_cpu_keys(kv_cache, ids, n)
+            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=connector._isa)
             q = query[int(ti)].float().contiguous().numpy()
             exact = _k.block_sparse_reference(keys, q, bs, a, score="exact", sinks=cfg.sinks, local=cfg.local,
                                               scale=connector._selector_scale, group=cfg.query_group)

@@ -743,13 +743,13 @@ int run(const Args& a) {
   if (hooks.sparse) {
     std::printf("sparse decode: attend %s, score %s, sinks %lld, local %lld, dense below %lld: %lld of %lld decode "
                 "ubatches sparse, %lld layer choices attending %.1f %% of the visible cells (%.1f of %.1f per layer), "
-                "selection %.2f ms in all (%.3f ms per sparse step)\n",
+                "selection %.2f ms in all (%.3f ms per sparse step); K cache %s\n",
                 num(a.attend).c_str(), a.block_score.c_str(), (long long)a.sinks, (long long)a.local,
                 (long long)a.dense_below, (long long)sp.sparse_steps, (long long)sp.decode_steps, (long long)sp.layer_calls,
                 sp.visible ? 100.0 * double(sp.attended) / double(sp.visible) : 100.0,
                 sp.layer_calls ? double(sp.attended) / double(sp.layer_calls) : 0.0,
                 sp.layer_calls ? double(sp.visible) / double(sp.layer_calls) : 0.0, sp.select_ms,
-                sp.sparse_steps ? sp.select_ms / double(sp.sparse_steps) : 0.0);
+                sp.sparse_steps ? sp.select_ms / double(sp.sparse_steps) : 0.0, sp.k_type.empty() ? "-" : sp.k_type.c_str());
     if (a.check_attend) {
       const bool ok = sp.checked > 0 && sp.check_mismatch == 0;
       std::printf("attend check: %lld layer choices read back from the mask after their attention: %s\n",

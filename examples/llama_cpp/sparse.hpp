@@ -75,6 +75,7 @@ struct SparseDecode {
   std::int64_t steps = 0, decode_steps = 0, sparse_steps = 0, layer_calls = 0, attended = 0, visible = 0;
   std::int64_t checked = 0, check_mismatch = 0;
   double select_ms = 0;
+  std::string k_type;  ///< the K cache's type, as the selector read it
 
   void start(std::int64_t layers, std::int64_t qh, std::int64_t kvh, std::int64_t d) {
     n_layer = layers;
@@ -231,6 +232,7 @@ struct SparseDecode {
     }
     kvscore::CellKeys keys{cell_type(K), K->data, K->ne[1], kv_heads, head_dim, std::int64_t(K->nb[1])};
     if (!error.empty()) return;
+    k_type = kvscore::to_string(keys.type);
     const auto t0 = std::chrono::steady_clock::now();
     std::int64_t n;
     try {

@@ -39,6 +39,7 @@
 #include <kvscore/slots.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -51,6 +52,7 @@
 
 #include "capture.hpp"
 #include "kvzip.hpp"
+#include "sparse.hpp"
 #include "util.hpp"
 
 namespace {
@@ -65,6 +67,10 @@ struct Args {
   std::int64_t chunk = kvscore_llama::kLlamaKVzipChunk, kvzip_prefix = -1;
   std::string kvzip_suffix = "\n";
   double keep = 0.5;
+  double attend = 0;  ///< --attend (0: dense decode)
+  std::int64_t local = kvscore::kDefaultBlockSparseLocal, dense_below = kvscore::kDefaultDenseBelow;
+  std::string block_score = "int4", fa = "auto", type_k = "f16";
+  bool check_attend = false, attend_set = false;
   int threads = 0;
   bool check = false, compare_plain = false, print_text = true, verbose = false, check_session = false;
   bool special = false;
@@ -101,6 +107,19 @@ const char* kUsage =
     "                     be the same tokens\n"
     "  --dump DIR         kvzip: write the context's keys, each pass's keys, queries and span and the kept\n"
     "                     positions as .npy (kvzip_replay recomputes the selection from them)\n"
+    "  --attend F         sparse decode: each decode step's query attends, per layer, the sinks, the newest\n"
+    "                     --local cells and the best blocks of 32 cells up to a fraction F in (0, 1] of the\n"
+    "                     visible cells or a whole count F > 1 of them (kvscore::CellBlockSelector); the\n"
+    "                     other cells are masked (-INFINITY) for that layer's attention. Needs -fa on.\n"
+    "                     Prompt batches and sequences under --dense-below cells decode densely; questions\n"
+    "                     (--question-file) are decoded a token a step, so they attend sparsely too\n"
+    "  --local N          --attend: newest cells always attended (default 64)\n"
+    "  --dense-below N    --attend: sequences of fewer visible cells decode densely (default 1024)\n"
+    "  --block-score S    --attend: int4 (default), exact, quest or meanstd\n"
+    "  --check-attend     --attend: every sparse layer's mask, read back after its attention ran, must equal\n"
+    "                     kvscore::cell_block_reference on the captured query and the cache's keys\n"
+    "  -fa, --flash-attn M  on, off or auto (llama.cpp's default: auto)\n"
+    "  --type-k T         K cache type: f16 (default), q8_0 or f32\n"
     "  --check            read the cache back (state API) and verify it holds exactly the kept positions\n"
     "  --compare-plain    run plain llama.cpp first; with --keep 1 the tokens must be identical\n"
     "  --no-text          do not print the generated text\n"
@@ -142,6 +161,13 @@ Args parse(int argc, char** argv) {
     else if (f == "--save-session") a.save_session = value(i);
     else if (f == "--check-session") a.check_session = true;
     else if (f == "--dump") a.dump = value(i);
+    else if (f == "--attend") a.attend = parse_double(f, value(i)), a.attend_set = true;
+    else if (f == "--local") a.local = parse_int(f, value(i));
+    else if (f == "--dense-below") a.dense_below = parse_int(f, value(i));
+    else if (f == "--block-score") a.block_score = value(i);
+    else if (f == "--check-attend") a.check_attend = true;
+    else if (f == "-fa" || f == "--flash-attn") a.fa = value(i);
+    else if (f == "--type-k") a.type_k = value(i);
     else if (f == "--check") a.check = true;
     else if (f == "--compare-plain") a.compare_plain = true;
     else if (f == "--no-text") a.print_text = false;
@@ -165,6 +191,23 @@ Args parse(int argc, char** argv) {
   if (a.threads < 0) throw Usage("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
   if (a.ubatch < 1) throw Usage("--ubatch must be >= 1 (got " + std::to_string(a.ubatch) + ")");
   if (a.chunk < 1) throw Usage("--chunk must be >= 1 (got " + std::to_string(a.chunk) + ")");
+  if (a.fa != "on" && a.fa != "off" && a.fa != "auto") throw Usage("-fa must be on, off or auto (got '" + a.fa + "')");
+  if (a.type_k != "f16" && a.type_k != "q8_0" && a.type_k != "f32")
+    throw Usage("--type-k must be f16, q8_0 or f32 (got '" + a.type_k + "')");
+  if (a.attend_set || a.check_attend) {
+    if (!(a.attend > 0) || !std::isfinite(a.attend) || (a.attend > 1 && a.attend != std::floor(a.attend)))
+      throw Usage("--attend must be a fraction in (0, 1] or a whole count of tokens > 1 (got " + num(a.attend) + ")");
+    if (a.fa != "on")
+      throw Usage("--attend needs -fa on (got -fa " + a.fa + "): the masked cells are skipped by llama.cpp's CPU "
+                  "flash-attention kernel, and only its mask is one f16 row that can be rewritten per layer");
+    if (a.local < 0) throw Usage("--local must be >= 0 (got " + std::to_string(a.local) + ")");
+    if (a.dense_below < 0) throw Usage("--dense-below must be >= 0 (got " + std::to_string(a.dense_below) + ")");
+    const kvscore::BlockScore bs = kvscore::parse_block_score(a.block_score);  // std::invalid_argument -> exit 2
+    if (bs == kvscore::BlockScore::pariskv) throw Usage("--block-score pariskv is not offered with llama.cpp's cells");
+    if (!a.save_session.empty() || a.alloc == "per_head")
+      throw Usage(std::string("--attend does not take ") + (a.alloc == "per_head" ? "--alloc per_head" : "--save-session") +
+                  " (a state load moves the cells the selector follows)");
+  }
   if (a.check_session && a.save_session.empty()) throw Usage("--check-session needs --save-session FILE");
   if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
@@ -179,7 +222,28 @@ Args parse(int argc, char** argv) {
 }
 
 /// `extra`: the longest batch decoded after the prompt (a KVzip pass, a question), beside --n-predict.
-llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_prompt, Capture* cap,
+/// cb_eval of a context: the prefill capture and sparse decode, side by side (either may be absent).
+struct Hooks {
+  Capture* cap = nullptr;
+  SparseDecode* sparse = nullptr;
+  static bool callback(ggml_tensor* t, bool ask, void* user) {
+    auto* h = static_cast<Hooks*>(user);
+    if (ask) {
+      bool want = h->cap && Capture::callback(t, true, h->cap);
+      if (h->sparse) want = h->sparse->ask(t) || want;
+      return want;
+    }
+    bool ok = !h->cap || Capture::callback(t, false, h->cap);
+    if (h->sparse) ok = h->sparse->observed(t) && ok;
+    return ok;
+  }
+  /// sparse decode's first error (a decode that met one is not to be trusted)
+  void rethrow() const {
+    if (sparse && !sparse->error.empty()) throw std::runtime_error("sparse decode: " + sparse->error);
+  }
+};
+
+llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_prompt, Hooks* hooks,
                             std::int64_t extra = 0) {
   llama_context_params p = llama_context_default_params();
   p.n_ctx = std::uint32_t(n_prompt + extra + a.n_predict + 16);
@@ -189,9 +253,11 @@ llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_pr
   p.n_threads = a.threads;
   p.n_threads_batch = a.threads;
   p.no_perf = true;
-  if (cap) {
-    p.cb_eval = &Capture::callback;
-    p.cb_eval_user_data = cap;
+  if (a.fa != "auto") p.flash_attn_type = a.fa == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  p.type_k = a.type_k == "q8_0" ? GGML_TYPE_Q8_0 : a.type_k == "f32" ? GGML_TYPE_F32 : GGML_TYPE_F16;
+  if (hooks) {
+    p.cb_eval = &Hooks::callback;
+    p.cb_eval_user_data = hooks;
   }
   llama_context* ctx = llama_init_from_model(model, p);
   if (!ctx) throw std::runtime_error("llama_init_from_model failed");
@@ -200,12 +266,14 @@ llama_context* make_context(llama_model* model, const Args& a, std::int64_t n_pr
 
 /// Greedy continuation from its first token `t` (the argmax of the logits before it): n tokens
 /// (stops early at end of generation).
-std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, std::int64_t n, llama_token t) {
+std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, std::int64_t n, llama_token t,
+                                  const Hooks* hooks = nullptr) {
   std::vector<llama_token> out;
   out.push_back(t);
   while (std::int64_t(out.size()) < n && !llama_vocab_is_eog(vocab, t)) {
     llama_batch b = llama_batch_get_one(&t, 1);
     if (llama_decode(ctx, b) != 0) throw std::runtime_error("llama_decode failed during generation");
+    if (hooks) hooks->rethrow();
     t = argmax(ctx, vocab);
     out.push_back(t);
   }
@@ -216,12 +284,18 @@ std::vector<llama_token> generate(llama_context* ctx, const llama_vocab* vocab, 
 /// with n tokens, then removed with its answer: every question sees the same cache.
 std::vector<std::vector<llama_token>> answer_all(llama_context* ctx, const llama_vocab* vocab,
                                                  const std::vector<std::vector<llama_token>>& questions,
-                                                 std::int64_t N, std::int64_t n) {
+                                                 std::int64_t N, std::int64_t n, const Hooks* hooks = nullptr) {
   std::vector<std::vector<llama_token>> out;
   for (std::vector<llama_token> q : questions) {
-    if (llama_decode(ctx, llama_batch_get_one(q.data(), std::int32_t(q.size()))) != 0)
-      throw std::runtime_error("llama_decode failed on a question");
-    out.push_back(generate(ctx, vocab, n, argmax(ctx, vocab)));
+    // --attend: a question is decoded a token a step, so that each of its tokens attends sparsely too
+    // (a batch of tokens is a prompt batch: dense)
+    const std::size_t step = hooks && hooks->sparse ? 1 : q.size();
+    for (std::size_t i = 0; i < q.size(); i += step) {
+      if (llama_decode(ctx, llama_batch_get_one(q.data() + i, std::int32_t(std::min(step, q.size() - i)))) != 0)
+        throw std::runtime_error("llama_decode failed on a question");
+      if (hooks) hooks->rethrow();
+    }
+    out.push_back(generate(ctx, vocab, n, argmax(ctx, vocab), hooks));
     if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(N), -1))
       throw std::runtime_error("llama_memory_seq_rm refused to drop a question");
   }
@@ -542,12 +616,25 @@ int run(const Args& a) {
   }
 
   Capture cap;
-  llama_context* ctx = make_context(model, a, N, &cap, extra);
+  SparseDecode sp;
+  Hooks hooks{&cap, a.attend_set ? &sp : nullptr};
+  if (hooks.sparse) {
+    sp.attend = a.attend;
+    sp.dense_below = a.dense_below;
+    sp.check = a.check_attend;
+    sp.opt.score = kvscore::parse_block_score(a.block_score);
+    sp.opt.sinks = a.sinks;
+    sp.opt.local = a.local;
+    sp.opt.num_threads = a.threads;
+    sp.start(L, Hq, Hkv, D);
+  }
+  llama_context* ctx = make_context(model, a, N, &hooks, extra);
   cap.start(L, Hkv, Hq, D, N, window);
   auto t0 = Clock::now();
   std::vector<llama_token> p = prompt;
   if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
     throw std::runtime_error("llama_decode failed on the prompt");
+  hooks.rethrow();
   const double t_prefill = ms_since(t0);
   cap.active = false;
   if (!cap.complete())
@@ -620,7 +707,9 @@ int run(const Args& a) {
     if (!llama_memory_seq_rm(mem, 0, llama_pos(r.begin), llama_pos(r.end)))
       throw std::runtime_error("llama_memory_seq_rm refused [" + std::to_string(r.begin) + ", " +
                                std::to_string(r.end) + ")");
-  if (!heads.empty()) give_heads_their_tokens(ctx, full, heads);
+  if (!heads.empty()) {
+    give_heads_their_tokens(ctx, full, heads);
+  }
   const double t_evict = ms_since(t0);
 
   if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction", heads.empty() ? nullptr : &heads,
@@ -640,7 +729,7 @@ int run(const Args& a) {
   }
 
   t0 = Clock::now();
-  const std::vector<std::vector<llama_token>> answers = answer_all(ctx, vocab, questions, N, a.n_predict);
+  const std::vector<std::vector<llama_token>> answers = answer_all(ctx, vocab, questions, N, a.n_predict, &hooks);
   const double t_answer = ms_since(t0);
   for (std::size_t i = 0; i < answers.size(); ++i) {
     std::printf("answer %zu:", i);
@@ -649,8 +738,27 @@ int run(const Args& a) {
   }
 
   t0 = Clock::now();
-  const std::vector<llama_token> out = generate(ctx, vocab, a.n_predict, first);
+  const std::vector<llama_token> out = generate(ctx, vocab, a.n_predict, first, &hooks);
   const double t_decode = ms_since(t0);
+  if (hooks.sparse) {
+    std::printf("sparse decode: attend %s, score %s, sinks %lld, local %lld, dense below %lld: %lld of %lld decode "
+                "ubatches sparse, %lld layer choices attending %.1f %% of the visible cells (%.1f of %.1f per layer), "
+                "selection %.2f ms in all (%.3f ms per sparse step); K cache %s\n",
+                num(a.attend).c_str(), a.block_score.c_str(), (long long)a.sinks, (long long)a.local,
+                (long long)a.dense_below, (long long)sp.sparse_steps, (long long)sp.decode_steps, (long long)sp.layer_calls,
+                sp.visible ? 100.0 * double(sp.attended) / double(sp.visible) : 100.0,
+                sp.layer_calls ? double(sp.attended) / double(sp.layer_calls) : 0.0,
+                sp.layer_calls ? double(sp.visible) / double(sp.layer_calls) : 0.0, sp.select_ms,
+                sp.sparse_steps ? sp.select_ms / double(sp.sparse_steps) : 0.0, sp.k_type.empty() ? "-" : sp.k_type.c_str());
+    if (a.check_attend) {
+      const bool ok = sp.checked > 0 && sp.check_mismatch == 0;
+      std::printf("attend check: %lld layer choices read back from the mask after their attention: %s\n",
+                  (long long)sp.checked,
+                  ok ? "every one equals kvscore::cell_block_reference on the captured query and the cache keys"
+                     : sp.checked == 0 ? "FAILED: none was sparse" : "FAILED: some differ");
+      if (!ok) rc = 1;
+    }
+  }
 
   if (a.check) {  // the generated tokens were appended after the kept ones (the last is not decoded)
     std::vector<std::int64_t> expect = kept;
@@ -707,8 +815,8 @@ int run(const Args& a) {
                 "%s (%zu of %zu equal before the first difference)\n",
                 plain_prefill, 100.0 * (t_prefill - plain_prefill) / plain_prefill,
                 identical ? "identical" : "differ", same, plain.size());
-    if (!identical && budget == N) {
-      std::printf("FAILED: with every token kept the tokens must be plain llama.cpp's\n");
+    if (!identical && budget == N && (!a.attend_set || a.attend == 1)) {
+      std::printf("FAILED: with every token kept (and attended) the tokens must be plain llama.cpp's\n");
       rc = 1;
     }
   }

@@ -92,11 +92,16 @@ def main():
                     help="kvscore_llama's --alloc: one set of positions for every head and layer, or each KV "
                          "head its own tokens (default joint)")
     ap.add_argument("--chunk", type=int, help="kvzip: context tokens per reconstruction pass (default: kvscore_llama's)")
+    ap.add_argument("--attend", default="",
+                    help="comma-separated kvscore_llama --attend values (sparse decode, -fa on; the question is then "
+                         "decoded a token a step): each is one more run per depth, on the full cache")
+    ap.add_argument("--dense-below", type=int, default=1024, help="kvscore_llama's --dense-below with --attend")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
     depths = [float(x) for x in a.depths.split(",")]
     keeps = [float(x) for x in a.keeps.split(",")]
-    methods = a.methods.split(",")
+    methods = [m for m in a.methods.split(",") if m]
+    attends = [x for x in a.attend.split(",") if x]
     rng = random.Random(a.seed)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,10 +125,15 @@ def main():
             with open(p, "w") as f:
                 f.write(text)
             runs = [("full", 1.0)] + [(m, k) for m in methods for k in keeps]
+            runs += [(f"attend {x}", 1.0) for x in attends]
             for method, keep in runs:
                 args = ["--prompt-file", p, "--question-file", q, "--keep", str(keep), "--recent", str(a.recent),
-                        "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" else method,
+                        "--n-predict", "8", "--no-text", "--method", "knorm" if method == "full" or method.startswith("attend") else method,
                         "--aggregate", a.aggregate, "--alloc", a.alloc]
+                if attends:  # every run with flash attention, so that the dense and sparse runs differ only by --attend
+                    args += ["-fa", "on"]
+                if method.startswith("attend"):
+                    args += ["--attend", method.split()[1], "--dense-below", str(a.dense_below)]
                 if method == "kvzip":
                     args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
                     if a.chunk:
@@ -146,6 +156,9 @@ def main():
     for m in methods:
         cells = [[r["correct"] for r in records if r["method"] == m and r["keep"] == k] for k in keeps]
         rows.append((m, [f"{sum(c) / len(c):.2f}" for c in cells]))
+    for x in attends:
+        c = [r["correct"] for r in records if r["method"] == f"attend {x}"]
+        rows.append((f"sparse decode, attend {x}", [f"{sum(c) / len(c):.2f}"]))
     print("\n" + table("method", [f"keep {k}" for k in keeps], rows))
     z = [r for r in records if "kvzip_forward_ms" in r]
     if z:

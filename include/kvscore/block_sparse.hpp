@@ -25,6 +25,8 @@
 //   reference.hpp      block_sparse_reference, the stateless choice
 //   planner.hpp        BlockSparsePlanner: a step's rows planned once, each layer's call then
 //                      passes its query (what an engine drives; kvscore.vllm's binding is one)
+//   cells.hpp          CellBlockSelector and cell_block_reference: the same scorers over a
+//                      token-major cell cache (llama.cpp's K: f32, f16, q8_0; blocks of 32 cells)
 //
 // One block table row serves every KV head (vLLM's kernels), so a block is chosen per sequence
 // and layer: each query head turns its block scores into a softmax over the candidate blocks
@@ -37,6 +39,7 @@
 // (one attention schedule per step).
 #pragma once
 
+#include "kvscore/block_sparse/cells.hpp"
 #include "kvscore/block_sparse/keys.hpp"
 #include "kvscore/block_sparse/options.hpp"
 #include "kvscore/block_sparse/planner.hpp"

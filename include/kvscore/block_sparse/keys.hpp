@@ -6,10 +6,10 @@
 //                         and AmxPagedKeysView); b is a physical block id
 //   DenseBlockKeys        one sequence's [kv_heads][tokens][head_dim] fp32 keys (block_sparse_reference);
 //                         b is a logical block
-//   a token-major cell cache (llama.cpp's K: [cell][n_embd_k_gqa] rows, f16 or q8_0) would be a
-//   third: blocks of block_size consecutive cells, tile(h, b) = the rows of cells
-//   [b·block_size, (b+1)·block_size) at column h·head_dim; a tile type of its own (q8_0's
-//   blocks of 32 values and a scale) only needs `float at(t, j)`.
+//   CellBlockKeys<T>      (cells.hpp) a token-major cell cache (llama.cpp's K: [cell][n_embd_k_gqa]
+//                         rows, f32, f16 or q8_0): blocks of 32 consecutive cells, tile(h, b) = the
+//                         rows of cells [32·b, 32·b + 32) at column h·head_dim (CellTile<T>: q8_0's
+//                         blocks of 32 values and a scale read through `float at(t, j)`)
 //
 // A source has heads(), head_dim(), block_size(), num_blocks() and tile(h, b); a tile has
 // `float at(t, j) const`. KeyTile<T> (strided elements of T) is the tile the sources here make,

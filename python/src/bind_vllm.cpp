@@ -1,5 +1,5 @@
 // python/src/bind_vllm.cpp — the paged and block-joint part of kvscore._kvscore that the vLLM
-// plugin (python/kvscore/vllm, docs/vllm.md) calls: vLLM CPU's key cache read in place
+// plugin (python/kvscore/vllm, docs/guides/vllm.md) calls: vLLM CPU's key cache read in place
 // (kvscore::TransposedPagedKeysView, or AmxPagedKeysView for the `amx` ISA: every function that
 // reads a cache takes the layer's `isa`), scored by any scorer of the registry on every layer, the
 // per-rank partial of the joint block scores (kvscore::joint_partial) and the one decision
@@ -222,7 +222,7 @@ kvscore::QueryTensor query_tensor(const Any& q, std::int64_t head_dim) {
 /// objects the planner reads (the caches, a step's src and dst) are held as long as it reads them,
 /// and a layer's registered cache is recognised by identity, so that select_planned converts only
 /// the layer's query (inside a forward each conversion of a torch tensor costs ~7 us with its
-/// caches cold: docs/block_sparse.md).
+/// caches cold: docs/reference/block_sparse.md).
 class VllmBlockSelector {
  public:
   VllmBlockSelector(std::int64_t layers, std::int64_t num_blocks, std::int64_t kv_heads, std::int64_t head_dim,

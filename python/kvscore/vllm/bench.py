@@ -1,4 +1,4 @@
-"""Why an engine wants kvscore (docs/vllm.md, scripts/vllm_bench.sh): vLLM CPU serving many long
+"""Why an engine wants kvscore (docs/guides/vllm.md, scripts/vllm_bench.sh): vLLM CPU serving many long
 requests with a KV cache too small to hold them all, with and without kvscore, in one run; and
 (--workload decode) how fast decoding is with sparse decode and eviction.
 

@@ -1,4 +1,4 @@
-"""A self-check of sparse decode inside a running engine (docs/vllm.md#checking-it-in-your-engine).
+"""A self-check of sparse decode inside a running engine (docs/guides/vllm.md#checking-it-in-your-engine).
 
 With KVSCORE_VLLM_CHECK=<prefix> in the engine's environment, every worker checks every layer's
 block choice of every step against kvscore's stateless reference: each sparse row's keys are read
@@ -116,7 +116,7 @@ class Audit:
     every other usable block is free (nothing leaked, nothing freed twice; with prefix caching a
     block may be in several tables, its reference count then being their number), and the holes sent to
     the workers belong to the requests that hold those first blocks. A step that breaks one of
-    these writes a "violation" line. For tests and load runs (docs/vllm.md#under-load)."""
+    these writes a "violation" line. For tests and load runs (docs/design/vllm-internals.md#under-load-and-faults)."""
 
     def __init__(self, path: str):
         self.f = open(path, "a", buffering=1)

@@ -1,4 +1,4 @@
-"""KvscoreConnector: kvscore as a vLLM V1 KV connector (docs/vllm.md). Pinned to vLLM 0.32 (CPU).
+"""KvscoreConnector: kvscore as a vLLM V1 KV connector (docs/guides/vllm.md). Pinned to vLLM 0.32 (CPU).
 
 Flow of one request (R):
 
@@ -34,7 +34,7 @@ For eviction a worker identifies R's row in the batch by the physical id of R's 
 block of position 0 is always kept (sinks >= 1 is required) and owned by R alone (eviction refuses
 prefix caching).
 
-Sparse decode (`attend` < 1, docs/block_sparse.md): the scheduler also sends, every step, for each
+Sparse decode (`attend` < 1, docs/reference/block_sparse.md): the scheduler also sends, every step, for each
 request that decodes in it, the block its token is written to (R's own, even when prefix caching
 shares R's first blocks with other requests) and R's sequence key; on the worker a row is R's when
 its slot_mapping entry falls in that block, and the first attention call of a step plans the step
@@ -178,10 +178,10 @@ class KvscoreConnector(KVConnectorBase_V1):
 
         if vllm.__version__.split("+")[0] != VLLM_VERSION:
             raise ValueError(f"kvscore.vllm: vLLM {vllm.__version__} is not the {VLLM_VERSION} it is pinned to "
-                             f"(it relies on vLLM internals, docs/vllm.md)")
+                             f"(it relies on vLLM internals, docs/guides/vllm.md)")
         if not current_platform.is_cpu():
             raise ValueError("kvscore.vllm: only vLLM's CPU build is supported (the paged view reads the CPU "
-                             "attention backend's layout; CUDA vLLM is untested, docs/vllm.md)")
+                             "attention backend's layout; CUDA vLLM is untested, docs/guides/vllm.md)")
         self._prefix_caching = bool(c.cache_config.enable_prefix_caching)
         if self._prefix_caching and self.cfg.ratio > 0:
             raise ValueError(f"kvscore.vllm: ratio {self.cfg.ratio} (eviction) needs enable_prefix_caching=False: "

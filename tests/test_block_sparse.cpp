@@ -746,7 +746,7 @@ TEST_CASE("PagedBlockSelector: begin_step must name the live sequences, and thei
   CHECK(std::all_of(out.begin(), out.end(), [](std::int32_t x) { return x == -7; }));
 }
 
-TEST_CASE("PagedBlockSelector: rows sharing their first blocks (prefix caching) are told apart by seq; a shared "
+TEST_CASE("PagedBlockSelector: rows sharing their first blocks (prefix caching) are told apart by seq, and a shared "
           "block's summary is made once", "[block_sparse]") {
   const std::int64_t NB = 64, H = 2, bs = 32, d = 16, qh = 4;
   Pool<float> pool(NB, H, bs, d, true);

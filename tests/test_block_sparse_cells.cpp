@@ -182,7 +182,7 @@ TEST_CASE("cell blocks: the selector equals the reference on f32, f16 and q8_0 a
   }
 }
 
-TEST_CASE("cell blocks: the exact choice is the brute force's; int4 finds a planted block", "[block_sparse][cells]") {
+TEST_CASE("cell blocks: the exact choice is the brute force's, and int4 finds a planted block", "[block_sparse][cells]") {
   const auto type = GENERATE(CellKeyType::f32, CellKeyType::f16, CellKeyType::q8_0);
   CAPTURE(kvscore::to_string(type));
   const std::int64_t cells = 64 * 32;
@@ -229,7 +229,7 @@ TEST_CASE("cell blocks: the exact choice is the brute force's; int4 finds a plan
   CHECK(cells_of(a).size() <= 4 + 64 + 3 * 32);
 }
 
-TEST_CASE("cell blocks: sinks, newest and non-full blocks are always in; attend 1 is every visible cell",
+TEST_CASE("cell blocks: sinks, newest and non-full blocks are always in, attend 1 is every visible cell",
           "[block_sparse][cells]") {
   const std::int64_t cells = 20 * 32;
   Cache cache(CellKeyType::f16, cells);

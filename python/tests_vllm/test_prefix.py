@@ -19,7 +19,8 @@ BS = 32
 DOC_TOKENS = 1400
 QUESTIONS = ("What is this text about? Answer in one sentence.", "Who may copy this text?",
              "Does it give any warranty?", "Name one thing it forbids.")
-SPARSE = {"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 256}
+SPARSE = {"method": "knorm", "ratio": 0.0, "attend": 0.1, "dense_below": 256,
+          "refresh": 3}  # a kept choice stands two steps in three: each request keeps its own
 
 
 def shared_prefix_prompts(model_dir):

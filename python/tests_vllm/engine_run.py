@@ -132,7 +132,8 @@ def main(spec):
     layers = get_layers_from_vllm_config(llm.llm_engine.vllm_config, Attention)
     out["wrapped"] = sum(1 for l in layers.values() if getattr(l.impl, "_kvscore_wrapped", False))
     out["layers"] = len(layers)
-    out["isa"] = str(getattr(next(iter(layers.values())), "isa", None))  # the CPU attention ISA vLLM picked
+    # the CPU attention ISA vLLM picked; with tensor parallelism the layers live in the workers, not here
+    out["isa"] = str(getattr(next(iter(layers.values())), "isa", None)) if layers else None
     conn = sched.connector
     if conn is not None:
         out["decisions"] = [[external(d[0]), d[1], d[2], d[3]] for d in getattr(conn, "decisions", [])]

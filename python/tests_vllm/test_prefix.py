@@ -12,7 +12,7 @@ prefix caching with sparse decode, and chunked prefill with eviction and with sp
   holes (what the unchunked engine produces: test_engine.py)."""
 import pytest
 
-from conftest import run_engine
+from conftest import run_engine, run_engines
 from test_engine import LICENSES, TOKENS_VS_HF, _tokenizer, chat_ids, hf_greedy_with_holes, prompts
 
 BS = 32
@@ -53,8 +53,7 @@ def sparse_run(spec):
 
 
 def test_prefix_caching_with_attend_1_is_token_identical_to_plain_vllm(spec):
-    plain = run_engine(spec)
-    keep = run_engine({**spec, "plugin": {**SPARSE, "attend": 1.0}})
+    plain, keep = run_engines(spec, {**spec, "plugin": {**SPARSE, "attend": 1.0}})
     assert plain["cached"][0] == 0 and all(c >= 40 * BS for c in plain["cached"][1:])  # the prefix was hit
     assert keep["cached"] == plain["cached"]
     assert keep["wrapped"] == keep["layers"] == 30

@@ -11,8 +11,8 @@ from kvscore import _kvscore as _k
 
 
 def _write(ops, key, val, kc, vc, slots, isa):
-    """vLLM's own cache write. On a CPU without AVX-512 BF16 vLLM loads its `_C_AVX512` extension,
-    which has no `amx` layout ('Unsupported CPU attention configuration'): there the amx cases
+    """vLLM's own cache write. On a CPU without AVX-512 BF16 vLLM loads its `_C_AVX512` or `_C_AVX2`
+    extension, which have no `amx` layout ('Unsupported CPU attention configuration'): there the amx cases
     skip saying so (tests/test_paged_amx.cpp checks the layout in C++ on every CPU)."""
     try:
         ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa)

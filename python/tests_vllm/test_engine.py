@@ -6,8 +6,6 @@ and a bad configuration stops the engine at start."""
 import functools
 import pathlib
 
-import pytest
-
 from conftest import engine_error, run_engine, run_engines
 
 LICENSES = pathlib.Path("/usr/share/common-licenses")
@@ -60,10 +58,10 @@ def test_plugin_off_leaves_vllm_untouched_and_keep_all_is_token_identical(model_
     assert len(keep["decisions"]) == 6 and all(ev == [] and parts == 1 for _, _, ev, parts in keep["decisions"])
 
 
-# SnapKV here (its query window); KeyDiff in test_prefix.py, the same prompts in chunks; K-norm in the
-# benchmark (docs/guides/vllm.md): one engine start each
-@pytest.mark.parametrize("method", ["snapkv"])
-def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir, method):
+def test_ratio_half_frees_the_evicted_blocks_of_each_request_apart(model_dir):
+    # SnapKV here (its query window); KeyDiff in test_prefix.py, the same prompts in chunks; K-norm
+    # in the benchmark (docs/guides/vllm.md): one engine start each
+    method = "snapkv"
     # three requests in flight together: two long ones and one shorter than the protected window
     ps = prompts(model_dir, [900, 25, 640])
     plugin = {"method": method, "ratio": 0.5}

@@ -34,7 +34,7 @@ Values: normal with std 0.02 (norm weights 1.0) from numpy's default_rng(--seed)
 tensor in file order; each tensor is made, converted and written before the next is drawn
 (GGUFWriter's add_tensor_info, then write_tensor_data one tensor at a time), and a tensor is drawn
 4M values at a time, so memory holds one converted tensor, not the model (the 8B's largest,
-token_embd and output, are 403 MB in f16, 113 MB in Q4_0).
+token_embd and output, are 403 MB in f16, 113 MB in Q4_0; the 8B in f16 peaks at 0.5 GB).
 
 --layers N overrides the layer count (a small file for tests); --ctx N is llama.context_length
 (default 32768; the published models say 131072). The file is written to OUT.part and renamed.
@@ -42,7 +42,8 @@ token_embd and output, are 403 MB in f16, 113 MB in Q4_0).
 Time (a 2-vCPU AMD EPYC guest with AVX-512, other builds running beside it; one core used): the
 full llama-3.2-1b (1.074B parameters: the published 1.236B less the vocabulary rows not written)
 in q4_0, 0.61 GB, 34 s (19 s of CPU); in f16, 2.15 GB, 31 s (16 s of CPU). Drawing the values
-takes most of it; gguf's numpy Q4_0 quantizer costs ~3 s of CPU more than f16's cast. Memory peaks at 0.2 GB (q4_0) and 0.3 GB (f16).
+takes most of it; gguf's numpy Q4_0 quantizer costs ~3 s of CPU more than f16's cast. Memory
+peaks at 0.2 GB (q4_0) and 0.3 GB (f16).
 Reading --tokenizer-from takes ~2 s of each run (its 49152 tokens and 48900 merges).
 """
 
@@ -94,7 +95,8 @@ def rope_factors(head_dim: int, theta: float, factor: float) -> np.ndarray:
         elif wavelen > low_wavelen:
             out.append(factor)
         else:
-            smooth = (ROPE_ORIGINAL_CONTEXT / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
+            smooth = ((ROPE_ORIGINAL_CONTEXT / wavelen - ROPE_LOW_FREQ_FACTOR)
+                      / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR))
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
 
@@ -102,7 +104,8 @@ def rope_factors(head_dim: int, theta: float, factor: float) -> np.ndarray:
 def plan(shape: dict, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, numpy shape (rows, columns), kind) of every tensor in file order; kind: 'matrix' (random,
     the chosen type), 'norm' (ones, f32) or 'rope' (rope_freqs, f32)."""
-    h, q, kv, f = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], shape["ffn"]
+    h, f = shape["hidden"], shape["ffn"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     out = [("token_embd.weight", (vocab, h), "matrix"), ("rope_freqs.weight", (shape["head_dim"] // 2,), "rope")]
     for i in range(layers):
         b = f"blk.{i}."
@@ -134,14 +137,12 @@ def matrix(rng: np.random.Generator, rows: int, cols: int, qtype: GGMLQuantizati
 
 def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
     """Copies every tokenizer.* key/value; returns the vocabulary size (the token list's length)."""
-    n = 0
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-        n += 1
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ValueError("has no tokenizer.ggml.tokens")
     return len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -234,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(part, a.out)
     dt = time.perf_counter() - t0
     size = os.path.getsize(a.out)
-    print(f"{a.out}: {shape['name']} shape, {layers} layers, {a.type}, vocab {vocab}, {n_params / 1e9:.3f}B parameters, "
-          f"{size / 1e9:.3f} GB, {dt:.1f} s", file=sys.stderr)
+    print(f"{a.out}: {shape['name']} shape, {layers} layers, {a.type}, vocab {vocab}, "
+          f"{n_params / 1e9:.3f}B parameters, {size / 1e9:.3f} GB, {dt:.1f} s", file=sys.stderr)
     return 0
 
 

@@ -53,8 +53,6 @@ def _smollm2():
 
 
 SMOLLM2 = _smollm2()
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="SmolLM2 GGUF not found: run `bash scripts/fetch_smollm2.sh` "
-                                   "or set KVSCORE_SMOLLM2")
 
 
 def expected_tensors(shape, layers, matrix_type):

@@ -276,7 +276,15 @@ TEST_CASE("int4_quest, int4_summarize, int4_block on every table: their definiti
         for (std::int64_t k = 0; k < g; ++k)
           for (std::int64_t j = 0; j < d; ++j)
             lanes0[std::size_t(k * 16 + j % 16)] += std::max(q[std::size_t(k * d + j)] * lo0[j], q[std::size_t(k * d + j)] * hi0[j]);
-        // int4_block: weights from the largest |q·step|, the best token's integer sum
+        // int4_block: weights from the largest |q·step|, the best token's integer sum, q·lo in 16
+        // lanes (each product rounded before its add: volatile keeps a compiler that may use FMA
+        // here from fusing them, as no table may)
+        std::vector<float> qlo0(std::size_t(g * 16), 0.f);
+        for (std::int64_t k = 0; k < g; ++k)
+          for (std::int64_t j = 0; j < d; ++j) {
+            volatile float p = q[std::size_t(k * d + j)] * lo0[j];
+            qlo0[std::size_t(k * 16 + j % 16)] += p;
+          }
         std::vector<std::int32_t> best0(g);
         std::vector<float> scale0(g);
         for (std::int64_t k = 0; k < g; ++k) {
@@ -317,8 +325,10 @@ TEST_CASE("int4_quest, int4_summarize, int4_block on every table: their definiti
           for (std::size_t i = 0; i < lanes.size(); ++i) REQUIRE(bits(lanes[i]) == bits(lanes0[i]));
           std::vector<std::int16_t> w(std::size_t(g * d));
           std::vector<std::int32_t> acc(std::size_t(g * 2 * h)), best(g);
-          std::vector<float> scale(g);
-          tb->int4_block(q.data(), g, d, st0.data(), c0.data(), n, w.data(), acc.data(), best.data(), scale.data());
+          std::vector<float> scale(g), qlo(std::size_t(g * 16), -1.f);
+          tb->int4_block(q.data(), g, d, lo0.data(), st0.data(), c0.data(), n, w.data(), acc.data(), best.data(),
+                         scale.data(), qlo.data());
+          for (std::size_t i = 0; i < qlo.size(); ++i) REQUIRE(bits(qlo[i]) == bits(qlo0[i]));
           for (std::int64_t k = 0; k < g; ++k) {
             REQUIRE(bits(scale[k]) == bits(scale0[k]));
             if (std::isfinite(scale0[k])) REQUIRE(best[k] == best0[k]);

@@ -56,33 +56,20 @@ inline void prefetch(const void* p, std::int64_t bytes) noexcept {
 #endif
 }
 
-/// Σ_j f(j) for j < d in one fixed order that vectorises: 16 lanes (lane l sums the j ≡ l mod 16
-/// in order), then ParisKV's lane tree (tree16). Not the dimension-order sum, but the same on
-/// every ISA: the compiler turns the lanes into vectors instead of leaving a float reduction scalar.
-template <class F>
-inline float lane_sum(std::int64_t d, F&& f) noexcept {
-  float lane[16] = {};
-  std::int64_t j = 0;
-  for (; j + 16 <= d; j += 16)
-    for (int l = 0; l < 16; ++l) lane[l] += f(j + l);
-  for (int l = 0; j < d; ++j, ++l) lane[l] += f(j);
-  return pariskv::detail::tree16(lane);
-}
-
 /// max_t q·k̂_t over n int4-coded keys (min, step, codes of int4_summary) for each of `g`
-/// queries (out[g]): q·min in fp32 (lane_sum's order), plus s·max_t Σ_j w_j·c_tj where
-/// w_j = q_j·step_j / s rounded to nearest-even 16-bit integers (s = max_j |q_j·step_j| / 32767)
-/// and the sums are exact int32 (the table's int4_block): the result does not depend on the ISA
-/// or the compiler's vectorisation. `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
+/// queries (out[g]): q·min in fp32 (16 lanes, then ParisKV's lane tree: a fixed order, not the
+/// dimension order), plus s·max_t Σ_j w_j·c_tj where w_j = q_j·step_j / s rounded to
+/// nearest-even 16-bit integers (s = max_j |q_j·step_j| / 32767) and the sums are exact int32
+/// (the table's int4_block): the result does not depend on the ISA or the compiler's
+/// vectorisation. `w` holds g·d int16 and `acc` g·2·⌈n/2⌉ int32 of scratch.
 inline void int4_tile_scores(const float* const* q, std::int64_t g, const float* mn, const float* step,
                              const std::uint8_t* codes, std::int64_t n, std::int64_t d, float* out,
                              std::int16_t* w, std::int32_t* acc) noexcept {
   std::int32_t best[1];
-  float scale[1];
+  float scale[1], lanes[16];
   for (std::int64_t k = 0; k < g; ++k) {
-    simd::active_table().int4_block(q[k], 1, d, step, codes, n, w, acc, best, scale);
-    const float* qk = q[k];
-    out[k] = lane_sum(d, [&](std::int64_t j) { return qk[j] * mn[j]; }) + scale[0] * float(best[0]);
+    simd::active_table().int4_block(q[k], 1, d, mn, step, codes, n, w, acc, best, scale, lanes);
+    out[k] = pariskv::detail::tree16(lanes) + scale[0] * float(best[0]);
   }
 }
 
@@ -141,7 +128,7 @@ void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads
       if (keep[std::size_t(h * C + c)]) todo.push_back(h * C + c);
   std::vector<std::int16_t> wq(T * std::size_t(G * d));
   std::vector<std::int32_t> acc(T * std::size_t(G * 2 * half)), best(T * std::size_t(G));
-  std::vector<float> scale(T * std::size_t(G));
+  std::vector<float> scale(T * std::size_t(G)), qlo(T * std::size_t(G * 16));
   const std::int64_t code_bytes = int4_code_bytes(d, bs), n = std::int64_t(todo.size());
   parallel_for_tid(n, threads, none, [&](int, std::int64_t i, int tid) {
     const std::size_t t = std::size_t(tid);
@@ -156,13 +143,11 @@ void int4_scores(const float* query, std::int64_t q_heads, std::int64_t kv_heads
     const auto [mn, st, mx, codes] = summary(c, h);
     std::int32_t* bt = best.data() + t * std::size_t(G);
     float* sc = scale.data() + t * std::size_t(G);
-    tb.int4_block(qh, G, d, st, codes, bs, wq.data() + t * std::size_t(G * d), acc.data() + t * std::size_t(G * 2 * half),
-                  bt, sc);
-    for (std::int64_t g = 0; g < G; ++g) {
-      const float* qk = qh + g * d;
-      const float* lo = mn;
-      w.score[std::size_t((h * G + g) * C + c)] = lane_sum(d, [&](std::int64_t j) { return qk[j] * lo[j]; }) + sc[g] * float(bt[g]);
-    }
+    float* ln = qlo.data() + t * std::size_t(G * 16);
+    tb.int4_block(qh, G, d, mn, st, codes, bs, wq.data() + t * std::size_t(G * d),
+                  acc.data() + t * std::size_t(G * 2 * half), bt, sc, ln);
+    for (std::int64_t g = 0; g < G; ++g)
+      w.score[std::size_t((h * G + g) * C + c)] = pariskv::detail::tree16(ln + g * 16) + sc[g] * float(bt[g]);
   });
 }
 

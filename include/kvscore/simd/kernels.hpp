@@ -718,7 +718,7 @@ struct RowKernels {
   // sums, or a min/max: the same bits on every table.
 
   /// Quest's bound for g queries over one block: lanes[k·16 + l] = Σ_{j ≡ l (mod 16)}
-  /// max(q_kj·lo_j, q_kj·hi_j), j ascending (block_sparse.hpp's lane_sum order, before its tree).
+  /// max(q_kj·lo_j, q_kj·hi_j), j ascending (pariskv::detail::tree16 then sums the lanes).
   static void int4_quest(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* hi,
                          float* lanes) noexcept {
     constexpr std::int64_t NV = 16 / W;  // vectors per 16 lanes
@@ -844,18 +844,31 @@ struct RowKernels {
     }
   }
 
-  /// One block's int4 scores for g queries (before q·lo): top_k = max_j |q_kj·st_j|, the weights
-  /// w_kj = (q_kj·st_j)·(32767/top_k) rounded to nearest-even as int16 (all 0 when top_k is 0 or
-  /// not finite), best[k] = max_{t<n} Σ_j w_kj·code(j, t) (exact int32, int4_dots) and
-  /// scale[k] = top_k/32767: the block's score is q_k·lo + scale[k]·best[k]. Scratch: w g·d
-  /// int16, acc g·2h int32.
-  static void int4_block(const float* q, std::int64_t g, std::int64_t d, const float* st, const std::uint8_t* codes,
-                         std::int64_t n, std::int16_t* w, std::int32_t* acc, std::int32_t* best, float* scale) noexcept {
-    const std::int64_t h = (n + 1) / 2, dw = d - d % W;
-    std::int32_t ibuf[W > 1 ? W : 1];
+  /// One block's int4 scores for g queries: top_k = max_j |q_kj·st_j|, the weights w_kj =
+  /// (q_kj·st_j)·(32767/top_k) rounded to nearest-even as int16 (all 0 when top_k is 0 or not
+  /// finite), best[k] = max_{t<n} Σ_j w_kj·code(j, t) (exact int32, int4_dots), scale[k] =
+  /// top_k/32767, and q_k·lo in 16 lanes as int4_quest's (lanes[k·16 + l] = Σ_{j ≡ l (mod 16)}
+  /// q_kj·lo_j, j ascending, each product rounded before its add): the block's score is
+  /// tree16(lanes[k]) + scale[k]·best[k]. Scratch: w g·d int16, acc g·2h int32.
+  static void int4_block(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* st,
+                         const std::uint8_t* codes, std::int64_t n, std::int16_t* w, std::int32_t* acc,
+                         std::int32_t* best, float* scale, float* lanes) noexcept {
+    constexpr std::int64_t NV = 16 / W;  // vectors per 16 lanes
+    const std::int64_t h = (n + 1) / 2, dw = d - d % W, d16 = d - d % 16;
     for (std::int64_t k = 0; k < g; ++k) {
       const float* qk = q + k * d;
       std::int16_t* wk = w + k * d;
+      V a[NV];
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < NV; ++v) a[v] = P::zero();
+      for (std::int64_t j = 0; j < d16; j += 16)
+        KVSCORE_UNROLL
+        for (std::int64_t v = 0; v < NV; ++v)
+          a[v] = P::add(a[v], opaque(P::mul(P::loadf(qk + j + v * W), P::loadf(lo + j + v * W))));
+      float* out = lanes + k * 16;
+      KVSCORE_UNROLL
+      for (std::int64_t v = 0; v < NV; ++v) P::store(out + v * W, a[v]);
+      for (std::int64_t j = d16, l = 0; j < d; ++j, ++l) out[l] += opaque(qk[j] * lo[j]);
       const float top = std::bit_cast<float>(max_abs_bits(qk, st, d));
       scale[k] = top / 32767.f;
       const float inv = top > 0.f && top <= 3.4028235e38f ? 32767.f / top : 0.f;
@@ -864,14 +877,81 @@ struct RowKernels {
         continue;
       }
       const V vi = P::splat(inv);
-      for (std::int64_t j = 0; j < dw; j += W) {
-        P::round_store(ibuf, P::mul(P::mul(P::loadf(qk + j), P::loadf(st + j)), vi));
-        for (std::int64_t l = 0; l < W; ++l) wk[j + l] = std::int16_t(ibuf[l]);
-      }
+      for (std::int64_t j = 0; j < dw; j += W) round_store16(wk + j, P::mul(P::mul(P::loadf(qk + j), P::loadf(st + j)), vi));
       for (std::int64_t j = dw; j < d; ++j) wk[j] = std::int16_t(std::nearbyint((qk[j] * st[j]) * inv));
     }
     int4_dots(w, g, d, codes, h, acc);
     for (std::int64_t k = 0; k < g; ++k) best[k] = max_i32(acc + k * 2 * h, n);
+  }
+
+  /// The value unchanged, opaque to the optimiser: a product passed through it is never fused
+  /// with the add that follows (GCC contracts a·b + c into an FMA where the table's flags
+  /// allow one, and only there), so every table rounds the product as the scalar one does.
+  template <class T>
+  static T opaque(T v) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(__x86_64__) || defined(__i386__)
+      __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+      __asm__("" : "+w"(v));
+#else
+      __asm__("" : "+m"(v));
+#endif
+    } else {
+      typename T::register_type r = v;
+#if defined(__x86_64__) || defined(__i386__)
+      __asm__("" : "+x"(r));
+#elif defined(__aarch64__)
+      __asm__("" : "+w"(r));
+#else
+      __asm__("" : "+m"(r));
+#endif
+      v = T(r);
+    }
+#endif
+    return v;
+  }
+
+  /// out[0, W) = a's lanes rounded to nearest-even, as int16; |a| < 32767.5 (int4_block's
+  /// weights), where narrowing with saturation (packssdw) and by truncation (vpmovdw) agree.
+  static void round_store16(std::int16_t* out, V a) noexcept {
+    if constexpr (W == 1) {
+      *out = std::int16_t(std::nearbyint(a));
+    } else {
+      [[maybe_unused]] constexpr std::int64_t bytes = W * std::int64_t(sizeof(float));
+      [[maybe_unused]] const auto i = xsimd::nearbyint_as_int(a);
+#if defined(__AVX512F__)
+      if constexpr (bytes == 64) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(i));
+        return;
+      }
+#endif
+#if defined(__AVX2__)
+      if constexpr (bytes == 32) {
+        const __m256i v = i;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                         _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+        return;
+      }
+#endif
+#if defined(__SSE2__)
+      if constexpr (bytes == 16) {
+        const __m128i v = i;
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi32(v, v));
+        return;
+      }
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+      if constexpr (bytes == 16) {
+        vst1_s16(out, vmovn_s32(i));
+        return;
+      }
+#endif
+      alignas(64) std::int32_t t[W];
+      i.store_aligned(t);
+      for (std::int64_t l = 0; l < W; ++l) out[l] = std::int16_t(t[l]);
+    }
   }
 
   /// max_j of the bits of |a_j·b_j|: non-negative floats order as their bits do (a NaN above

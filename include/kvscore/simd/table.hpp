@@ -87,12 +87,14 @@ struct KernelTable {
                     std::int32_t* acc);
   /// block_sparse.hpp's int4 block score, per block (RowKernels::int4_quest, int4_summarize,
   /// int4_block): Quest's bound's 16 lanes for g queries; a block's summary and codes; a block's
-  /// integer scores. Elementwise fp32, integer sums and min/max only: the same on every table.
+  /// integer scores and q·min's lanes. Elementwise fp32 (no product fused into an add), integer
+  /// sums and min/max only: the same on every table.
   void (*int4_quest)(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* hi, float* lanes);
   void (*int4_summarize)(const float* x, std::int64_t ld, std::int64_t n, std::int64_t d, float* lo, float* st,
                          float* hi, std::uint8_t* codes);
-  void (*int4_block)(const float* q, std::int64_t g, std::int64_t d, const float* st, const std::uint8_t* codes,
-                     std::int64_t n, std::int16_t* w, std::int32_t* acc, std::int32_t* best, float* scale);
+  void (*int4_block)(const float* q, std::int64_t g, std::int64_t d, const float* lo, const float* st,
+                     const std::uint8_t* codes, std::int64_t n, std::int16_t* w, std::int32_t* acc, std::int32_t* best,
+                     float* scale, float* lanes);
 
   template <class T>
   const RowOps<T>& ops() const noexcept {

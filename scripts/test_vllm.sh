@@ -17,6 +17,6 @@ step vllm-model "SmolLM2-135M-Instruct as safetensors for vLLM (.models/smollm2-
 MODEL=$(bash scripts/smollm2_safetensors.sh "$PY")
 # From inside the tests' folder so that `import kvscore` is the installed package; passive OpenMP
 # waits (torch's spinning threads and vLLM's share two cores here).
-step vllm-pytest "python/tests_vllm (real vLLM CPU engines on SmolLM2: ~10 engine starts)"
+step vllm-pytest "python/tests_vllm (real vLLM CPU engines on SmolLM2: ~20 engine starts of about a minute)"
 (cd python/tests_vllm && KVSCORE_VLLM_MODEL="$MODEL" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} "$PY" -m pytest -q -rs -p no:cacheprovider --durations=8 .)

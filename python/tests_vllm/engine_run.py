@@ -48,20 +48,19 @@ def main(spec):
                                     "kv_connector_extra_config": spec["raw_extra"]}
     captured = []
     if spec.get("capture"):
-        # the keys each worker scored, read back from vLLM's cache at the moment of scoring
-        from kvscore.vllm import connector as C
-        orig = C.KvscoreConnector.wait_for_save
+        # the keys each worker scored, read back from vLLM's cache at the moment of scoring (the
+        # worker half's score, which the connector's wait_for_save calls with the step's metadata)
+        from kvscore.vllm import worker as W
+        orig = W.KvscoreWorker.score
 
-        def wait_for_save(self):
-            if self.has_connector_metadata():
-                meta = self._get_connector_metadata()
-                for req_id, ids, tokens in meta.score:
-                    keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens, isa=self._isa) for c in self._caches]
-                    q = self._queries.get(req_id, {})  # SnapKV's window queries, per layer
-                    captured.append((req_id, tokens, keys, [q[n].permute(1, 0, 2).numpy() for n in q]))
-            return orig(self)
+        def score(self, meta):
+            for req_id, ids, tokens in meta.score:
+                keys = [_k.vllm_cpu_keys(c, np.asarray(ids, dtype=np.int64), tokens, isa=self._isa) for c in self._caches]
+                q = self._queries.get(req_id, {})  # SnapKV's window queries, per layer
+                captured.append((req_id, tokens, keys, [q[n].permute(1, 0, 2).numpy() for n in q]))
+            return orig(self, meta)
 
-        C.KvscoreConnector.wait_for_save = wait_for_save
+        W.KvscoreWorker.score = score
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
               max_num_seqs=spec.get("max_num_seqs", 256), tensor_parallel_size=spec.get("tp", 1),

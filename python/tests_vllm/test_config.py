@@ -89,10 +89,10 @@ def test_threads_0_is_the_workers_torch_thread_count_never_openmps_default():
     import types
 
     import torch
-    from kvscore.vllm.connector import KvscoreConnector
+    from kvscore.vllm.worker import KvscoreWorker
 
     def threads(n):
-        return KvscoreConnector._threads(types.SimpleNamespace(cfg=Config("knorm", 0.0, threads=n)))
+        return KvscoreWorker._threads(types.SimpleNamespace(cfg=Config("knorm", 0.0, threads=n)))
 
     assert threads(0) == max(1, torch.get_num_threads()) >= 1
     assert threads(3) == 3

@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from .. import _kvscore as _k
+from . import internals as V
 
 ENV = "KVSCORE_VLLM_CHECK"
 
@@ -31,26 +32,21 @@ class Checker:
 
     def _open(self):
         if self.file is None:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-                rank = get_tensor_model_parallel_rank()
-            except Exception:  # noqa: BLE001 (no parallel state: one rank)
-                rank = 0
-            self.rank = rank
-            self.file = open(f"{self.prefix}.rank{rank}.jsonl", "a", buffering=1)
+            self.rank = V.tensor_parallel_rank()
+            self.file = open(f"{self.prefix}.rank{self.rank}.jsonl", "a", buffering=1)
         return self.file
 
-    def __call__(self, connector, layer_name, kv_cache, query, step) -> None:
+    def __call__(self, worker, layer_name, kv_cache, query, step) -> None:
         f = self._open()
         if self.step_id != id(step):
             self.step_id = id(step)
             self.steps += 1
-        cfg, bs = connector.cfg, connector.block_size
-        impl_scale = connector._selector_scale
+        cfg, bs = worker.cfg, worker.block_size
+        impl_scale = worker._selector_scale
         src = step.src.numpy()
         dst = step.dst.numpy()
-        md = step.md
-        num_reqs = md.query_start_loc.shape[0] - 1
+        _, qsl, seq_lens = V.step_fields(step.md)[:3]  # the metadata the kernel gets
+        num_reqs = qsl.shape[0] - 1
         rows = []
         sparse = set(int(r) for r in step.rows)
         seqs = step.seqs if step.seqs is not None else [-1] * len(step.rows)
@@ -58,7 +54,7 @@ class Checker:
             r, n, a = int(r), int(n), int(a)
             nb = -(-n // bs)
             ids = src[r, :nb].astype(np.int64)
-            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=connector._isa)
+            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=worker._isa)
             q = query[int(ti)].float().contiguous().numpy()
             ref = _k.block_sparse_reference(keys, q, bs, a, score=cfg.block_score, sinks=cfg.sinks, local=cfg.local,
                                             scale=impl_scale, prefilter=cfg.prefilter, group=cfg.query_group)
@@ -70,27 +66,27 @@ class Checker:
             sink_end = min(nb, -(-min(cfg.sinks, n) // bs))
             local_begin = min(nb, max(0, n - max(cfg.local, 1)) // bs)
             protected = [int(ids[b]) for b in range(nb) if b < sink_end or b >= local_begin]
-            qlen = int(md.query_start_loc[r + 1] - md.query_start_loc[r])
+            qlen = int(qsl[r + 1] - qsl[r])
             rows.append({"row": r, "first": int(ids[0]), "seq": int(seq), "ids": [int(x) for x in ids], "qlen": qlen,
                          "fresh": fresh, "sinks_end": sink_end, "local_begin": local_begin,
                          "tokens": n, "attend": a, "blocks": nb, "got": got,
                          "match": got == want, "want": None if got == want else want,
                          "protected_in": all(p in got for p in protected),
-                         "seq_len": int(md.seq_lens[r]), "seq_len_ok": int(md.seq_lens[r]) == (a - 1) * bs + n - (nb - 1) * bs})
+                         "seq_len": int(seq_lens[r]), "seq_len_ok": int(seq_lens[r]) == (a - 1) * bs + n - (nb - 1) * bs})
         others_untouched = all((dst[i] == src[i]).all() for i in range(num_reqs) if i not in sparse)
-        qsl = md.query_start_loc.tolist()
-        prefill_rows = sum(1 for i in range(num_reqs) if qsl[i + 1] - qsl[i] > 1)
+        starts = qsl.tolist()
+        prefill_rows = sum(1 for i in range(num_reqs) if starts[i + 1] - starts[i] > 1)
         f.write(json.dumps({"rank": self.rank, "step": self.steps, "layer": layer_name, "rows": rows,
                             "kv_heads": int(kv_cache.shape[1]), "q_heads": int(query.shape[1]),
                             "others_untouched": bool(others_untouched), "prefill_rows": prefill_rows,
-                            "num_reqs": num_reqs, "made": int(connector._selector.summaries_made)}) + "\n")
+                            "num_reqs": num_reqs, "made": int(worker._selector.summaries_made)}) + "\n")
 
 
-def install_from_env(connector_module) -> None:
-    """Sets the connector module's SPARSE_OBSERVER when KVSCORE_VLLM_CHECK is set (worker start)."""
+def install_from_env(worker_module) -> None:
+    """Sets kvscore.vllm.worker's SPARSE_OBSERVER when KVSCORE_VLLM_CHECK is set (worker start)."""
     prefix = os.environ.get(ENV)
-    if prefix and connector_module.SPARSE_OBSERVER is None:
-        connector_module.SPARSE_OBSERVER = Checker(prefix)
+    if prefix and worker_module.SPARSE_OBSERVER is None:
+        worker_module.SPARSE_OBSERVER = Checker(prefix)
 
 
 def read(prefix: str) -> list[dict]:
@@ -109,7 +105,7 @@ AUDIT_ENV = "KVSCORE_VLLM_AUDIT"
 
 
 class Audit:
-    """With KVSCORE_VLLM_AUDIT=<file> the scheduler side of the connector writes a JSON line for
+    """With KVSCORE_VLLM_AUDIT=<file> the connector's scheduler half (kvscore.vllm.scheduler) writes a JSON line for
     every decision (the request, a hash of its prompt, kept/evicted logical blocks, the physical
     ids freed), preemption and finished request, and checks the KV pool at every step: no
     physical block in two requests' tables, every block held by a request has one reference and

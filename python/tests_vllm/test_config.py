@@ -96,3 +96,19 @@ def test_threads_0_is_the_workers_torch_thread_count_never_openmps_default():
 
     assert threads(0) == max(1, torch.get_num_threads()) >= 1
     assert threads(3) == 3
+
+
+def test_a_shape_folder_has_the_published_config_and_smollm2s_tokenizer_with_its_chat_template(model_dir, tmp_path):
+    # kvscore.vllm.bench --shape: the prompts go through the copied tokenizer's chat template
+    import json
+
+    from transformers import AutoTokenizer
+
+    from kvscore.vllm import shapes
+
+    out = shapes.model_dir("llama-3.2-1b", str(tmp_path / "s"), model_dir)
+    cfg = json.load(open(tmp_path / "s" / "config.json"))
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]) == (16, 8, 64, 2048)
+    msgs = [{"role": "user", "content": "hi"}]
+    want = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(msgs, tokenize=False)
+    assert AutoTokenizer.from_pretrained(out).apply_chat_template(msgs, tokenize=False) == want

@@ -39,7 +39,10 @@ SHAPES = {
                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu"},
 }
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+# chat_template.jinja: where recent transformers save a tokenizer's chat template (the bench's
+# prompts apply it); without it the copied tokenizer has none
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "chat_template.jinja")
 
 
 def model_dir(shape: str, out: str, tokenizer_dir: str, dtype: str = "bfloat16") -> str:

@@ -34,6 +34,15 @@
 #define KVSCORE_UNROLL
 #endif
 
+// The register class of a float or vector operand in RowKernels::opaque's empty asm.
+#if defined(__x86_64__) || defined(__i386__)
+#define KVSCORE_OPAQUE_REG "+x"
+#elif defined(__aarch64__)
+#define KVSCORE_OPAQUE_REG "+w"
+#else
+#define KVSCORE_OPAQUE_REG "+m"
+#endif
+
 namespace kvscore::simd {
 
 /// Rows per fp32 block in the row-sum kernels; blocks are then added in fp64, so a
@@ -891,22 +900,10 @@ struct RowKernels {
   static T opaque(T v) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__x86_64__) || defined(__i386__)
-      __asm__("" : "+x"(v));
-#elif defined(__aarch64__)
-      __asm__("" : "+w"(v));
-#else
-      __asm__("" : "+m"(v));
-#endif
+      __asm__("" : KVSCORE_OPAQUE_REG(v));
     } else {
       typename T::register_type r = v;
-#if defined(__x86_64__) || defined(__i386__)
-      __asm__("" : "+x"(r));
-#elif defined(__aarch64__)
-      __asm__("" : "+w"(r));
-#else
-      __asm__("" : "+m"(r));
-#endif
+      __asm__("" : KVSCORE_OPAQUE_REG(r));
       v = T(r);
     }
 #endif

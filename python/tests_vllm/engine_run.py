@@ -1,7 +1,11 @@
 """Runs one vLLM engine (CPU, in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) on SmolLM2 and prints a
 JSON line with what the tests compare; one process per engine, since vLLM's KV-connector agent
-is a process-wide global. Used by python/tests_vllm/test_engine.py.
+is a process-wide global. Used by python/tests_vllm/conftest.py's run_engines: through one
+`--zygote` process that imports vLLM and torch once and forks a child per engine (a fork of a
+process that has started no engine is a fresh one for vLLM; KVSCORE_VLLM_ZYGOTE=0: a new
+interpreter per engine instead).
 
+    python engine_run.py --zygote
     python engine_run.py SPEC_JSON       (SPEC: model, prompts [[ids]], max_tokens, batch, plugin {...} | null,
                                           capture: bool, block_size, stepwise: bool, arrive: [step per prompt],
                                           blocks: pool size, check: bool (kvscore.vllm.check's records),
@@ -158,5 +162,92 @@ def main(spec):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def preload():
+    """What every engine imports first, imported once in the zygote (vLLM and torch: ~17 s of CPU a
+    process on this machine, most of a test engine's start). Nothing that reads the settings a spec
+    changes: vLLM's environment is read at engine start (vllm.envs caches it only then), and
+    kvscore reads KVSCORE_VLLM_CHECK / KVSCORE_VLLM_AUDIT when its worker and scheduler start."""
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import vllm.model_executor.models.llama  # noqa: F401
+    import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+
+def _child(req):
+    """In the forked child: the spec's engine, its output into the request's files, then exit."""
+    import atexit
+    import gc
+    import traceback
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, req["out"]), (2, req["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        # new file objects over the new descriptors (the zygote's own carry its protocol lines)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        main(req["spec"])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 (reported in the engine's stderr, like an uncaught one)
+        traceback.print_exc()
+    finally:
+        try:
+            gc.collect()              # the engine's finalizers (its executor's workers) ...
+            atexit._run_exitfuncs()   # ... and vLLM's exit hooks, as a normal exit runs them
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def zygote():
+    """`engine_run.py --zygote`: imports what every engine needs once (preload), then forks one
+    child per request. Requests on stdin, a JSON line each: {"id", "spec", "out", "err"} (the
+    child's stdout and stderr go to the files out and err). Replies on stdout, a line each:
+    `ZYGOTE {"id", "pid"}` once a child runs, `ZYGOTE {"id", "rc"}` when it has exited. One
+    thread: no fork beside other Python threads (python/tests_vllm/conftest.py drives it)."""
+    import select
+    preload()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out.write("ZYGOTE {\"ready\": true}\n")
+    ids, buf, open_ = {}, b"", True
+    while open_ or ids:
+        if open_ and select.select([0], [], [], 0.1)[0]:
+            data = os.read(0, 1 << 16)
+            open_ = bool(data)
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                req = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(req)
+                ids[pid] = req["id"]
+                out.write("ZYGOTE " + json.dumps({"id": req["id"], "pid": pid}) + "\n")
+        elif not open_:
+            import time
+            time.sleep(0.1)
+        while ids:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in ids:
+                out.write("ZYGOTE " + json.dumps({"id": ids.pop(pid), "rc": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1:] == ["--zygote"]:
+        zygote()
+    else:
+        main(json.loads(sys.argv[1]))

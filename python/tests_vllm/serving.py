@@ -40,7 +40,8 @@ class Server:
 
     def __init__(self, model: str, log: pathlib.Path, *, plugin: dict | None = None, blocks: int | None = None,
                  max_model_len: int = 2048, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
-                 env: dict | None = None, cpus: set[int] | None = None, start_timeout: float = 240):
+                 env: dict | None = None, cpus: set[int] | None = None, start_timeout: float = 240,
+                 prefix_caching: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -50,7 +51,7 @@ class Server:
             # each keep a core of their own instead of trading both (docs/design/vllm-internals.md#tests)
             serve = [*SERVE[:2], f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " + SERVE[2]]
         args = [*serve, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--block-size", "32", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0",
+                "--block-size", "32", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0",
                 "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                 "--served-model-name", "m", "--disable-uvicorn-access-log"]
         if blocks:

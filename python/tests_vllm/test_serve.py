@@ -6,7 +6,8 @@ same request served alone, tokens change under load no more often than plain vLL
 first ALONE_TOKENS of each request's 128, against the same request alone), the
 scheduler's audit (kvscore.vllm.check.Audit: no block in two tables, none leaked or freed twice,
 holes only on their own requests) finds nothing, the pool empties, the server answers a last
-request and logs no error. KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/guides/vllm.md)."""
+request and logs no error. A third server: prefix caching on, sparse decode alone, prompts sharing
+a document (every sparse choice the reference's, the document's blocks shared). KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/guides/vllm.md)."""
 import os
 import pathlib
 import time
@@ -117,6 +118,79 @@ def test_vllm_serve_under_load_aborts_and_preemption(model_dir, tmp_path):
           f"{kv['metrics']['vllm:num_preemptions_total']:.0f}, plain {plain['metrics']['vllm:num_preemptions_total']:.0f}")
     assert changed["kvscore"] <= changed["plain"]
     assert Audit  # (imported for its documentation)
+
+
+# the shared-prefix load: one document, a question each (the prompts share its first blocks)
+SHARED_DOC = 320
+QUESTIONS = ("What is this text about?", "Who may copy this text?", "Does it give any warranty?",
+             "Name one thing it forbids.", "What must a copy keep?", "Can it be sold?",
+             "What is the source code?", "Who wrote it?")
+SHARED_ABORT = {3}
+SHARED_ALONE = 3  # the first three again, one at a time
+SHARED_TOKENS = 96
+SHARED_PLUGIN = {"method": "knorm", "ratio": 0.0, "attend": 0.25, "dense_below": 128}  # sparse decode alone
+
+
+def test_vllm_serve_shared_prefix_with_prefix_caching_and_sparse_decode(model_dir, tmp_path):
+    """Prefix caching on (vLLM's default) with sparse decode: 8 concurrent streams sharing a
+    document, one closed mid-stream, in the 36-block pool (vLLM preempts); then three alone. Every
+    layer's choice of every sparse row equals the stateless reference (kvscore.vllm.check), rows
+    of different requests read the document from the same physical blocks, the prefix cache is
+    hit, the audit finds nothing wrong with the shared blocks, the pool empties."""
+    from test_engine import LICENSES, _tokenizer, chat_ids
+    from kvscore.vllm.check import read, read_audit
+    tok = _tokenizer(model_dir)
+    doc = tok.decode(tok.encode((LICENSES / "GPL-3").read_text(), add_special_tokens=False)[:SHARED_DOC])
+    ps = [chat_ids(model_dir, doc, q) for q in QUESTIONS]
+    shared = 0
+    while all(len(p) > shared and p[shared] == ps[0][shared] for p in ps):
+        shared += 1
+    shared_blocks = shared // 32
+    assert shared_blocks >= 8
+    check, audit = tmp_path / "check", tmp_path / "audit.jsonl"
+    with Server(model_dir, tmp_path / "shared.log", plugin=SHARED_PLUGIN, blocks=BLOCKS, max_model_len=MAX_MODEL_LEN,
+                max_num_seqs=16, prefix_caching=True,
+                env={"KVSCORE_VLLM_CHECK": str(check), "KVSCORE_VLLM_AUDIT": str(audit)}) as s:
+        loaded = load(s.url, ps, SHARED_TOKENS, SHARED_ABORT)
+        m = s.metrics()
+        alone = [complete(s.url, p, SHARED_TOKENS) for p in ps[:SHARED_ALONE]]
+        m_alone = s.metrics()
+        last = complete(s.url, ps[0], SHARED_TOKENS)
+        log = s.log_text()
+    print({k: v for k, v in m_alone.items() if "prefix" in k or "preempt" in k})
+    assert _errors(log) == []
+    for i, x in enumerate(loaded):
+        assert x["status"] == 200
+        assert x["finished"] == (i not in SHARED_ABORT) and len(x["tokens"]) == (3 if i in SHARED_ABORT else SHARED_TOKENS)
+    for mm in (m, m_alone):
+        assert mm["vllm:kv_cache_usage_perc"] == 0 and mm["vllm:num_requests_running"] == 0
+    assert m["vllm:num_preemptions_total"] > 0
+    # the document's blocks hit in the cache: under load, and by every request alone
+    assert m["vllm:prefix_cache_hits_total"] >= shared_blocks * 32
+    assert m_alone["vllm:prefix_cache_hits_total"] - m["vllm:prefix_cache_hits_total"] >= SHARED_ALONE * shared_blocks * 32
+    assert last["tokens"] == alone[0]["tokens"]
+    # every sparse choice the reference's, the protected blocks in, other rows untouched
+    recs = read(str(check))
+    rows = [row for rec in recs for row in rec["rows"]]
+    assert rows and all(row["match"] for row in rows), [row for row in rows if not row["match"]][:2]
+    assert all(row["protected_in"] and row["seq_len_ok"] for row in rows)
+    assert all(rec["others_untouched"] for rec in recs)
+    # the requests decoded sparsely under their own keys, reading the document from the same blocks
+    firsts = {}
+    for row in rows:
+        firsts.setdefault(tuple(row["ids"][:shared_blocks]), set()).add(row["seq"])
+    assert max(len(v) for v in firsts.values()) >= 2
+    # the scheduler's audit: a block in several tables only as prefix caching shares it, none
+    # leaked or freed twice; nothing decided (sparse decode frees nothing)
+    arecs = read_audit(str(audit))
+    steps = [x for x in arecs if x["event"] == "step"]
+    assert steps and [x for x in steps if "violations" in x] == []
+    assert [x for x in arecs if x["event"] == "decision"] == []
+    assert any(x["event"] == "finished" and "ABORT" in x["status"] for x in arecs)
+    changed = sum(1 for x, y in zip(loaded, alone) if x["tokens"] != y["tokens"])
+    print(f"shared prefix: {len(rows)} sparse rows checked, {changed} of {SHARED_ALONE} requests' tokens changed under load, "
+          f"preemptions {m['vllm:num_preemptions_total']:.0f}, prefix-cache hits {m['vllm:prefix_cache_hits_total']:.0f} "
+          f"of {m['vllm:prefix_cache_queries_total']:.0f} queried tokens under load")
 
 
 @pytest.mark.skipif(not os.environ.get("KVSCORE_VLLM_SOAK"), reason="the soak run is by hand: KVSCORE_VLLM_SOAK=<seconds>")

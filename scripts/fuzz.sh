@@ -35,6 +35,8 @@ build_obj src/impl_linalg.cpp "$B/obj/impl_linalg.o" &
 build_obj src/isa_sse2.cpp "$B/obj/sse2.o" &
 build_obj src/isa_avx2.cpp "$B/obj/avx2.o" -mavx2 -mfma -mf16c &
 build_obj src/isa_avx512.cpp "$B/obj/avx512.o" -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512cd -mavx2 -mfma -mf16c &
+build_obj src/isa_avx512vnni.cpp "$B/obj/avx512vnni.o" -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512cd -mavx512vnni \
+  -mavx2 -mfma -mf16c &
 wait
 export CXX B ROOT
 export FLAGS_STR="${FLAGS[*]}"

@@ -25,6 +25,8 @@ wait
 "$CXX" "${F[@]}" -mavx2 -mfma -mf16c -c src/isa_avx2.cpp -o "$B/avx2.o" &
 "$CXX" "${F[@]}" -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512cd -mavx2 -mfma -mf16c \
   -c src/isa_avx512.cpp -o "$B/avx512.o" &
+"$CXX" "${F[@]}" -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512cd -mavx512vnni -mavx2 -mfma -mf16c \
+  -c src/isa_avx512vnni.cpp -o "$B/avx512vnni.o" &
 "$CXX" "${F[@]}" -c tests/test_robustness.cpp -o "$B/test_robustness.o" &
 wait
 "$CXX" -fsanitize=thread -fopenmp "$B"/*.o -o "$B/kvscore_tsan_tests"

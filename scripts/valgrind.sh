@@ -26,6 +26,8 @@ else
   o="$B/obj/isa_avx2.o"; [ "$o" -nt src/isa_avx2.cpp ] || { g++ "${F[@]}" -mavx2 -mfma -mf16c -c src/isa_avx2.cpp -o "$o" & pids+=($!); }
   o="$B/obj/isa_avx512.o"; [ "$o" -nt src/isa_avx512.cpp ] || { g++ "${F[@]}" -mavx512f -mavx512bw -mavx512dq \
     -mavx512vl -mavx512cd -mavx2 -mfma -mf16c -c src/isa_avx512.cpp -o "$o" & pids+=($!); }
+  o="$B/obj/isa_avx512vnni.o"; [ "$o" -nt src/isa_avx512vnni.cpp ] || { g++ "${F[@]}" -mavx512f -mavx512bw -mavx512dq \
+    -mavx512vl -mavx512cd -mavx512vnni -mavx2 -mfma -mf16c -c src/isa_avx512vnni.cpp -o "$o" & pids+=($!); }
   for p in "${pids[@]}"; do wait "$p"; done
   g++ -fopenmp "$B"/obj/*.o -o "$B/kvscore"
   echo "valgrind.sh: built in $(( $(date +%s) - t0 )) s"

@@ -17,7 +17,7 @@ namespace kvscore::detail {
 struct CpuFeatures {
   bool avx = false, f16c = false, fma = false, avx2 = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
-  bool avx512vbmi = false, popcnt = false, bmi1 = false, bmi2 = false;
+  bool avx512vbmi = false, avx512vnni = false, popcnt = false, bmi1 = false, bmi2 = false;
 };
 
 inline CpuFeatures detect_cpu() noexcept {
@@ -43,6 +43,7 @@ inline CpuFeatures detect_cpu() noexcept {
     f.avx512bw = f.avx512f && (b & (1u << 30));
     f.avx512vl = f.avx512f && (b & (1u << 31));
     f.avx512vbmi = f.avx512f && (c & (1u << 1));
+    f.avx512vnni = f.avx512f && (c & (1u << 11));
     f.bmi1 = (b & (1u << 3)) != 0;
     f.bmi2 = (b & (1u << 8)) != 0;
   }

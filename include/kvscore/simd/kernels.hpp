@@ -75,7 +75,9 @@ struct ScalarPolicy {
   static void round_store(std::int32_t* out, V a) noexcept { *out = std::int32_t(std::nearbyint(a)); }
 };
 
-template <class Arch>
+/// `Ext` tells apart tables of one xsimd arch compiled with more instructions (src/isa_avx512vnni.cpp:
+/// the same code but for `#if`s on the extra flags), so that their kernels are distinct symbols.
+template <class Arch, class Ext = void>
 struct XsimdPolicy {
   using V = xsimd::batch<float, Arch>;
   static constexpr std::int64_t W = std::int64_t(V::size);
@@ -690,7 +692,11 @@ struct RowKernels {
 #if defined(__AVX512BW__)
         const R b = _mm512_set1_epi32(pairs[k]);
         KVSCORE_UNROLL
+#if defined(__AVX512VNNI__)
+        for (int v = 0; v < V; ++v) a[k][v] = _mm512_dpwssd_epi32(a[k][v], x[v], b);  // the same sums, one op
+#else
         for (int v = 0; v < V; ++v) a[k][v] = _mm512_add_epi32(a[k][v], _mm512_madd_epi16(x[v], b));
+#endif
 #else
         const R b = _mm256_set1_epi32(pairs[k]);
         KVSCORE_UNROLL

@@ -51,7 +51,8 @@ class Server:
             # each keep a core of their own instead of trading both (docs/design/vllm-internals.md#tests)
             serve = [*SERVE[:2], f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " + SERVE[2]]
         args = [*serve, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--block-size", "32", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0",
+                "--block-size", "32", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--enforce-eager", "--seed", "0",
                 "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                 "--served-model-name", "m", "--disable-uvicorn-access-log"]
         if blocks:

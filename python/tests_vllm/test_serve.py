@@ -7,7 +7,8 @@ first ALONE_TOKENS of each request's 128, against the same request alone), the
 scheduler's audit (kvscore.vllm.check.Audit: no block in two tables, none leaked or freed twice,
 holes only on their own requests) finds nothing, the pool empties, the server answers a last
 request and logs no error. A third server: prefix caching on, sparse decode alone, prompts sharing
-a document (every sparse choice the reference's, the document's blocks shared). KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/guides/vllm.md)."""
+a document (every sparse choice the reference's, the document's blocks shared).
+KVSCORE_VLLM_SOAK=<seconds> runs the larger version (docs/guides/vllm.md)."""
 import os
 import pathlib
 import time
@@ -157,7 +158,6 @@ def test_vllm_serve_shared_prefix_with_prefix_caching_and_sparse_decode(model_di
         m_alone = s.metrics()
         last = complete(s.url, ps[0], SHARED_TOKENS)
         log = s.log_text()
-    print({k: v for k, v in m_alone.items() if "prefix" in k or "preempt" in k})
     assert _errors(log) == []
     for i, x in enumerate(loaded):
         assert x["status"] == 200

@@ -13,7 +13,7 @@ CXX=${TSAN_CXX:-clang++}
 ARCHER=${ARCHER_LIB:-$(ls /usr/lib/llvm-*/lib/libarcher.so 2>/dev/null | sort -V | tail -1)}
 [ -n "$ARCHER" ] || { echo "tsan.sh: libarcher.so not found (apt-get install libomp-dev)"; exit 1; }
 mkdir -p "$B"
-F=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=thread -fopenmp -Iinclude -I/usr/include/eigen3
+F=(-std=c++20 -O1 -gline-tables-only -fno-omit-frame-pointer -fsanitize=thread -fopenmp -Iinclude -I/usr/include/eigen3
    -DKVSCORE_RUNTIME_DISPATCH=1 -DKVSCORE_COMPILED=1 -DKVSCORE_DISPATCH_X86=1 -DKVSCORE_TEST_DATA_DIR="\"$PWD/tests/data\"")
 t0=$(date +%s)
 "$CXX" "${F[@]}" -c tests/main.cpp -o "$B/main.o" &

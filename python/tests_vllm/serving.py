@@ -40,8 +40,10 @@ class Server:
 
     def __init__(self, model: str, log: pathlib.Path, *, plugin: dict | None = None, blocks: int | None = None,
                  max_model_len: int = 2048, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
-                 env: dict | None = None, cpus: set[int] | None = None, start_timeout: float = 240,
+                 env: dict | None = None, cpus: set[int] | None = None, start_timeout: float = 900,
                  prefix_caching: bool = False):
+        # start_timeout: ~20 s alone, but CI starts servers beside three compile lanes on 2 cores,
+        # where two side by side once took over 240 s; a server that hangs still fails, later
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -90,7 +92,8 @@ class Server:
         self.start_s = time.time() - t0
 
     def log_text(self) -> str:
-        self.out.flush()
+        if not self.out.closed:  # stop() closes it: a start that timed out reads the log after
+            self.out.flush()
         return pathlib.Path(self.log).read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:

@@ -2,7 +2,7 @@
 //
 // A few functions are plain (non-template) code that instantiates large Eigen templates
 // (an SVD, QR, GEMMs): g++ instantiates those in *every* translation unit that includes the
-// header, used or not — BDCSVD alone costs ~20 s of compile time per TU. Their definitions
+// header, used or not — an SVD alone costs ~10-30 s of compile time per TU. Their definitions
 // live in an _impl.hpp beside their header (eval/methods_impl.hpp, ojakv/ojakv_impl.hpp, ...):
 //   - header-only use (no KVSCORE_COMPILED): the public header includes its _impl.hpp and
 //     the functions are `inline`, as before;

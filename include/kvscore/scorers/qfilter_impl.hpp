@@ -33,7 +33,7 @@ KVSCORE_IMPL_INLINE std::vector<float> calibrate_qfilters(const float* queries, 
   for (std::int64_t hq = 0; hq < q_heads; ++hq) {
     const Eigen::Map<const RowMajor> q(queries + hq * n * head_dim, Eigen::Index(n), Eigen::Index(head_dim));
     const Eigen::MatrixXd m = q.cast<double>();
-    Eigen::BDCSVD<Eigen::MatrixXd> svd(m, Eigen::ComputeThinV);
+    Eigen::JacobiSVD<Eigen::MatrixXd> svd(m, Eigen::ComputeThinV);  // as OjaKV's calibration (ojakv_impl.hpp)
     Eigen::VectorXd v = svd.matrixV().col(0);
     const Eigen::VectorXd proj = m * v;
     const std::int64_t pos = (proj.array() > 0.0).count(), neg = (proj.array() < 0.0).count();

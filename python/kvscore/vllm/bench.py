@@ -6,6 +6,7 @@ requests with a KV cache too small to hold them all, with and without kvscore, i
                                  [--blocks 540] [--methods keydiff,knorm] [--ratio 0.5] [--out FILE]
     python -m kvscore.vllm.bench --model DIR --workload decode [--length 8192] [--max-tokens 256]
                                  [--batches 1,8,16] [--configs vllm,attend=0.1,attend=0.05,ratio=0.5,...]
+                                 [--shape llama-3.2-3b [--prefix-caching]]
     python -m kvscore.vllm.bench --model DIR --workload needle [--lengths 2048,4096,7168] [--cases 64]
                                  [--batch 8] [--configs vllm,attend=0.1,attend=0.05] [--probe]
     python -m kvscore.vllm.bench --model DIR --workload shared-prefix [--length 6144] [--prompts 8]
@@ -23,7 +24,11 @@ hit rate (vLLM's num_cached_tokens over the prompt tokens).
 batches one after another (batch B: the first B prompts, all at once); every step is timed, and a
 step whose requests all decode (one token each) counts towards that batch's decode tokens/s. The
 CPU attention kernel's own time is measured in every run (its class method wrapped in this
-process), so the selection's cost compares with the dense attention it replaces.
+process), so the selection's cost compares with the dense attention it replaces. --shape runs a
+published architecture with random weights in bf16 (kvscore.vllm.shapes) and prints the bytes bound
+beside each figure; with --prefix-caching the prompts share one document (all but their last 64
+tokens), which is prefilled once, and each batch reports its prefix-cache hit rate (the needle is
+then checked on the first prompt only: the others' facts are not in the shared document).
 
 The prompts are the quality benchmark's needle contexts (kvscore.quality.make_contexts: licence
 texts with 4 planted facts), each asking for one fact with the answer prefix given; greedy, each
@@ -115,7 +120,8 @@ def _decode_run(spec: dict) -> dict:
     if spec.get("shape"):  # a published architecture with random weights (kvscore.vllm.shapes)
         kw["load_format"] = "dummy"
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-              max_model_len=spec["max_model_len"], block_size=32, enable_prefix_caching=False, seed=0,
+              max_model_len=spec["max_model_len"], block_size=32,
+              enable_prefix_caching=bool(spec.get("prefix_caching")), seed=0,
               max_num_seqs=max(batches), max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **kw)
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
@@ -138,6 +144,9 @@ def _decode_run(spec: dict) -> dict:
     if spec.get("shape"):  # random weights: any text of the length will do; the needle says nothing
         prompts = [(p * (-(-spec["length"] // len(p))))[: spec["length"]] for p, _ in prompts]
         prompts = [(p, "") for p in prompts]
+    if spec.get("prefix_caching"):  # one document, a question each: all but the last 64 tokens shared
+        doc = prompts[0][0][:-64]  # (the other prompts' needles are not in it: no answers to check)
+        prompts = [(prompts[0][0], prompts[0][1])] + [(doc + p[-64:], "") for p, _ in prompts[1:]]
     res = {"batches": {}, "prompt_tokens_mean": sum(len(p) for p, _ in prompts) / len(prompts),
            "isa": _attention_isa(llm)}
     for B in batches:
@@ -146,12 +155,14 @@ def _decode_run(spec: dict) -> dict:
         for i, (ids, _) in enumerate(prompts[:B]):
             eng.add_request(f"b{B}q{i}", TokensPrompt(prompt_token_ids=ids), sp)
         outs, dec_s, dec_tok, dec_att, all_s, steps, running = {}, 0.0, 0, 0.0, 0.0, 0, []
+        cached_tokens = {}
         t_all = time.perf_counter()
         while eng.has_unfinished_requests():
             a0, t0 = att["s"], time.perf_counter()
             for o in eng.step():
                 if o.finished:
                     outs[o.request_id] = list(o.outputs[0].token_ids)
+                    cached_tokens[o.request_id] = o.num_cached_tokens or 0
             dt = time.perf_counter() - t0
             n = last.get("n", {})
             if n and all(v == 1 for v in n.values()):  # every request decodes one token
@@ -162,12 +173,14 @@ def _decode_run(spec: dict) -> dict:
                 running.append(len(n))
         wall = time.perf_counter() - t_all
         correct = 0
+        cached = sum(cached_tokens.get(f"b{B}q{i}", 0) for i in range(B))
         for i, (_, expected) in enumerate(prompts[:B]):
             text = tok.decode(outs[f"b{B}q{i}"], skip_special_tokens=True)
-            correct += int(text.strip()[: len(expected) + 2].startswith(expected))
+            correct += int(bool(expected) and text.strip()[: len(expected) + 2].startswith(expected))
         r = {"wall_s": wall, "decode_steps": steps, "decode_s": dec_s, "decode_tokens": dec_tok,
              "decode_tokens_per_s": dec_tok / max(dec_s, 1e-9), "decode_attention_s": dec_att,
-             "mean_decode_batch": sum(running) / max(1, len(running)), "needle_correct": correct, "needle_total": B}
+             "mean_decode_batch": sum(running) / max(1, len(running)), "needle_correct": correct,
+             "needle_total": sum(1 for _, e in prompts[:B] if e), "prefix_hit_rate": cached / max(1, sum(len(p) for p, _ in prompts[:B]))}
         if worker is not None:
             st = {k: worker.sparse_stats[k] - st0[k] for k in st0}
             r["sparse"] = st
@@ -303,7 +316,8 @@ def _decode_main(a) -> int:
                                  a.model, dtype="bfloat16")
         dtype = "bfloat16"
     base = {"model": model, "length": a.length, "max_tokens": a.max_tokens, "batches": batches,
-            "max_model_len": a.length + a.max_tokens + 64, "dtype": dtype, "shape": a.shape}
+            "max_model_len": a.length + a.max_tokens + 64, "dtype": dtype, "shape": a.shape,
+            "prefix_caching": a.prefix_caching}
     if a.blocks_decode:
         base["blocks"] = a.blocks_decode
     report = {"workload": "decode", "config": {k: v for k, v in base.items() if k != "model"}, "runs": {}}
@@ -337,7 +351,8 @@ def _decode_main(a) -> int:
                          + (f", recall of exact blocks {x['recall_of_exact_blocks']:.3f}" if "recall_of_exact_blocks" in x else ""))
             print(f"  {entry:32s} batch {B:>2s}: decode {x['decode_tokens_per_s']:.2f} tok/s ({x['decode_steps']} steps, "
                   f"attention {x['decode_attention_s']:.1f} of {x['decode_s']:.1f} s)  needle "
-                  f"{x['needle_correct']}/{x['needle_total']}{extra}", flush=True)
+                  + (f"{x['needle_correct']}/{x['needle_total']}" if x["needle_total"] else "n/a")
+                  + (f"  prefix hit rate {x['prefix_hit_rate']:.3f}" if a.prefix_caching else "") + extra, flush=True)
     if a.shape:  # the bytes bound beside every figure
         from . import shapes
         for entry, r in report["runs"].items():
@@ -502,6 +517,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=None, choices=("llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "llama-3.1-8b"),
                     help="decode workload: a published architecture with random weights (load_format=dummy), bf16 "
                          "weights and KV cache, SmolLM2's tokenizer; --model names SmolLM2's folder")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="decode workload: vLLM's prefix caching on, and the prompts share all but their last 64 "
+                         "tokens (one document, a question each): the document is prefilled once")
     ap.add_argument("--blocks-decode", type=int, default=0,
                     help="decode workload: KV blocks in the pool (0: VLLM_CPU_KVCACHE_SPACE decides)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")

@@ -15,8 +15,9 @@ requests with a KV cache too small to hold them all, with and without kvscore, i
 --workload shared-prefix: one document of --length tokens (a needle context), --prompts requests
 each asking its own question about it, all submitted at once; every configuration runs with
 prefix caching off and on (vLLM's enable_prefix_caching). Reported: decode tokens/s (steps where
-every request decodes), time to first token per request (from submission), and the prefix-cache
-hit rate (vLLM's num_cached_tokens over the prompt tokens).
+every request decodes) and vLLM's attention time within those steps, time to first token per
+request (from submission), and the prefix-cache hit rate (vLLM's num_cached_tokens over the prompt
+tokens).
 
 --workload needle: passkey prompts the model answers in its own words (kvscore.vllm.needle).
 
@@ -203,6 +204,7 @@ def _shared_prefix_run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    att = _time_attention()
     kw = {}
     if spec.get("plugin"):
         from kvscore.vllm import kv_transfer_config
@@ -228,10 +230,10 @@ def _shared_prefix_run(spec: dict) -> dict:
         eng.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), sp)
         t_add[f"q{i}"] = time.perf_counter()
     ttft, cached, outs = {}, {}, {}
-    dec_s, dec_tok = 0.0, 0
+    dec_s, dec_tok, dec_att = 0.0, 0, 0.0
     t_all = time.perf_counter()
     while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
+        a0, t0 = att["s"], time.perf_counter()
         step_outs = eng.step()
         t1 = time.perf_counter()
         for o in step_outs:
@@ -244,10 +246,12 @@ def _shared_prefix_run(spec: dict) -> dict:
         if n and all(v == 1 for v in n.values()):
             dec_s += t1 - t0
             dec_tok += len(n)
+            dec_att += att["s"] - a0
     wall = time.perf_counter() - t_all
     ids = [f"q{i}" for i in range(len(prompts))]
     prompt_tokens = sum(len(p) for p in prompts)
     return {"wall_s": wall, "decode_tokens_per_s": dec_tok / max(dec_s, 1e-9), "decode_steps_s": dec_s,
+            "decode_attention_s": dec_att,
             "ttft_s": [ttft[r] for r in ids], "ttft_mean_s": sum(ttft.values()) / len(ttft),
             "cached_tokens": [cached[r] for r in ids], "prompt_tokens": prompt_tokens,
             "prefix_hit_rate": sum(cached.values()) / prompt_tokens, "tokens": [outs[r] for r in ids]}
@@ -290,7 +294,8 @@ def _shared_prefix_main(a) -> int:
             name = f"{entry} prefix_caching={'on' if pc else 'off'}"
             r = _spawn({**base, "plugin": plugin, "prefix_caching": pc, "shared_prefix": True})
             report["runs"][name] = r
-            print(f"  {name:36s} decode {r['decode_tokens_per_s']:.2f} tok/s  TTFT mean {r['ttft_mean_s']:.2f} s "
+            print(f"  {name:36s} decode {r['decode_tokens_per_s']:.2f} tok/s (attention {r['decode_attention_s']:.1f} "
+                  f"of {r['decode_steps_s']:.1f} s)  TTFT mean {r['ttft_mean_s']:.2f} s "
                   f"(first {r['ttft_s'][0]:.2f} s, last {max(r['ttft_s']):.2f} s)  prefix hit rate "
                   f"{r['prefix_hit_rate']:.3f}  wall {r['wall_s']:.1f} s", flush=True)
     runs = report["runs"]

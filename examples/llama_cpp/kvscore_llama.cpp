@@ -25,7 +25,10 @@
 // question sees the same compressed cache. --save-session F writes the compressed sequence with
 // llama.cpp's state files (llama_state_seq_save_file); --check-session loads it into a fresh
 // context and asks the questions again: the answers must be the same tokens (the writer itself
-// answers from the file's packed cells, see below).
+// answers from the file's packed cells, see below). --load-session F starts from such a file of
+// the whole prompt (--keep 1) instead of prefilling it: for decode-speed runs at long contexts, the
+// prompt prefilled once for the plain and the sparse run (the prompt's last token is decoded again
+// for its logits, as a one-token step).
 //
 // --check reads the cache back through the state API (llama_state_seq_get_data) after the
 // eviction and after generation: the cells must hold exactly the kept positions (then those plus
@@ -61,7 +64,8 @@ using namespace kvscore_llama;
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, dump, alloc = "joint";
+  std::string model, prompt, prompt_file, method = "knorm", aggregate, save_session, load_session, dump,
+      alloc = "joint";
   std::vector<std::string> questions;  ///< question files
   std::int64_t max_tokens = 0, n_predict = 32, sinks = 4, recent = 64, window = 64, ubatch = 512;
   std::int64_t chunk = kvscore_llama::kLlamaKVzipChunk, kvzip_prefix = -1;
@@ -105,6 +109,8 @@ const char* kUsage =
     "  --save-session F   save the compressed sequence (llama_state_seq_save_file)\n"
     "  --check-session    with --save-session: load it into a fresh context; the questions' answers must\n"
     "                     be the same tokens\n"
+    "  --load-session F   start from F (--save-session of the same prompt with --keep 1) instead of the\n"
+    "                     prefill; its last token is decoded again for the logits (--keep 1 only)\n"
     "  --dump DIR         kvzip: write the context's keys, each pass's keys, queries and span and the kept\n"
     "                     positions as .npy (kvzip_replay recomputes the selection from them)\n"
     "  --attend F         sparse decode: each decode step's query attends, per layer, the sinks, the newest\n"
@@ -160,6 +166,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--special") a.special = true;
     else if (f == "--save-session") a.save_session = value(i);
     else if (f == "--check-session") a.check_session = true;
+    else if (f == "--load-session") a.load_session = value(i);
     else if (f == "--dump") a.dump = value(i);
     else if (f == "--attend") a.attend = parse_double(f, value(i)), a.attend_set = true;
     else if (f == "--local") a.local = parse_int(f, value(i));
@@ -209,6 +216,14 @@ Args parse(int argc, char** argv) {
                   " (a state load moves the cells the selector follows)");
   }
   if (a.check_session && a.save_session.empty()) throw Usage("--check-session needs --save-session FILE");
+  if (!a.load_session.empty()) {  // nothing captured, nothing to score: decode from the loaded cache
+    const char* other = a.keep != 1.0 ? "--keep below 1" : !a.save_session.empty() ? "--save-session"
+                        : a.compare_plain ? "--compare-plain" : a.check ? "--check" : a.alloc != "joint" ? "--alloc per_head"
+                        : a.method == "kvzip" ? "--method kvzip" : !a.dump.empty() ? "--dump" : nullptr;
+    if (other)
+      throw Usage(std::string("--load-session does not take ") + other +
+                  " (the prompt is not prefilled, so nothing is captured to score or check)");
+  }
   if (a.threads == 0) a.threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.aggregate.empty()) kvscore::parse_joint_aggregate(a.aggregate);  // std::invalid_argument -> exit 2
   if (a.alloc != "joint" && a.alloc != "per_head")
@@ -390,6 +405,31 @@ StateBytes state_of(llama_context* ctx) {
   }
   if (s.v_at.size() != n_layer) s.error = "V rows of " + std::to_string(s.v_at.size()) + " of " + std::to_string(n_layer) + " layers";
   return s;
+}
+
+/// --load-session: sequence 0 from a state file of this prompt's whole cache (--save-session with
+/// --keep 1), less its last token's cell (the caller decodes that token again: the logits). Loaded
+/// into a fresh context the cells are 0..N-1 in position order, which is checked here (and by
+/// sparse decode's cell map at its first step).
+void load_prompt(llama_context* ctx, const std::string& file, const std::vector<llama_token>& prompt) {
+  std::vector<llama_token> saved(prompt.size() + 1);
+  std::size_t n = 0;
+  if (llama_state_seq_load_file(ctx, file.c_str(), 0, saved.data(), saved.size(), &n) == 0)
+    throw Usage("--load-session " + file + ": llama_state_seq_load_file refused it (not a state file of this model "
+                "and context, or of a longer prompt)");
+  saved.resize(n);
+  if (saved != prompt)
+    throw Usage("--load-session " + file + ": it was saved for another prompt of " + std::to_string(n) +
+                " tokens (this one: " + std::to_string(prompt.size()) + ")");
+  const StateBytes s = state_of(ctx);
+  bool whole = s.error.empty() && s.cells == prompt.size();
+  for (std::size_t c = 0; whole && c < s.pos.size(); ++c) whole = s.pos[c] == std::int32_t(c);
+  if (!whole)
+    throw Usage("--load-session " + file + ": its cache is not the whole prompt in order (" + std::to_string(s.cells) +
+                " cells for " + std::to_string(prompt.size()) + " tokens" + (s.error.empty() ? "" : ", " + s.error) +
+                "): save it with --keep 1");
+  if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(prompt.size() - 1), -1))
+    throw std::runtime_error("llama_memory_seq_rm refused the prompt's last cell");
 }
 
 /// --alloc per_head: with the cache holding the joint selection's cells, each (layer, KV head)'s
@@ -629,15 +669,25 @@ int run(const Args& a) {
     sp.start(L, Hq, Hkv, D);
   }
   llama_context* ctx = make_context(model, a, N, &hooks, extra);
-  cap.start(L, Hkv, Hq, D, N, window);
+  const bool loading = !a.load_session.empty();
   auto t0 = Clock::now();
-  std::vector<llama_token> p = prompt;
-  if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
-    throw std::runtime_error("llama_decode failed on the prompt");
-  hooks.rethrow();
+  if (loading) {
+    load_prompt(ctx, a.load_session, prompt);
+    if (hooks.sparse) sp.preloaded = N - 1;  // a fresh context's load fills cells 0.. in order
+    llama_token last = prompt.back();         // decoded again: the logits
+    if (llama_decode(ctx, llama_batch_get_one(&last, 1)) != 0)
+      throw std::runtime_error("llama_decode failed on the prompt's last token");
+    hooks.rethrow();
+  } else {
+    cap.start(L, Hkv, Hq, D, N, window);
+    std::vector<llama_token> p = prompt;
+    if (llama_decode(ctx, llama_batch_get_one(p.data(), std::int32_t(N))) != 0)
+      throw std::runtime_error("llama_decode failed on the prompt");
+    hooks.rethrow();
+  }
   const double t_prefill = ms_since(t0);
   cap.active = false;
-  if (!cap.complete())
+  if (!loading && !cap.complete())
     throw std::runtime_error("the cb_eval capture is incomplete (" +
                              (cap.error.empty() ? std::string("a layer's Kcur ROPE tensor was not seen") : cap.error) +
                              ")");
@@ -650,7 +700,8 @@ int run(const Args& a) {
   double t_setup = 0, t_score = 0;
   KVzipRun zr;
   Capture context;  // kvzip: the prompt's keys, while its passes reuse `cap`
-  if (kvzip) {
+  if (loading) {  // --keep 1: nothing to score
+  } else if (kvzip) {
     context = std::move(cap);
     cap = Capture();
     zr = kvzip_score(ctx, vocab, prompt, context, cap, zo);
@@ -683,7 +734,11 @@ int run(const Args& a) {
     t_score = ms_since(t0);
   }
   t0 = Clock::now();
-  const std::vector<std::int64_t> kept = kvscore::select_joint(scores, budget, jo);
+  std::vector<std::int64_t> kept(static_cast<std::size_t>(N));
+  if (loading)
+    for (std::int64_t i = 0; i < N; ++i) kept[std::size_t(i)] = i;
+  else
+    kept = kvscore::select_joint(scores, budget, jo);
   std::vector<kvscore::Selection> heads;  // --alloc per_head: each layer's KV heads' own tokens
   if (a.alloc == "per_head") {
     kvscore::SelectOptions so;

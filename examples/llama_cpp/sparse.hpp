@@ -25,7 +25,8 @@
 //                                At layer 0 the map is checked against the mask's row: a cell the map
 //                                holds and the mask hides was removed (llama_memory_seq_rm: --keep's
 //                                eviction, a question dropped; its block is stale), a visible cell the
-//                                map lacks is an error (a state load moved the cells: not supported)
+//                                map lacks is an error (a state load moved the cells: only a load into
+//                                a fresh context before the first step is followed, `preloaded`)
 //   FLASH_ATTN_EXT (observed with --check-attend): the mask read back as the kernel saw it, against
 //                                kvscore::cell_block_reference from the copied query and the cache keys
 //
@@ -55,6 +56,9 @@ struct SparseDecode {
   std::int64_t dense_below = 1024;
   kvscore::BlockSparseOptions opt;
   bool check = false;  ///< observe each FA node and compare its mask with the reference
+  /// kvscore_llama --load-session: cells [0, preloaded) hold positions [0, preloaded), written by a
+  /// state load this callback did not see (checked against the mask at the first step, as any cell)
+  std::int64_t preloaded = 0;
   std::int64_t n_layer = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
 
   // state
@@ -174,9 +178,14 @@ struct SparseDecode {
     }
     const std::int64_t kv_size = cache->ne[1];
     if (!sel) {
+      if (preloaded > kv_size) {
+        fail("the loaded cells (" + std::to_string(preloaded) + ") outnumber the cache's " + std::to_string(kv_size));
+        return;
+      }
       sel = std::make_unique<kvscore::CellBlockSelector>(n_layer, kv_size, kv_heads, head_dim, opt);
       cell_pos.assign(std::size_t(kv_size), -1);
       chosen.assign(std::size_t(kv_size), 0);
+      for (std::int64_t c = 0; c < preloaded; ++c) cell_pos[std::size_t(c)] = std::int32_t(c);  // no summary yet: made when needed
     }
     ubatch_cells.resize(std::size_t(idx->ne[0]));
     ggml_backend_tensor_get(idx, ubatch_cells.data(), 0, ubatch_cells.size() * 8);

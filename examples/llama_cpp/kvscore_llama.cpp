@@ -48,6 +48,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <numeric>
 #include <set>
 #include <string>
 #include <thread>
@@ -734,11 +735,13 @@ int run(const Args& a) {
     t_score = ms_since(t0);
   }
   t0 = Clock::now();
-  std::vector<std::int64_t> kept(static_cast<std::size_t>(N));
-  if (loading)
-    for (std::int64_t i = 0; i < N; ++i) kept[std::size_t(i)] = i;
-  else
+  std::vector<std::int64_t> kept;
+  if (loading) {  // every position
+    kept.resize(std::size_t(N));
+    std::iota(kept.begin(), kept.end(), std::int64_t(0));
+  } else {
     kept = kvscore::select_joint(scores, budget, jo);
+  }
   std::vector<kvscore::Selection> heads;  // --alloc per_head: each layer's KV heads' own tokens
   if (a.alloc == "per_head") {
     kvscore::SelectOptions so;

@@ -147,7 +147,7 @@ def _decode_run(spec: dict) -> dict:
         prompts = [(p, "") for p in prompts]
     if spec.get("prefix_caching"):  # one document, a question each: all but the last 64 tokens shared
         doc = prompts[0][0][:-64]  # (the other prompts' needles are not in it: no answers to check)
-        prompts = [(prompts[0][0], prompts[0][1])] + [(doc + p[-64:], "") for p, _ in prompts[1:]]
+        prompts = prompts[:1] + [(doc + p[-64:], "") for p, _ in prompts[1:]]
     res = {"batches": {}, "prompt_tokens_mean": sum(len(p) for p, _ in prompts) / len(prompts),
            "isa": _attention_isa(llm)}
     for B in batches:

@@ -28,7 +28,7 @@
 // answers from the file's packed cells, see below). --load-session F starts from such a file of
 // the whole prompt (--keep 1) instead of prefilling it: for decode-speed runs at long contexts, the
 // prompt prefilled once for the plain and the sparse run (the prompt's last token is decoded again
-// for its logits, as a one-token step).
+// for its logits, as a one-token step that attends densely, as the prompt batch would).
 //
 // --check reads the cache back through the state API (llama_state_seq_get_data) after the
 // eviction and after generation: the cells must hold exactly the kept positions (then those plus
@@ -111,7 +111,7 @@ const char* kUsage =
     "  --check-session    with --save-session: load it into a fresh context; the questions' answers must\n"
     "                     be the same tokens\n"
     "  --load-session F   start from F (--save-session of the same prompt with --keep 1) instead of the\n"
-    "                     prefill; its last token is decoded again for the logits (--keep 1 only)\n"
+    "                     prefill; its last token is decoded again for the logits, densely (--keep 1 only)\n"
     "  --dump DIR         kvzip: write the context's keys, each pass's keys, queries and span and the kept\n"
     "                     positions as .npy (kvzip_replay recomputes the selection from them)\n"
     "  --attend F         sparse decode: each decode step's query attends, per layer, the sinks, the newest\n"
@@ -674,8 +674,11 @@ int run(const Args& a) {
   auto t0 = Clock::now();
   if (loading) {
     load_prompt(ctx, a.load_session, prompt);
-    if (hooks.sparse) sp.preloaded = N - 1;  // a fresh context's load fills cells 0.. in order
-    llama_token last = prompt.back();         // decoded again: the logits
+    if (hooks.sparse) {
+      sp.preloaded = N - 1;  // a fresh context's load fills cells 0.. in order
+      sp.dense_next = 1;     // the prompt's last token attends densely, as in the prompt batch
+    }
+    llama_token last = prompt.back();  // decoded again: the logits
     if (llama_decode(ctx, llama_batch_get_one(&last, 1)) != 0)
       throw std::runtime_error("llama_decode failed on the prompt's last token");
     hooks.rethrow();

@@ -9,6 +9,12 @@ it) and puts the template's end of the user turn before each chunk (--kvzip-suff
       --model SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 1000] [--depths 0.1,0.3,0.5,0.7,0.9] \\
       [--keeps 0.5,0.25,0.1] [--methods kvzip,knorm,keydiff] [--hard] [--out passkey.json]
 
+--question-in-prompt: the question is part of the prompt and prefilled with it, as a llama.cpp user's
+prompt is, and the answer is what the model generates after it (the way to judge sparse decode:
+only the generated tokens attend sparsely). Each case's prompt is prefilled once, by the full-cache
+run (--save-session); the --attend runs decode from that session (--load-session). Takes no
+--methods (nothing is evicted).
+
 --hard: a harder needle. The filler is running prose (the GPL-3 text, from a random sentence on)
 instead of five repeated sentences, and four distractors — other 5-digit numbers under other
 labels ("The locker code is 48213.") — sit at random depths beside the pass key, which is said
@@ -75,6 +81,34 @@ def tokens_of(binary, model, text, tmp):
     return int(re.search(r"prompt: (\d+) tokens", out).group(1))
 
 
+def attend_args(spec, dense_below):
+    """kvscore_llama's flags for an --attend entry X or X:SCORE."""
+    x, _, score = spec.partition(":")
+    return ["--attend", x, "--dense-below", str(dense_below)] + (["--block-score", score] if score else [])
+
+
+def in_prompt_runs(a, prompt, session, attends, depth, key):
+    """--question-in-prompt: the full cache's run prefills the prompt (question included), saves it and
+    generates the answer; each --attend run generates from the saved session."""
+    base = ["--prompt-file", prompt, "--keep", "1", "--n-predict", "8", "-fa", "on"]
+    runs = [("full", base + ["--save-session", session])]
+    runs += [(f"attend {x}", base + ["--load-session", session] + attend_args(x, a.dense_below)) for x in attends]
+    records = []
+    for method, args in runs:
+        out = run(a.bin, a.model, args)
+        answer = re.search(r"^text: (.*)$", out, re.M).group(1)
+        rec = {"method": method, "keep": 1.0, "question": "in prompt", "depth": depth, "key": key, "answer": answer,
+               "correct": key in answer, "tokens": int(re.search(r"prompt: (\d+) tokens", out).group(1))}
+        t = re.search(r"timing: prefill ([\d.]+) ms", out)
+        rec["prefill_ms" if method == "full" else "load_ms"] = float(t.group(1))
+        s = re.search(r"attending ([\d.]+) % of the visible cells", out)
+        if s:
+            rec["attended_pct"] = float(s.group(1))
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    return records
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", required=True, help="kvscore_llama")
@@ -94,7 +128,10 @@ def main():
     ap.add_argument("--chunk", type=int, help="kvzip: context tokens per reconstruction pass (default: kvscore_llama's)")
     ap.add_argument("--attend", default="",
                     help="comma-separated kvscore_llama --attend values (sparse decode, -fa on; the question is then "
-                         "decoded a token a step): each is one more run per depth, on the full cache")
+                         "decoded a token a step, unless --question-in-prompt): each is one more run per depth, on "
+                         "the full cache; X:SCORE also sets --block-score (0.1:exact)")
+    ap.add_argument("--question-in-prompt", action="store_true",
+                    help="the question prefilled with the context, the answer generated (see above)")
     ap.add_argument("--dense-below", type=int, default=1024, help="kvscore_llama's --dense-below with --attend")
     ap.add_argument("--out", help="write the records as JSON")
     a = ap.parse_args()
@@ -102,6 +139,8 @@ def main():
     keeps = [float(x) for x in a.keeps.split(",")]
     methods = [m for m in a.methods.split(",") if m]
     attends = [x for x in a.attend.split(",") if x]
+    if a.question_in_prompt and methods:
+        ap.error("--question-in-prompt takes no --methods (pass --methods '')")
     rng = random.Random(a.seed)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +163,11 @@ def main():
             p = os.path.join(tmp, "prompt.txt")
             with open(p, "w") as f:
                 f.write(text)
+            if a.question_in_prompt:
+                with open(p, "w") as f:
+                    f.write(text + QUESTION)
+                records += in_prompt_runs(a, p, os.path.join(tmp, "case.session"), attends, depth, key)
+                continue
             runs = [("full", 1.0)] + [(m, k) for m in methods for k in keeps]
             runs += [(f"attend {x}", 1.0) for x in attends]
             for method, keep in runs:
@@ -133,7 +177,7 @@ def main():
                 if attends:  # every run with flash attention, so that the dense and sparse runs differ only by --attend
                     args += ["-fa", "on"]
                 if method.startswith("attend"):
-                    args += ["--attend", method.split()[1], "--dense-below", str(a.dense_below)]
+                    args += attend_args(method.split()[1], a.dense_below)
                 if method == "kvzip":
                     args += ["--kvzip-prefix", str(prefix), "--kvzip-suffix", CLOSE]
                     if a.chunk:
@@ -153,13 +197,19 @@ def main():
                 print(json.dumps(rec), flush=True)
     full = [r["correct"] for r in records if r["method"] == "full"]
     rows = [("full cache", [f"{sum(full) / len(full):.2f}"])]
+    agree = []
     for m in methods:
         cells = [[r["correct"] for r in records if r["method"] == m and r["keep"] == k] for k in keeps]
         rows.append((m, [f"{sum(c) / len(c):.2f}" for c in cells]))
     for x in attends:
         c = [r["correct"] for r in records if r["method"] == f"attend {x}"]
+        same = [r["correct"] == f for r, f in zip([r for r in records if r["method"] == f"attend {x}"], full)]
         rows.append((f"sparse decode, attend {x}", [f"{sum(c) / len(c):.2f}"]))
-    print("\n" + table("method", [f"keep {k}" for k in keeps], rows))
+        agree.append(f"attend {x}: {sum(c)}/{len(c)} answered (full cache {sum(full)}/{len(full)}), the same outcome "
+                     f"as the full cache in {sum(same)}/{len(same)} cases")
+    print("\n" + table("method", ["accuracy"] if a.question_in_prompt else [f"keep {k}" for k in keeps], rows))
+    if agree:
+        print("\n" + "\n".join(agree))
     z = [r for r in records if "kvzip_forward_ms" in r]
     if z:
         fwd = sum(r["kvzip_forward_ms"] / r["prefill_ms"] for r in z) / len(z)

@@ -30,8 +30,8 @@
 //   FLASH_ATTN_EXT (observed with --check-attend): the mask read back as the kernel saw it, against
 //                                kvscore::cell_block_reference from the copied query and the cache keys
 //
-// Prompt batches (more than one token) and sequences under dense_below visible cells decode
-// densely (the mask untouched). One sequence, one stream, no SWA.
+// Prompt batches (more than one token), the `dense_next` one-token ubatches and sequences under
+// dense_below visible cells decode densely (the mask untouched). One sequence, one stream, no SWA.
 #pragma once
 
 #include <kvscore/block_sparse/cells.hpp>
@@ -59,6 +59,9 @@ struct SparseDecode {
   /// kvscore_llama --load-session: cells [0, preloaded) hold positions [0, preloaded), written by a
   /// state load this callback did not see (checked against the mask at the first step, as any cell)
   std::int64_t preloaded = 0;
+  /// This many of the next one-token ubatches decode densely: after --load-session the prompt's last
+  /// token is decoded again for its logits, and as a token of the prompt it attends as a prompt batch does
+  std::int64_t dense_next = 0;
   std::int64_t n_layer = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
 
   // state
@@ -161,7 +164,8 @@ struct SparseDecode {
     ubatch_pos.resize(std::size_t(n));
     ggml_backend_tensor_get(pos, ubatch_pos.data(), 0, std::size_t(n) * 4);
     ubatch_cells.clear();
-    decode = n == 1;
+    decode = n == 1 && dense_next == 0;
+    if (n == 1 && dense_next > 0) --dense_next;
     decode_steps += decode;
     sparse_now = false;
     for (auto& s : q_src) s = nullptr;

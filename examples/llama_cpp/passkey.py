@@ -15,7 +15,7 @@ only the generated tokens attend sparsely). Each case's prompt is prefilled once
 run (--save-session); the --attend runs decode from that session (--load-session). Takes no
 --methods (nothing is evicted).
 
---hard: a harder needle. The filler is running prose (the GPL-3 text, from a random sentence on)
+--hard: a harder needle. The filler is running prose (the GPL-3 text or --prose, from a random sentence on)
 instead of five repeated sentences, and four distractors — other 5-digit numbers under other
 labels ("The locker code is 48213.") — sit at random depths beside the pass key, which is said
 once. A score that keeps "unusual" tokens keeps the distractors too; only the right one answers.
@@ -38,10 +38,17 @@ PROSE = "/usr/share/common-licenses/GPL-3"
 DISTRACTORS = ["locker code", "order number", "room number", "ticket code"]
 
 
-def hard_text(rng, n_tokens, per_word, key, depth):
-    """Prose of about n_tokens tokens with the pass key at `depth` and the distractors elsewhere."""
-    words = open(PROSE).read().split()
+def prose_words(files):
+    """The words of the --prose files, in order."""
+    return [w for f in files.split(",") for w in open(f).read().split()]
+
+
+def hard_text(rng, words, n_tokens, per_word, key, depth):
+    """Prose of about n_tokens tokens from `words` with the pass key at `depth` and the distractors elsewhere."""
     n = int(n_tokens / per_word)
+    if n >= len(words):
+        sys.exit(f"passkey.py: --tokens {n_tokens} needs about {n} words of prose, --prose has {len(words)}: "
+                 "name more files")
     start = rng.randrange(0, len(words) - n)
     body = words[start:start + n]
     inserts = [(depth, f"The pass key is {key}. Remember it.")]
@@ -120,6 +127,9 @@ def main():
     ap.add_argument("--recent", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hard", action="store_true", help="prose filler and four distractor numbers (see above)")
+    ap.add_argument("--prose", default=PROSE,
+                    help=f"--hard: the prose, comma-separated files read in order (default {PROSE}, ~7.6K tokens: "
+                         "name more for longer prompts)")
     ap.add_argument("--aggregate", default="max", choices=["max", "mean", "vote"],
                     help="kvscore_llama's joint selection over heads and layers (default max)")
     ap.add_argument("--alloc", default="joint", choices=["joint", "per_head"],
@@ -147,7 +157,8 @@ def main():
         prefix = tokens_of(a.bin, a.model, OPEN, tmp)
         per = tokens_of(a.bin, a.model, FILLER * 20, tmp) / 20
         if a.hard:
-            sample = " ".join(open(PROSE).read().split()[:400])
+            words = prose_words(a.prose)
+            sample = " ".join(words[:400])
             per_word = tokens_of(a.bin, a.model, sample, tmp) / 400
         n_fill = max(1, int(a.tokens / per))
         q = os.path.join(tmp, "question.txt")
@@ -159,7 +170,7 @@ def main():
             at = int(depth * n_fill)
             text = OPEN + FILLER * at + needle + FILLER * (n_fill - at)
             if a.hard:
-                text = OPEN + hard_text(rng, a.tokens, per_word, key, depth)
+                text = OPEN + hard_text(rng, words, a.tokens, per_word, key, depth)
             p = os.path.join(tmp, "prompt.txt")
             with open(p, "w") as f:
                 f.write(text)

@@ -173,10 +173,8 @@ def main():
                 text = OPEN + hard_text(rng, words, a.tokens, per_word, key, depth)
             p = os.path.join(tmp, "prompt.txt")
             with open(p, "w") as f:
-                f.write(text)
+                f.write(text + QUESTION if a.question_in_prompt else text)
             if a.question_in_prompt:
-                with open(p, "w") as f:
-                    f.write(text + QUESTION)
                 records += in_prompt_runs(a, p, os.path.join(tmp, "case.session"), attends, depth, key)
                 continue
             runs = [("full", 1.0)] + [(m, k) for m in methods for k in keeps]

@@ -75,7 +75,7 @@ struct Args {
   double attend = 0;  ///< --attend (0: dense decode)
   std::int64_t local = kvscore::kDefaultBlockSparseLocal, dense_below = kvscore::kDefaultDenseBelow;
   std::string block_score = "int4", fa = "auto", type_k = "f16";
-  bool check_attend = false, attend_set = false;
+  bool check_attend = false, attend_set = false, repack = false;
   int threads = 0;
   bool check = false, compare_plain = false, print_text = true, verbose = false, check_session = false;
   bool special = false;
@@ -123,6 +123,9 @@ const char* kUsage =
     "  --local N          --attend: newest cells always attended (default 64)\n"
     "  --dense-below N    --attend: sequences of fewer visible cells decode densely (default 1024)\n"
     "  --block-score S    --attend: int4 (default), exact, quest or meanstd\n"
+    "  --repack           after a --keep eviction, pack the kept cells at the cache's front, in order (a\n"
+    "                     state round trip), so that llama.cpp's attention spans the kept cells only and\n"
+    "                     every block of 32 cells is full again; implied by --attend\n"
     "  --check-attend     --attend: every sparse layer's mask, read back after its attention ran, must equal\n"
     "                     kvscore::cell_block_reference on the captured query and the cache's keys\n"
     "  -fa, --flash-attn M  on, off or auto (llama.cpp's default: auto)\n"
@@ -174,6 +177,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--dense-below") a.dense_below = parse_int(f, value(i));
     else if (f == "--block-score") a.block_score = value(i);
     else if (f == "--check-attend") a.check_attend = true;
+    else if (f == "--repack") a.repack = true;
     else if (f == "-fa" || f == "--flash-attn") a.fa = value(i);
     else if (f == "--type-k") a.type_k = value(i);
     else if (f == "--check") a.check = true;
@@ -217,6 +221,7 @@ Args parse(int argc, char** argv) {
                   " (a state load moves the cells the selector follows)");
   }
   if (a.check_session && a.save_session.empty()) throw Usage("--check-session needs --save-session FILE");
+  if (a.attend_set) a.repack = true;  // after an eviction the blocks with holes would be attended whole
   if (!a.load_session.empty()) {  // nothing captured, nothing to score: decode from the loaded cache
     const char* other = a.keep != 1.0 ? "--keep below 1" : !a.save_session.empty() ? "--save-session"
                         : a.compare_plain ? "--compare-plain" : a.check ? "--check" : a.alloc != "joint" ? "--alloc per_head"
@@ -431,6 +436,22 @@ void load_prompt(llama_context* ctx, const std::string& file, const std::vector<
                 "): save it with --keep 1");
   if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, llama_pos(prompt.size() - 1), -1))
     throw std::runtime_error("llama_memory_seq_rm refused the prompt's last cell");
+}
+
+/// --repack: sequence 0's cells packed at the cache's front in their order (position order: one
+/// prompt batch, then evictions), by a state round trip into the emptied sequence (a load fills cells
+/// from the cache's head, which llama_memory_seq_rm of every cell puts at 0). Returns the cells'
+/// positions, read back from the state.
+std::vector<std::int32_t> repack_cells(llama_context* ctx) {
+  std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx, 0));
+  const std::size_t n = llama_state_seq_get_data(ctx, buf.data(), buf.size(), 0);
+  if (n == 0) throw std::runtime_error("--repack: llama_state_seq_get_data wrote nothing");
+  llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
+  if (llama_state_seq_set_data(ctx, buf.data(), n, 0) == 0)
+    throw std::runtime_error("--repack: llama_state_seq_set_data refused the sequence's own state");
+  const StateBytes s = state_of(ctx);
+  if (!s.error.empty()) throw std::runtime_error("--repack: " + s.error);
+  return s.pos;
 }
 
 /// --alloc per_head: with the cache holding the joint selection's cells, each (layer, KV head)'s
@@ -675,7 +696,8 @@ int run(const Args& a) {
   if (loading) {
     load_prompt(ctx, a.load_session, prompt);
     if (hooks.sparse) {
-      sp.preloaded = N - 1;  // a fresh context's load fills cells 0.. in order
+      sp.preloaded.resize(std::size_t(N - 1));  // a fresh context's load fills cells 0.. in order
+      std::iota(sp.preloaded.begin(), sp.preloaded.end(), std::int32_t(0));
       sp.dense_next = 1;     // the prompt's last token attends densely, as in the prompt batch
     }
     llama_token last = prompt.back();  // decoded again: the logits
@@ -772,6 +794,16 @@ int run(const Args& a) {
     give_heads_their_tokens(ctx, full, heads);
   }
   const double t_evict = ms_since(t0);
+  double t_repack = -1;
+  if (a.repack && !evict.empty()) {
+    t0 = Clock::now();
+    const std::vector<std::int32_t> pos = repack_cells(ctx);
+    if (pos.size() != kept.size() || !std::equal(pos.begin(), pos.end(), kept.begin()))
+      throw std::runtime_error("--repack: the packed cells do not hold the kept positions in order");
+    if (hooks.sparse) sp.repacked(pos);
+    t_repack = ms_since(t0);
+    std::printf("repacked: the %zu kept cells at the cache's front in %.1f ms\n", pos.size(), t_repack);
+  }
 
   if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction", heads.empty() ? nullptr : &heads,
                               heads.empty() ? nullptr : &full))

@@ -36,12 +36,14 @@
 
 #include <kvscore/block_sparse/cells.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -57,8 +59,9 @@ struct SparseDecode {
   kvscore::BlockSparseOptions opt;
   bool check = false;  ///< observe each FA node and compare its mask with the reference
   /// kvscore_llama --load-session: cells [0, preloaded) hold positions [0, preloaded), written by a
-  /// state load this callback did not see (checked against the mask at the first step, as any cell)
-  std::int64_t preloaded = 0;
+  /// The positions of cells 0, 1, ... after a state load this callback did not see (--load-session's
+  /// into a fresh context); checked against the mask at the first step, as any cell
+  std::vector<std::int32_t> preloaded;
   /// This many of the next one-token ubatches decode densely: after --load-session the prompt's last
   /// token is decoded again for its logits, and as a token of the prompt it attends as a prompt batch does
   std::int64_t dense_next = 0;
@@ -172,6 +175,26 @@ struct SparseDecode {
     ++steps;
   }
 
+  /// The sequence's cells were packed at the cache's front by a state load (kvscore_llama's repack
+  /// after a --keep eviction): cell c now holds positions[c], every other cell is empty, and every
+  /// block's summary is stale (made again when next a candidate).
+  void repacked(const std::vector<std::int32_t>& positions) {
+    if (!sel) {
+      preloaded = positions;
+      return;
+    }
+    if (positions.size() > cell_pos.size()) {
+      fail("the repacked cells (" + std::to_string(positions.size()) + ") outnumber the cache's " +
+           std::to_string(cell_pos.size()));
+      return;
+    }
+    std::fill(cell_pos.begin(), cell_pos.end(), -1);
+    std::copy(positions.begin(), positions.end(), cell_pos.begin());
+    std::vector<std::int64_t> all(cell_pos.size());
+    std::iota(all.begin(), all.end(), std::int64_t(0));
+    sel->write(all);  // in flight until the next ubatch's write, stale after it
+  }
+
   void written(const ggml_tensor* t) {
     const ggml_tensor* idx = t->src[1];
     const ggml_tensor* cache = t->src[2];
@@ -182,14 +205,14 @@ struct SparseDecode {
     }
     const std::int64_t kv_size = cache->ne[1];
     if (!sel) {
-      if (preloaded > kv_size) {
-        fail("the loaded cells (" + std::to_string(preloaded) + ") outnumber the cache's " + std::to_string(kv_size));
+      if (std::int64_t(preloaded.size()) > kv_size) {
+        fail("the loaded cells (" + std::to_string(preloaded.size()) + ") outnumber the cache's " + std::to_string(kv_size));
         return;
       }
       sel = std::make_unique<kvscore::CellBlockSelector>(n_layer, kv_size, kv_heads, head_dim, opt);
       cell_pos.assign(std::size_t(kv_size), -1);
       chosen.assign(std::size_t(kv_size), 0);
-      for (std::int64_t c = 0; c < preloaded; ++c) cell_pos[std::size_t(c)] = std::int32_t(c);  // no summary yet: made when needed
+      std::copy(preloaded.begin(), preloaded.end(), cell_pos.begin());  // no summary yet: made when needed
     }
     ubatch_cells.resize(std::size_t(idx->ne[0]));
     ggml_backend_tensor_get(idx, ubatch_cells.data(), 0, ubatch_cells.size() * 8);

@@ -112,3 +112,12 @@ def test_a_shape_folder_has_the_published_config_and_smollm2s_tokenizer_with_its
     msgs = [{"role": "user", "content": "hi"}]
     want = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(msgs, tokenize=False)
     assert AutoTokenizer.from_pretrained(out).apply_chat_template(msgs, tokenize=False) == want
+
+
+def test_bench_rejects_max_num_batched_tokens_0_with_exit_2_naming_it(capsys):
+    from kvscore.vllm import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", "m", "--workload", "decode", "--max-num-batched-tokens", "0"])
+    assert e.value.code == 2
+    assert "--max-num-batched-tokens 0: must be at least 1" in capsys.readouterr().err

@@ -325,6 +325,7 @@ def _decode_main(a) -> int:
             "prefix_caching": a.prefix_caching}
     if a.blocks_decode:
         base["blocks"] = a.blocks_decode
+    base["max_num_batched_tokens"] = a.max_num_batched_tokens
     report = {"workload": "decode", "config": {k: v for k, v in base.items() if k != "model"}, "runs": {}}
     if a.shape:
         from . import shapes
@@ -527,6 +528,9 @@ def main(argv=None) -> int:
                          "tokens (one document, a question each): the document is prefilled once")
     ap.add_argument("--blocks-decode", type=int, default=0,
                     help="decode workload: KV blocks in the pool (0: VLLM_CPU_KVCACHE_SPACE decides)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="decode workload: vLLM's tokens per scheduler step (default 8192); a prompt "
+                         "longer than it is prefilled in chunks (chunked prefill)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -550,6 +554,8 @@ def main(argv=None) -> int:
         return needle.main(a)
     if a.max_tokens is None:
         a.max_tokens = 64
+    if a.max_num_batched_tokens < 1:
+        ap.error(f"--max-num-batched-tokens {a.max_num_batched_tokens}: must be at least 1")
     if a.workload == "decode":
         return _decode_main(a)
     if a.workload == "shared-prefix":

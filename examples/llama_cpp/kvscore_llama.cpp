@@ -794,15 +794,13 @@ int run(const Args& a) {
     give_heads_their_tokens(ctx, full, heads);
   }
   const double t_evict = ms_since(t0);
-  double t_repack = -1;
   if (a.repack && !evict.empty()) {
     t0 = Clock::now();
     const std::vector<std::int32_t> pos = repack_cells(ctx);
     if (pos.size() != kept.size() || !std::equal(pos.begin(), pos.end(), kept.begin()))
       throw std::runtime_error("--repack: the packed cells do not hold the kept positions in order");
     if (hooks.sparse) sp.repacked(pos);
-    t_repack = ms_since(t0);
-    std::printf("repacked: the %zu kept cells at the cache's front in %.1f ms\n", pos.size(), t_repack);
+    std::printf("repacked: the %zu kept cells at the cache's front in %.1f ms\n", pos.size(), ms_since(t0));
   }
 
   if (a.check && !check_cache(ctx, kept, kvzip ? &context : &cap, "after eviction", heads.empty() ? nullptr : &heads,

@@ -58,7 +58,6 @@ struct SparseDecode {
   std::int64_t dense_below = 1024;
   kvscore::BlockSparseOptions opt;
   bool check = false;  ///< observe each FA node and compare its mask with the reference
-  /// kvscore_llama --load-session: cells [0, preloaded) hold positions [0, preloaded), written by a
   /// The positions of cells 0, 1, ... after a state load this callback did not see (--load-session's
   /// into a fresh context); checked against the mask at the first step, as any cell
   std::vector<std::int32_t> preloaded;

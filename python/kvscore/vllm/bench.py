@@ -23,7 +23,10 @@ tokens).
 
 --workload decode: for each configuration one engine (max_num_seqs = the largest batch) runs the
 batches one after another (batch B: the first B prompts, all at once); every step is timed, and a
-step whose requests all decode (one token each) counts towards that batch's decode tokens/s. The
+step whose requests all decode (one token each) counts towards that batch's decode tokens/s (the
+JSON keeps each such step's seconds, decode_step_s, and with sparse decode its selection's,
+decode_step_select_s: the selection per decode step is theirs, not the steps' where some requests
+still prefill). The
 CPU attention kernel's own time is measured in every run (its class method wrapped in this
 process), so the selection's cost compares with the dense attention it replaces. --shape runs a
 published architecture with random weights in bf16 (kvscore.vllm.shapes) and prints the bytes bound
@@ -156,9 +159,10 @@ def _decode_run(spec: dict) -> dict:
         for i, (ids, _) in enumerate(prompts[:B]):
             eng.add_request(f"b{B}q{i}", TokensPrompt(prompt_token_ids=ids), sp)
         outs, dec_s, dec_tok, dec_att, all_s, steps, running = {}, 0.0, 0, 0.0, 0.0, 0, []
-        cached_tokens = {}
+        cached_tokens, step_s, step_select_s = {}, [], []
         t_all = time.perf_counter()
         while eng.has_unfinished_requests():
+            sel0 = worker.sparse_stats["select_s"] if worker is not None else 0.0
             a0, t0 = att["s"], time.perf_counter()
             for o in eng.step():
                 if o.finished:
@@ -172,6 +176,9 @@ def _decode_run(spec: dict) -> dict:
                 dec_att += att["s"] - a0
                 steps += 1
                 running.append(len(n))
+                step_s.append(dt)
+                if worker is not None:
+                    step_select_s.append(worker.sparse_stats["select_s"] - sel0)
         wall = time.perf_counter() - t_all
         correct = 0
         cached = sum(cached_tokens.get(f"b{B}q{i}", 0) for i in range(B))
@@ -181,11 +188,16 @@ def _decode_run(spec: dict) -> dict:
         r = {"wall_s": wall, "decode_steps": steps, "decode_s": dec_s, "decode_tokens": dec_tok,
              "decode_tokens_per_s": dec_tok / max(dec_s, 1e-9), "decode_attention_s": dec_att,
              "mean_decode_batch": sum(running) / max(1, len(running)), "needle_correct": correct,
-             "needle_total": sum(1 for _, e in prompts[:B] if e), "prefix_hit_rate": cached / max(1, sum(len(p) for p, _ in prompts[:B]))}
+             "needle_total": sum(1 for _, e in prompts[:B] if e), "prefix_hit_rate": cached / max(1, sum(len(p) for p, _ in prompts[:B])),
+             "decode_step_s": step_s}
+        if step_select_s:
+            r["decode_step_select_s"] = step_select_s
         if worker is not None:
             st = {k: worker.sparse_stats[k] - st0[k] for k in st0}
             r["sparse"] = st
-            r["select_s_per_decode_step"] = (st["select_s"] + st["plan_s"]) / max(1, steps)
+            # the decode steps' own selection (steps where some requests still prefill select too)
+            sel = sum(step_select_s) if step_select_s else st["select_s"]
+            r["select_s_per_decode_step"] = sel / max(1, steps) + st["plan_s"] / max(1, st["steps"])
             if st["blocks_total"]:
                 r["blocks_attended_fraction"] = st["blocks_attended"] / st["blocks_total"]
             if worker._selector is not None:

@@ -760,10 +760,17 @@ TEST_CASE("PagedBlockSelector: rows sharing their first blocks (prefix caching) 
   std::iota(tb.begin() + 20, tb.end(), 40);
   const std::int64_t tokens = 24 * bs - 5;
   const auto qa = normal(std::size_t(qh * d), 11), qb = normal(std::size_t(qh * d), 12);
-  for (const BlockScore score : {BlockScore::int4, BlockScore::pariskv}) {
-    CAPTURE(kvscore::to_string(score));
+  // with and without int4's prefilter, by each query head or the group's mean: each row's choice
+  // is its own
+  using kvscore::QueryGroup;
+  for (const auto& [score, prefilter, group] :
+       {std::tuple{BlockScore::int4, 0, QueryGroup::heads}, std::tuple{BlockScore::int4, 2, QueryGroup::heads},
+        std::tuple{BlockScore::int4, 2, QueryGroup::mean}, std::tuple{BlockScore::pariskv, 0, QueryGroup::heads}}) {
+    CAPTURE(kvscore::to_string(score), prefilter, kvscore::to_string(group));
     BlockSparseOptions o;
     o.score = score;
+    o.prefilter = prefilter;
+    o.group = group;
     o.sinks = 1;
     o.local = 1;
     o.refresh = 4;

@@ -1,0 +1,68 @@
+// The one-off driver behind results/vllm.md#the-llama-32-3b-shape-bf16-16k-tokens-batch-4 (the rows scored
+// together, tried and not kept): BlockSparsePlanner on a bf16 vLLM-CPU-layout pool of the Llama-3.2-3B shape.
+// g++ -std=c++20 -O3 -march=native -DNDEBUG -DKVSCORE_COMPILED=1 -DKVSCORE_RUNTIME_DISPATCH=1 -Iinclude -I/usr/include/eigen3 \
+//   THIS.cpp build/libkvscore_dispatch.a -fopenmp -o planner && ./planner 4 16384 12288 20 2
+// args: rows tokens shared steps threads
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include "kvscore/block_sparse.hpp"
+#include "kvscore/block_sparse/planner.hpp"
+using namespace kvscore;
+int main(int argc, char** argv) {
+  const std::int64_t R = argc > 1 ? atoi(argv[1]) : 4, N = argc > 2 ? atoi(argv[2]) : 16384, S = argc > 3 ? atoi(argv[3]) : 12288;
+  const int steps = argc > 4 ? atoi(argv[4]) : 10, T = argc > 5 ? atoi(argv[5]) : 2;
+  const std::int64_t L = 28, KH = 8, QH = 24, D = 128, BS = 32;
+  const std::int64_t shared_b = S / BS, own_b = (N + steps + BS - 1) / BS - shared_b + 1;
+  const std::int64_t NB = shared_b + R * own_b;
+  std::vector<std::vector<bfloat16>> pool(L);
+  std::uint64_t x = 88172645463325252ull;
+  auto rnd = [&]() { x ^= x << 13; x ^= x >> 7; x ^= x << 17; return float(std::int64_t(x >> 40) - (1 << 23)) / float(1 << 23); };
+  for (auto& p : pool) { p.resize(std::size_t(NB * KH * BS * 2 * D)); for (auto& v : p) v = bfloat16(rnd()); }
+  std::vector<std::vector<std::int32_t>> tables(R);
+  for (std::int64_t r = 0; r < R; ++r) {
+    for (std::int64_t b = 0; b < shared_b; ++b) tables[r].push_back(std::int32_t(b));
+    for (std::int64_t b = 0; b < own_b; ++b) tables[r].push_back(std::int32_t(shared_b + r * own_b + b));
+  }
+  const std::int64_t cols = std::int64_t(tables[0].size());
+  std::vector<std::int32_t> src(std::size_t(R * cols)), dst(std::size_t(R * cols));
+  for (std::int64_t r = 0; r < R; ++r) std::copy(tables[r].begin(), tables[r].end(), src.begin() + r * cols);
+  BlockSparseOptions o;
+  o.num_threads = T;
+  BlockSparsePlanner pl(L, NB, KH, D, BS, o);
+  std::vector<KeyCache> caches;
+  for (auto& p : pool) caches.push_back({dtype::bf16, KeyCacheLayout::vllm_cpu, p.data(), NB, KH, BS, D});
+  pl.register_caches(caches);
+  std::vector<float> q(std::size_t(R * QH * D));
+  std::vector<std::int64_t> live, rows, ti, tok(R, N), att(R), seqs;
+  for (std::int64_t r = 0; r < R; ++r) live.push_back(r), rows.push_back(r), ti.push_back(r), seqs.push_back(r);
+  double total = 0; int timed = 0; std::vector<double> all;
+  for (int s = 0; s <= steps; ++s) {
+    std::vector<std::int64_t> slots;
+    for (std::int64_t r = 0; r < R; ++r) {
+      ++tok[r];
+      const std::int64_t pos = tok[r] - 1;
+      slots.push_back(std::int64_t(tables[r][std::size_t(pos / BS)]) * BS + pos % BS);
+      att[r] = sparse_attend(tok[r], BS, 0.1, kDefaultDenseBelow, o);
+    }
+    for (auto& v : q) v = rnd();
+    if (s == 1 && getenv("RESUMMARIZE")) {  // every block written: step 1 remakes every summary, pages touched
+      for (std::int64_t b = 0; b < NB; ++b) slots.push_back(b * BS);
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    pl.begin_step(slots, live);
+    pl.plan(ti, {src.data(), R, cols, cols}, rows, tok, att, {dst.data(), R, cols, cols}, seqs);
+    for (std::int64_t l = 0; l < L; ++l) {
+      QueryTensor qt{dtype::f32, q.data(), R, QH, D, {QH * D, D, 1}};
+      pl.select_planned(l, qt);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s <= 1) std::printf("step %d: %.1f ms\n", s, ms);
+    if (s > 0) total += ms, ++timed, all.push_back(ms);
+  }
+  std::sort(all.begin(), all.end());
+  std::printf("median %.1f ms, min %.1f ms; ", all[all.size() / 2], all[0]);
+  std::printf("%s, %d threads, %ld rows x %ld tokens (%ld shared), attend %ld blocks: %.1f ms per step (steps 1..%d)\n",
+              simd::active_table().name, T, R, N, S, att[0], total / timed, steps);
+}

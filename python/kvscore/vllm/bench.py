@@ -196,8 +196,7 @@ def _decode_run(spec: dict) -> dict:
             st = {k: worker.sparse_stats[k] - st0[k] for k in st0}
             r["sparse"] = st
             # the decode steps' own selection (steps where some requests still prefill select too)
-            sel = sum(step_select_s) if step_select_s else st["select_s"]
-            r["select_s_per_decode_step"] = sel / max(1, steps) + st["plan_s"] / max(1, st["steps"])
+            r["select_s_per_decode_step"] = sum(step_select_s) / max(1, steps) + st["plan_s"] / max(1, st["steps"])
             if st["blocks_total"]:
                 r["blocks_attended_fraction"] = st["blocks_attended"] / st["blocks_total"]
             if worker._selector is not None:

@@ -3,6 +3,9 @@
 // g++ -std=c++20 -O3 -march=native -DNDEBUG -DKVSCORE_COMPILED=1 -DKVSCORE_RUNTIME_DISPATCH=1 -Iinclude -I/usr/include/eigen3 \
 //   THIS.cpp build/libkvscore_dispatch.a -fopenmp -o planner && ./planner 4 16384 12288 20 2
 // args: rows tokens shared steps threads
+// Switches (results/vllm.md, why the selection is slower inside vLLM than here): FLUSH_MB=64 writes 64 MB of
+// other memory after every layer, as the dense layers evict the caches (only the select_planned calls are
+// timed then); QBF16=1 passes the queries in bf16 as vLLM does. Without them it is the driver as it was.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,9 +37,11 @@ int main(int argc, char** argv) {
   std::vector<KeyCache> caches;
   for (auto& p : pool) caches.push_back({dtype::bf16, KeyCacheLayout::vllm_cpu, p.data(), NB, KH, BS, D});
   pl.register_caches(caches);
-  std::vector<float> q(std::size_t(R * QH * D));
+  std::vector<float> q(std::size_t(R * QH * D)); std::vector<bfloat16> qb(q.size());
   std::vector<std::int64_t> live, rows, ti, tok(R, N), att(R), seqs;
   for (std::int64_t r = 0; r < R; ++r) live.push_back(r), rows.push_back(r), ti.push_back(r), seqs.push_back(r);
+  const std::int64_t flush_mb = getenv("FLUSH_MB") ? atoi(getenv("FLUSH_MB")) : 0; const bool flush = flush_mb > 0;
+  std::vector<float> junk(std::size_t(flush_mb) << 18, 1.f);
   double total = 0; int timed = 0; std::vector<double> all;
   for (int s = 0; s <= steps; ++s) {
     std::vector<std::int64_t> slots;
@@ -47,17 +52,22 @@ int main(int argc, char** argv) {
       att[r] = sparse_attend(tok[r], BS, 0.1, kDefaultDenseBelow, o);
     }
     for (auto& v : q) v = rnd();
+    for (std::size_t i = 0; i < q.size(); ++i) qb[i] = bfloat16(q[i]);
     if (s == 1 && getenv("RESUMMARIZE")) {  // every block written: step 1 remakes every summary, pages touched
       for (std::int64_t b = 0; b < NB; ++b) slots.push_back(b * BS);
     }
+    double sel_ms = 0;
     auto t0 = std::chrono::steady_clock::now();
     pl.begin_step(slots, live);
     pl.plan(ti, {src.data(), R, cols, cols}, rows, tok, att, {dst.data(), R, cols, cols}, seqs);
     for (std::int64_t l = 0; l < L; ++l) {
-      QueryTensor qt{dtype::f32, q.data(), R, QH, D, {QH * D, D, 1}};
+      QueryTensor qt = getenv("QBF16") ? QueryTensor{dtype::bf16, qb.data(), R, QH, D, {QH * D, D, 1}} : QueryTensor{dtype::f32, q.data(), R, QH, D, {QH * D, D, 1}};
+      auto a0 = std::chrono::steady_clock::now();
       pl.select_planned(l, qt);
+      sel_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a0).count();
+      if (flush) { for (std::size_t i = 0; i < junk.size(); i += 16) junk[i] += 1.f; }
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = flush ? sel_ms : std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (s <= 1) std::printf("step %d: %.1f ms\n", s, ms);
     if (s > 0) total += ms, ++timed, all.push_back(ms);
   }

@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> live, rows, ti, tok(R, N), att(R), seqs;
   for (std::int64_t r = 0; r < R; ++r) live.push_back(r), rows.push_back(r), ti.push_back(r), seqs.push_back(r);
   const std::int64_t flush_mb = getenv("FLUSH_MB") ? atoi(getenv("FLUSH_MB")) : 0; const bool flush = flush_mb > 0;
+  const bool qbf16 = getenv("QBF16") != nullptr;
   std::vector<float> junk(std::size_t(flush_mb) << 18, 1.f);
   double total = 0; int timed = 0; std::vector<double> all;
   for (int s = 0; s <= steps; ++s) {
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
       att[r] = sparse_attend(tok[r], BS, 0.1, kDefaultDenseBelow, o);
     }
     for (auto& v : q) v = rnd();
-    for (std::size_t i = 0; i < q.size(); ++i) qb[i] = bfloat16(q[i]);
+    if (qbf16) for (std::size_t i = 0; i < q.size(); ++i) qb[i] = bfloat16(q[i]);
     if (s == 1 && getenv("RESUMMARIZE")) {  // every block written: step 1 remakes every summary, pages touched
       for (std::int64_t b = 0; b < NB; ++b) slots.push_back(b * BS);
     }
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
     pl.begin_step(slots, live);
     pl.plan(ti, {src.data(), R, cols, cols}, rows, tok, att, {dst.data(), R, cols, cols}, seqs);
     for (std::int64_t l = 0; l < L; ++l) {
-      QueryTensor qt = getenv("QBF16") ? QueryTensor{dtype::bf16, qb.data(), R, QH, D, {QH * D, D, 1}} : QueryTensor{dtype::f32, q.data(), R, QH, D, {QH * D, D, 1}};
+      QueryTensor qt = qbf16 ? QueryTensor{dtype::bf16, qb.data(), R, QH, D, {QH * D, D, 1}} : QueryTensor{dtype::f32, q.data(), R, QH, D, {QH * D, D, 1}};
       auto a0 = std::chrono::steady_clock::now();
       pl.select_planned(l, qt);
       sel_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a0).count();

@@ -28,6 +28,16 @@ int main(int argc, char** argv) {
     for (std::int64_t b = 0; b < shared_b; ++b) tables[r].push_back(std::int32_t(b));
     for (std::int64_t b = 0; b < own_b; ++b) tables[r].push_back(std::int32_t(shared_b + r * own_b + b));
   }
+  if (getenv("SHUFFLE")) {  // physical ids in a random order, as a long-running engine's free list hands them out
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(NB));
+    for (std::int64_t b = 0; b < NB; ++b) perm[std::size_t(b)] = std::int32_t(b);
+    for (std::int64_t b = NB - 1; b > 0; --b) std::swap(perm[std::size_t(b)], perm[std::size_t(x % std::uint64_t(b + 1))]), rnd();
+    for (auto& t : tables) for (auto& b : t) b = perm[std::size_t(b)];
+  }
+  if (getenv("DESC")) {  // each row's own blocks in descending order, as vLLM's free list hands back freed blocks
+    for (auto& t : tables) std::reverse(t.begin() + shared_b, t.end());
+    if (getenv("DESC_SHARED")) for (auto& t : tables) std::reverse(t.begin(), t.begin() + shared_b);
+  }
   const std::int64_t cols = std::int64_t(tables[0].size());
   std::vector<std::int32_t> src(std::size_t(R * cols)), dst(std::size_t(R * cols));
   for (std::int64_t r = 0; r < R; ++r) std::copy(tables[r].begin(), tables[r].end(), src.begin() + r * cols);
@@ -44,6 +54,7 @@ int main(int argc, char** argv) {
   const bool qbf16 = getenv("QBF16") != nullptr;
   std::vector<float> junk(std::size_t(flush_mb) << 18, 1.f);
   double total = 0; int timed = 0; std::vector<double> all;
+  std::uint64_t chosen = 1469598103934665603ull;  // FNV-1a over every step's chosen ids: the same for any order
   for (int s = 0; s <= steps; ++s) {
     std::vector<std::int64_t> slots;
     for (std::int64_t r = 0; r < R; ++r) {
@@ -66,6 +77,8 @@ int main(int argc, char** argv) {
       auto a0 = std::chrono::steady_clock::now();
       pl.select_planned(l, qt);
       sel_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a0).count();
+      for (std::int64_t r = 0; r < R; ++r)  // a few hundred ids: no weight in the step's time
+        for (std::int64_t i = 0; i < att[r]; ++i) chosen = (chosen ^ std::uint32_t(dst[std::size_t(r * cols + i)])) * 1099511628211ull;
       if (flush) { for (std::size_t i = 0; i < junk.size(); i += 16) junk[i] += 1.f; }
     }
     const double ms = flush ? sel_ms : std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -73,6 +86,7 @@ int main(int argc, char** argv) {
     if (s > 0) total += ms, ++timed, all.push_back(ms);
   }
   std::sort(all.begin(), all.end());
+  std::printf("chosen %016llx; ", (unsigned long long)chosen);
   std::printf("median %.1f ms, min %.1f ms; ", all[all.size() / 2], all[0]);
   std::printf("%s, %d threads, %ld rows x %ld tokens (%ld shared), attend %ld blocks: %.1f ms per step (steps 1..%d)\n",
               simd::active_table().name, T, R, N, S, att[0], total / timed, steps);

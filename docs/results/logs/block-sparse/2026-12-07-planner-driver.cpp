@@ -5,7 +5,9 @@
 // args: rows tokens shared steps threads
 // Switches (results/vllm.md, why the selection is slower inside vLLM than here): FLUSH_MB=64 writes 64 MB of
 // other memory after every layer, as the dense layers evict the caches (only the select_planned calls are
-// timed then); QBF16=1 passes the queries in bf16 as vLLM does. Without them it is the driver as it was.
+// timed then); QBF16=1 passes the queries in bf16 as vLLM does; DESC=1 gives each row its own blocks in
+// descending order (DESC_SHARED=1 the shared ones too), SHUFFLE=1 permutes every physical id, as vLLM's free
+// list hands them out. Without them it is the driver as it was. It prints a hash of every chosen id.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -6,8 +6,7 @@
 // Switches (results/vllm.md, why the selection is slower inside vLLM than here): FLUSH_MB=64 writes 64 MB of
 // other memory after every layer, as the dense layers evict the caches (only the select_planned calls are
 // timed then); QBF16=1 passes the queries in bf16 as vLLM does; DESC=1 gives each row its own blocks in
-// descending order (DESC_SHARED=1 the shared ones too), SHUFFLE=1 permutes every physical id, as vLLM's free
-// list hands them out. Without them it is the driver as it was. It prints a hash of every chosen id.
+// descending order, SHUFFLE=1 permutes every physical id, as vLLM's free list hands them out. Without them it is the driver as it was. It prints a hash of every chosen id.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,10 +35,8 @@ int main(int argc, char** argv) {
     for (std::int64_t b = NB - 1; b > 0; --b) std::swap(perm[std::size_t(b)], perm[std::size_t(x % std::uint64_t(b + 1))]), rnd();
     for (auto& t : tables) for (auto& b : t) b = perm[std::size_t(b)];
   }
-  if (getenv("DESC")) {  // each row's own blocks in descending order, as vLLM's free list hands back freed blocks
+  if (getenv("DESC"))  // each row's own blocks in descending order, as vLLM's free list hands back freed blocks
     for (auto& t : tables) std::reverse(t.begin() + shared_b, t.end());
-    if (getenv("DESC_SHARED")) for (auto& t : tables) std::reverse(t.begin(), t.begin() + shared_b);
-  }
   const std::int64_t cols = std::int64_t(tables[0].size());
   std::vector<std::int32_t> src(std::size_t(R * cols)), dst(std::size_t(R * cols));
   for (std::int64_t r = 0; r < R; ++r) std::copy(tables[r].begin(), tables[r].end(), src.begin() + r * cols);
